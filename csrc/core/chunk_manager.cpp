@@ -1,0 +1,277 @@
+#include "chunk_manager.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "errors.h"
+
+namespace gx {
+
+ChunkManager::ChunkManager(DeviceBackend& backend, ChunkManagerConfig config)
+    : backend_(backend),
+      config_(config),
+      host_tier_(config.pin_memory && backend.host_memory_is_pinned() ? Tier::kPinnedHost : Tier::kPageableHost),
+      allocator_({&backend.device_memory(), backend.host_memory_is_pinned() ? &backend.host_memory() : nullptr,
+                  &pageable_host_}) {
+  GX_CHECK(config.world_size >= 1, "world_size: expected >= 1, got ", config.world_size, ".");
+  GX_CHECK(config.rank >= 0 && config.rank < config.world_size, "rank: expected in [0, ", config.world_size,
+           "), got ", config.rank, ".");
+  GX_CHECK(config.alignment_bytes >= 1 && (config.alignment_bytes & (config.alignment_bytes - 1)) == 0,
+           "alignment_bytes: expected a power of two, got ", config.alignment_bytes, ".");
+}
+
+ChunkManager::~ChunkManager() {
+  // Every async copy must finish before the slots it reads or writes go back to the pools.
+  try {
+    backend_.synchronize_all();
+    for (auto& c : chunks_) {
+      for (int t = 0; t < kNumTiers; ++t) {
+        if (c->shard_tiers().contains(static_cast<Tier>(t))) drop_copy(*c, static_cast<Tier>(t));
+      }
+    }
+  } catch (...) {
+    // A destructor must not throw; the pools free their memory anyway.
+  }
+}
+
+void ChunkManager::create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier) {
+  GX_CHECK(!finalized_, "create_group('", group, "'): the ChunkManager is finalized; create groups before finalize().");
+  GX_CHECK(groups_.count(group) == 0, "create_group: group '", group, "' already exists; use another name.");
+  GX_CHECK(chunk_size_numel > 0, "chunk_size_numel of group '", group, "': expected > 0, got ", chunk_size_numel, ".");
+  GX_CHECK(allocator_.has_tier(home_tier), "home tier of group '", group, "': ", to_string(home_tier),
+           " is not available on the ", backend_.name(), " backend; use ", to_string(host_tier_), ".");
+  groups_[group] = GroupInfo{group, dtype, chunk_size_numel, home_tier, {}};
+}
+
+TensorHandle ChunkManager::register_tensor(const std::string& group, const std::string& name, int64_t numel,
+                                           const std::vector<int64_t>& shape) {
+  GX_CHECK(!finalized_, "register_tensor('", name, "'): the ChunkManager is finalized; register every tensor first.");
+  auto it = groups_.find(group);
+  GX_CHECK(it != groups_.end(), "register_tensor('", name, "'): unknown group '", group, "'; call create_group first.");
+  GroupInfo& g = it->second;
+  const int64_t alignment_numel =
+      std::max<int64_t>(1, static_cast<int64_t>(config_.alignment_bytes / element_size_bytes(g.dtype)));
+
+  if (g.open_chunk >= 0) {
+    Chunk& open = *chunks_[static_cast<size_t>(g.open_chunk)];
+    if (auto slot = open.try_append(name, numel, shape)) return TensorHandle{open.id(), *slot};
+    if (numel <= g.chunk_size_numel) {  // the next regular chunk replaces the full one
+      open.close();
+      g.open_chunk = -1;
+    }
+  }
+  const ChunkId id = static_cast<ChunkId>(chunks_.size());
+  const int64_t capacity = std::max(numel, g.chunk_size_numel);
+  chunks_.push_back(std::make_unique<Chunk>(id, group, g.dtype, capacity, alignment_numel, config_.world_size));
+  g.chunk_ids.push_back(id);
+  auto slot = chunks_.back()->try_append(name, numel, shape);
+  GX_INTERNAL_ASSERT(slot.has_value(), "a fresh chunk of ", capacity, " elements refused a tensor of ", numel);
+  if (capacity > g.chunk_size_numel) {
+    chunks_.back()->close();  // an oversized tensor's own chunk; the open chunk stays open
+  } else {
+    g.open_chunk = id;
+  }
+  return TensorHandle{id, *slot};
+}
+
+void ChunkManager::finalize() {
+  GX_CHECK(!finalized_, "finalize(): already finalized.");
+  for (auto& c : chunks_) {
+    c->close();
+    const Tier home = groups_.at(c->group()).home_tier;
+    add_copy(*c, home);
+    // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.
+    if (home == Tier::kDevice) {
+      std::vector<uint8_t> zeros(c->shard_bytes(), 0);
+      backend_.copy_async(c->shard_ptr(home), zeros.data(), zeros.size(), StreamKind::kHostToDevice);
+      backend_.synchronize(StreamKind::kHostToDevice);
+    } else {
+      std::memset(c->shard_ptr(home), 0, c->shard_bytes());
+    }
+  }
+  finalized_ = true;
+}
+
+void ChunkManager::check_finalized(const char* what) const {
+  GX_CHECK(finalized_, what, ": the ChunkManager is not finalized; call finalize() after registering tensors.");
+}
+
+Chunk& ChunkManager::mutable_chunk(ChunkId id) {
+  GX_CHECK(id >= 0 && static_cast<size_t>(id) < chunks_.size(), "chunk id: expected in [0, ", chunks_.size(),
+           "), got ", id, ".");
+  return *chunks_[static_cast<size_t>(id)];
+}
+
+const Chunk& ChunkManager::chunk(ChunkId id) const { return const_cast<ChunkManager*>(this)->mutable_chunk(id); }
+
+const GroupInfo& ChunkManager::group(const std::string& name) const {
+  auto it = groups_.find(name);
+  GX_CHECK(it != groups_.end(), "unknown group '", name, "'.");
+  return it->second;
+}
+
+std::vector<std::string> ChunkManager::group_names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, g] : groups_) names.push_back(name);
+  return names;
+}
+
+void* ChunkManager::tensor_ptr(const TensorHandle& handle, Tier tier) const {
+  check_finalized("tensor_ptr");
+  const Chunk& c = chunk(handle.chunk_id);
+  GX_CHECK(c.shard_tiers().contains(tier), "tensor '", c.slot(handle.slot_index).name, "' of chunk ", c.id(),
+           ": no copy on tier ", to_string(tier), " (the shard is on ", c.shard_tiers().to_string(),
+           "); move or access the chunk first.");
+  GX_CHECK(c.world_size() == 1, "tensor_ptr on a sharded chunk (world size ", c.world_size(),
+           "): a tensor may span shards; use gathered_tensor_ptr after access().");
+  const size_t offset_bytes = static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
+  return static_cast<uint8_t*>(c.shard_ptr(tier)) + offset_bytes;
+}
+
+void* ChunkManager::gathered_tensor_ptr(const TensorHandle& handle) const {
+  check_finalized("gathered_tensor_ptr");
+  const Chunk& c = chunk(handle.chunk_id);
+  GX_CHECK(c.gathered(), "tensor '", c.slot(handle.slot_index).name, "' of chunk ", c.id(),
+           " is not gathered on the device; call access(", c.id(), ") first.");
+  const size_t offset_bytes = static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
+  return static_cast<uint8_t*>(c.gathered_ptr()) + offset_bytes;
+}
+
+void ChunkManager::transition(const TensorHandle& handle, TensorState to) {
+  mutable_chunk(handle.chunk_id).transition(handle.slot_index, to);
+}
+
+TensorState ChunkManager::state(const TensorHandle& handle) const {
+  return chunk(handle.chunk_id).slot(handle.slot_index).state;
+}
+
+void ChunkManager::add_copy(Chunk& c, Tier tier) {
+  GX_INTERNAL_ASSERT(c.shard_ptr(tier) == nullptr, "chunk ", c.id(), " already has a copy on ", to_string(tier));
+  void* ptr = allocator_.allocate(tier, c.shard_bytes());
+  c.set_shard_ptr(tier, ptr);
+  c.shard_tiers().add(tier);
+  tier_bytes_[static_cast<int>(tier)].increase(static_cast<int64_t>(c.shard_bytes()));
+}
+
+void ChunkManager::drop_copy(Chunk& c, Tier tier) {
+  GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
+  allocator_.deallocate(tier, c.shard_ptr(tier), c.shard_bytes());
+  c.set_shard_ptr(tier, nullptr);
+  c.shard_tiers().remove(tier);
+  tier_bytes_[static_cast<int>(tier)].decrease(static_cast<int64_t>(c.shard_bytes()));
+}
+
+StreamKind ChunkManager::stream_for(Tier from, Tier to) const {
+  if (to == Tier::kDevice) return StreamKind::kHostToDevice;
+  if (from == Tier::kDevice) return StreamKind::kDeviceToHost;
+  return StreamKind::kCompute;  // host to host: a plain copy on the caller's stream
+}
+
+void ChunkManager::count_traffic(Tier from, Tier to, size_t bytes) {
+  const auto b = static_cast<int64_t>(bytes);
+  if (to == Tier::kDevice) traffic_.h2d_bytes += b;
+  else if (from == Tier::kDevice) traffic_.d2h_bytes += b;
+  else traffic_.h2h_bytes += b;
+}
+
+void ChunkManager::move(ChunkId id, Tier to, bool async) {
+  check_finalized("move");
+  Chunk& c = mutable_chunk(id);
+  complete_move(id, /*block=*/true);  // at most one move in flight per chunk
+  GX_INTERNAL_ASSERT(c.can_move(), "move of chunk ", id, " while ", c.count_in(TensorState::kCompute),
+                     " of its tensors are in COMPUTE");
+  GX_CHECK(!c.gathered() || to == Tier::kDevice, "move of chunk ", id, " to ", to_string(to),
+           " while it is gathered for compute; release it first.");
+  if (c.shard_tiers().contains(to)) {
+    // Already there: drop the other copies.
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (static_cast<Tier>(t) != to && c.shard_tiers().contains(static_cast<Tier>(t))) drop_copy(c, static_cast<Tier>(t));
+    }
+    return;
+  }
+  GX_CHECK(!c.shard_tiers().empty(), "move of chunk ", id, ": it holds no data on any tier.");
+  // Source: the device if present (fastest), else the first host tier holding it.
+  const Tier from = c.shard_tiers().contains(Tier::kDevice) ? Tier::kDevice
+              : c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
+  add_copy(c, to);
+  const StreamKind stream = stream_for(from, to);
+  // The side stream must see everything compute did to the source (e.g. an optimizer update).
+  if (stream != StreamKind::kCompute) backend_.stream_wait_event(stream, backend_.record_event(StreamKind::kCompute));
+  backend_.copy_async(c.shard_ptr(to), c.shard_ptr(from), c.shard_bytes(), stream);
+  count_traffic(from, to, c.shard_bytes());
+  traffic_.moves += 1;
+  in_flight_[id] = InFlight{backend_.record_event(stream), from, to};
+  if (!async) complete_move(id, /*block=*/true);
+}
+
+void ChunkManager::complete_move(ChunkId id, bool block) {
+  auto it = in_flight_.find(id);
+  if (it == in_flight_.end()) return;
+  if (!block && !it->second.event->query()) return;
+  it->second.event->synchronize();
+  Chunk& c = mutable_chunk(id);
+  const Tier from = it->second.from;
+  in_flight_.erase(it);
+  drop_copy(c, from);
+}
+
+void ChunkManager::wait(ChunkId id) {
+  check_finalized("wait");
+  complete_move(id, /*block=*/true);
+}
+
+void ChunkManager::poll() {
+  std::vector<ChunkId> ids;
+  for (const auto& [id, f] : in_flight_) ids.push_back(id);
+  for (ChunkId id : ids) complete_move(id, /*block=*/false);
+}
+
+void ChunkManager::access(ChunkId id) {
+  check_finalized("access");
+  Chunk& c = mutable_chunk(id);
+  GX_CHECK(c.world_size() == 1, "access of chunk ", id, ": gathering shards over ", c.world_size(),
+           " ranks needs a communicator, which this ChunkManager does not have; use world_size 1.");
+  traffic_.accesses += 1;
+  if (c.gathered()) return;
+  complete_move(id, /*block=*/true);  // a prefetch lands, or an eviction finishes before we fetch back
+  if (!c.shard_tiers().contains(Tier::kDevice)) {
+    traffic_.fetches += 1;
+    // Keep the host copy: it stays the chunk's home until a policy moves it.
+    const Tier from = c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
+    GX_INTERNAL_ASSERT(c.shard_tiers().contains(from), "chunk ", id, " holds no data on any tier");
+    add_copy(c, Tier::kDevice);
+    backend_.copy_async(c.shard_ptr(Tier::kDevice), c.shard_ptr(from), c.shard_bytes(), StreamKind::kHostToDevice);
+    count_traffic(from, Tier::kDevice, c.shard_bytes());
+    backend_.stream_wait_event(StreamKind::kCompute, backend_.record_event(StreamKind::kHostToDevice));
+  }
+  c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
+}
+
+void ChunkManager::release(ChunkId id) {
+  check_finalized("release");
+  Chunk& c = mutable_chunk(id);
+  GX_INTERNAL_ASSERT(c.can_release(), "release of chunk ", id, " with ", c.count_in(TensorState::kCompute),
+                     " tensors in COMPUTE and ", c.count_in(TensorState::kReadyForReduce), " READY_FOR_REDUCE");
+  c.set_gathered_ptr(nullptr);
+}
+
+void ChunkManager::reduce(ChunkId id) {
+  check_finalized("reduce");
+  Chunk& c = mutable_chunk(id);
+  GX_INTERNAL_ASSERT(c.can_reduce(), "reduce of chunk ", id, " with only ", c.count_in(TensorState::kReadyForReduce),
+                     " of ", c.num_slots(), " tensors READY_FOR_REDUCE");
+  GX_CHECK(c.world_size() == 1, "reduce of chunk ", id, " over ", c.world_size(),
+           " ranks needs a communicator, which this ChunkManager does not have.");
+  for (size_t i = 0; i < c.num_slots(); ++i) c.transition(i, TensorState::kHold);
+  traffic_.reductions += 1;
+}
+
+int64_t ChunkManager::wasted_bytes() const {
+  int64_t total = 0;
+  for (const auto& c : chunks_) {
+    if (c->closed()) total += c->wasted_numel() * static_cast<int64_t>(element_size_bytes(c->dtype()));
+  }
+  return total;
+}
+
+}  // namespace gx

@@ -1,0 +1,136 @@
+// ChunkManager: owns every chunk and its memory, executes moves; never decides placement.
+//
+// Design note.
+//  * Registration. Tensors are registered into named groups (one dtype and chunk size per
+//    group) in the order they will be used. A group appends to its open chunk until a tensor
+//    does not fit, then opens the next one; a tensor larger than the chunk size gets a chunk of
+//    its own. `finalize()` closes every chunk and gives each shard a pool slot on its group's
+//    home tier, zero-filled, so padding never holds garbage. Slots start FREE; whoever fills a
+//    tensor's payload moves it to HOLD.
+//  * Operations (each validates the chunk's predicates and the tensor states):
+//      access(c)   make c gathered on the device for compute; fetches synchronously if its shard
+//                  is not on the device, waits for an in-flight move otherwise.
+//      release(c)  drop the gathered view after compute (can_release must hold).
+//      move(c, t)  give c's shard exactly tier t (can_move must hold). The copy runs on the side
+//                  stream of its direction; with `async` the call returns at once and the source
+//                  slot is freed when the copy is known complete (wait(c), access(c), poll()).
+//      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold). With world size 1
+//                  there is nothing to communicate; more ranks need a communicator (not yet).
+//  * Accounting. One Stat per tier counts the shard bytes chunks hold there, updated only in
+//    add_copy/drop_copy; traffic counters count bytes moved per direction. Stats never go
+//    negative (Stat asserts it). Policies read these numbers; they never call move themselves.
+#pragma once
+
+#include <array>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunk.h"
+#include "chunk_allocator.h"
+#include "device_backend.h"
+#include "stat.h"
+
+namespace gx {
+
+struct ChunkManagerConfig {
+  int world_size = 1;
+  int rank = 0;
+  size_t alignment_bytes = 64;  // each tensor slot starts at a multiple of this many bytes
+  bool pin_memory = true;       // host copies in pinned memory when the backend has it
+};
+
+struct TensorHandle {
+  ChunkId chunk_id = -1;
+  size_t slot_index = 0;
+};
+
+struct GroupInfo {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  int64_t chunk_size_numel = 0;
+  Tier home_tier = Tier::kDevice;
+  std::vector<ChunkId> chunk_ids;
+  ChunkId open_chunk = -1;  // the chunk new tensors go into; oversized tensors never open one
+};
+
+struct TrafficStats {
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t h2h_bytes = 0;
+  int64_t moves = 0;
+  int64_t fetches = 0;  // accesses that had to bring the shard to the device
+  int64_t accesses = 0;
+  int64_t reductions = 0;
+};
+
+class ChunkManager {
+ public:
+  ChunkManager(DeviceBackend& backend, ChunkManagerConfig config);
+  ~ChunkManager();
+  ChunkManager(const ChunkManager&) = delete;
+  ChunkManager& operator=(const ChunkManager&) = delete;
+
+  // Registration.
+  void create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier);
+  TensorHandle register_tensor(const std::string& group, const std::string& name, int64_t numel,
+                               const std::vector<int64_t>& shape);
+  void finalize();
+  bool finalized() const { return finalized_; }
+
+  // Payload access (valid once finalized).
+  void* tensor_ptr(const TensorHandle& handle, Tier tier) const;  // pointer into the tier's copy
+  void* gathered_tensor_ptr(const TensorHandle& handle) const;    // pointer into the gathered copy
+  void transition(const TensorHandle& handle, TensorState to);
+  TensorState state(const TensorHandle& handle) const;
+
+  // Operations.
+  void access(ChunkId id);
+  void release(ChunkId id);
+  void move(ChunkId id, Tier to, bool async = false);
+  void wait(ChunkId id);
+  void poll();  // completes finished async moves without blocking
+  void reduce(ChunkId id);
+  bool in_flight(ChunkId id) const { return in_flight_.count(id) != 0; }
+
+  // Introspection.
+  const Chunk& chunk(ChunkId id) const;
+  size_t num_chunks() const { return chunks_.size(); }
+  const GroupInfo& group(const std::string& name) const;
+  std::vector<std::string> group_names() const;
+  Stat tier_bytes(Tier tier) const { return tier_bytes_[static_cast<int>(tier)]; }
+  const TrafficStats& traffic() const { return traffic_; }
+  int64_t wasted_bytes() const;
+  Tier host_tier() const { return host_tier_; }
+  DeviceBackend& backend() { return backend_; }
+  const ChunkAllocator& allocator() const { return allocator_; }
+
+ private:
+  struct InFlight {
+    std::shared_ptr<Event> event;
+    Tier from;
+    Tier to;
+  };
+  Chunk& mutable_chunk(ChunkId id);
+  void add_copy(Chunk& c, Tier tier);   // allocates a slot, accounts it
+  void drop_copy(Chunk& c, Tier tier);  // frees the slot, un-accounts it
+  void complete_move(ChunkId id, bool block);
+  StreamKind stream_for(Tier from, Tier to) const;
+  void count_traffic(Tier from, Tier to, size_t bytes);
+  void check_finalized(const char* what) const;
+
+  DeviceBackend& backend_;
+  ChunkManagerConfig config_;
+  Tier host_tier_;
+  HostMemoryResource pageable_host_;  // before allocator_: the allocator's pools free into it
+  ChunkAllocator allocator_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::map<std::string, GroupInfo> groups_;
+  std::map<ChunkId, InFlight> in_flight_;
+  std::array<Stat, kNumTiers> tier_bytes_;
+  TrafficStats traffic_;
+  bool finalized_ = false;
+};
+
+}  // namespace gx

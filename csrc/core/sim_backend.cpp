@@ -1,0 +1,140 @@
+#include "sim_backend.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "errors.h"
+
+namespace gx {
+
+const char* to_string(StreamKind stream) {
+  switch (stream) {
+    case StreamKind::kCompute: return "compute";
+    case StreamKind::kHostToDevice: return "h2d";
+    case StreamKind::kDeviceToHost: return "d2h";
+  }
+  return "?";
+}
+
+bool SimEvent::query() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+void SimEvent::synchronize() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [this] { return done_; });
+}
+
+void SimEvent::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+  }
+  done_cv_.notify_all();
+}
+
+SerialWorker::SerialWorker() : thread_([this] { loop(); }) {}
+
+SerialWorker::~SerialWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void SerialWorker::submit(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void SerialWorker::drain() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_cv_.wait(lock, [this] { return tasks_.empty() && !busy_; });
+}
+
+void SerialWorker::loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stop requested and nothing left
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      busy_ = true;
+    }
+    task();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+SimBackend::SimBackend(SimConfig config)
+    : config_(config), device_limited_(device_host_, config.capacity_bytes, "sim_capacity"), rng_(config.seed) {
+  GX_CHECK(config.capacity_bytes > 0, "sim_capacity: expected > 0 bytes, got 0. Give the sim device a capacity.");
+  GX_CHECK(config.max_copy_delay_us >= 0, "sim max_copy_delay_us: expected >= 0, got ", config.max_copy_delay_us,
+           ".");
+}
+
+SimBackend::~SimBackend() {
+  h2d_.drain();
+  d2h_.drain();
+}
+
+SerialWorker& SimBackend::worker(StreamKind stream) {
+  GX_INTERNAL_ASSERT(stream != StreamKind::kCompute, "the sim compute stream has no worker");
+  return stream == StreamKind::kHostToDevice ? h2d_ : d2h_;
+}
+
+int64_t SimBackend::next_delay_us() {
+  if (config_.max_copy_delay_us == 0) return 0;
+  std::lock_guard<std::mutex> lock(rng_mutex_);
+  return std::uniform_int_distribution<int64_t>(0, config_.max_copy_delay_us)(rng_);
+}
+
+void SimBackend::copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) {
+  if (stream == StreamKind::kCompute) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const int64_t delay_us = next_delay_us();
+  worker(stream).submit([dst, src, bytes, delay_us] {
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    std::memcpy(dst, src, bytes);
+  });
+}
+
+std::shared_ptr<Event> SimBackend::record_event(StreamKind stream) {
+  auto event = std::make_shared<SimEvent>();
+  if (stream == StreamKind::kCompute) {
+    event->complete();
+  } else {
+    worker(stream).submit([event] { event->complete(); });
+  }
+  return event;
+}
+
+void SimBackend::stream_wait_event(StreamKind stream, const std::shared_ptr<Event>& event) {
+  GX_INTERNAL_ASSERT(event != nullptr, "stream_wait_event with a null event");
+  if (stream == StreamKind::kCompute) {
+    event->synchronize();
+  } else {
+    worker(stream).submit([event] { event->synchronize(); });
+  }
+}
+
+void SimBackend::synchronize(StreamKind stream) {
+  if (stream == StreamKind::kCompute) return;
+  worker(stream).drain();
+}
+
+}  // namespace gx

@@ -1,0 +1,95 @@
+// SimBackend: a simulated device made of host memory, so every scheduling path runs without a GPU.
+//
+// Design note. The device tier is host memory under a LimitingAdaptor of `capacity_bytes`, so
+// it runs out of memory exactly where a GPU of that size would. kHostToDevice and
+// kDeviceToHost are each a worker thread draining a FIFO of tasks, so copies really are
+// asynchronous: a caller that reads a destination before waiting on the copy's event can see
+// stale bytes, which is what the ordering tests check. `max_copy_delay_us` makes each copy sleep
+// a random time first (seeded, reproducible), to shake out missing waits. kCompute is the
+// calling thread: a copy on it is a plain memcpy, its events are complete when recorded, and
+// waiting on an event from it blocks the caller, just as compute on the CPU must.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "device_backend.h"
+#include "resource_adaptors.h"
+
+namespace gx {
+
+struct SimConfig {
+  size_t capacity_bytes = size_t{1} << 30;  // bytes of the simulated device
+  int64_t max_copy_delay_us = 0;            // each async copy sleeps uniform [0, max] microseconds
+  uint64_t seed = 0;
+};
+
+class SimEvent final : public Event {
+ public:
+  bool query() const override;
+  void synchronize() override;
+  void complete();
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+};
+
+// One worker thread running tasks in submission order.
+class SerialWorker {
+ public:
+  SerialWorker();
+  ~SerialWorker();
+  void submit(std::function<void()> task);
+  void drain();  // blocks until every submitted task ran
+
+ private:
+  void loop();
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::condition_variable idle_cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class SimBackend final : public DeviceBackend {
+ public:
+  explicit SimBackend(SimConfig config);
+  ~SimBackend() override;
+
+  std::string name() const override { return "sim"; }
+  size_t device_capacity_bytes() const override { return config_.capacity_bytes; }
+  MemoryResource& device_memory() override { return device_limited_; }
+  MemoryResource& host_memory() override { return host_; }
+  bool host_memory_is_pinned() const override { return false; }
+
+  void copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) override;
+  std::shared_ptr<Event> record_event(StreamKind stream) override;
+  void stream_wait_event(StreamKind stream, const std::shared_ptr<Event>& event) override;
+  void synchronize(StreamKind stream) override;
+
+  size_t device_used_bytes() const { return device_limited_.used_bytes(); }
+
+ private:
+  SerialWorker& worker(StreamKind stream);
+  int64_t next_delay_us();
+
+  SimConfig config_;
+  HostMemoryResource device_host_;
+  LimitingAdaptor device_limited_;
+  HostMemoryResource host_;
+  std::mutex rng_mutex_;
+  std::mt19937_64 rng_;
+  SerialWorker h2d_;
+  SerialWorker d2h_;
+};
+
+}  // namespace gx

@@ -1,0 +1,148 @@
+#include "cuda/cuda_backend.h"
+
+#include "core/errors.h"
+
+namespace gx {
+
+namespace {
+// Makes `device` current for the scope, restoring the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GX_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) GX_CUDA_CHECK(cudaSetDevice(device));
+    changed_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+}  // namespace
+
+void cuda_check(cudaError_t status, const char* call, const char* file, int line) {
+  if (status == cudaSuccess) return;
+  throw CudaError(detail::concat("CUDA error in ", call, " (", file, ":", line, "): ", cudaGetErrorName(status), ": ",
+                                 cudaGetErrorString(status)));
+}
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls are not confused
+    return 0;
+  }
+  return count;
+}
+
+void* CudaDeviceMemoryResource::do_allocate(size_t bytes) {
+  DeviceGuard guard(device_);
+  void* ptr = nullptr;
+  const cudaError_t status = cudaMalloc(&ptr, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    throw OutOfMemoryError(detail::concat("cuda_device out of memory: tried to allocate ", bytes, " bytes on device ",
+                                          device_, " with ", free_bytes, " bytes free of ", total_bytes,
+                                          ". Lower gpu_memory_limit / the device-resident fraction, or free memory."));
+  }
+  GX_CUDA_CHECK(status);
+  return ptr;
+}
+
+void CudaDeviceMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) {
+  DeviceGuard guard(device_);
+  GX_CUDA_CHECK(cudaFree(ptr));
+}
+
+void* PinnedHostMemoryResource::do_allocate(size_t bytes) {
+  void* ptr = nullptr;
+  const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw OutOfMemoryError(detail::concat("pinned_host out of memory: cudaHostAlloc of ", bytes,
+                                          " bytes failed. Free host memory, lower the offloaded fraction or set "
+                                          "pin_memory=False."));
+  }
+  GX_CUDA_CHECK(status);
+  return ptr;
+}
+
+void PinnedHostMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) { GX_CUDA_CHECK(cudaFreeHost(ptr)); }
+
+CudaEvent::CudaEvent(int device, cudaStream_t stream) {
+  DeviceGuard guard(device);
+  GX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  GX_CUDA_CHECK(cudaEventRecord(event_, stream));
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+bool CudaEvent::query() const {
+  const cudaError_t status = cudaEventQuery(event_);
+  if (status == cudaErrorNotReady) return false;
+  GX_CUDA_CHECK(status);
+  return true;
+}
+
+void CudaEvent::synchronize() { GX_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+CudaBackend::CudaBackend(CudaConfig config) : config_(config), device_raw_(config.device) {
+  const int count = cuda_device_count();
+  GX_CHECK(config.device >= 0 && config.device < count, "cuda device: expected an index in [0, ", count,
+           "), got ", config.device, ". Use device='sim' on a machine without a GPU.");
+  DeviceGuard guard(config.device);
+  size_t free_bytes = 0, total_bytes = 0;
+  GX_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  GX_CHECK(config.memory_limit_bytes <= total_bytes, "gpu_memory_limit: expected at most the device's ", total_bytes,
+           " bytes, got ", config.memory_limit_bytes, ". Lower the limit.");
+  limit_bytes_ = config.memory_limit_bytes == 0 ? total_bytes : config.memory_limit_bytes;
+  device_limited_ = std::make_unique<LimitingAdaptor>(device_raw_, limit_bytes_, "gpu_memory_limit");
+  GX_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+  GX_CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+}
+
+CudaBackend::~CudaBackend() {
+  cudaStreamSynchronize(h2d_);
+  cudaStreamSynchronize(d2h_);
+  cudaStreamDestroy(h2d_);
+  cudaStreamDestroy(d2h_);
+}
+
+cudaStream_t CudaBackend::stream(StreamKind kind) const {
+  switch (kind) {
+    case StreamKind::kCompute: return compute_;
+    case StreamKind::kHostToDevice: return h2d_;
+    case StreamKind::kDeviceToHost: return d2h_;
+  }
+  GX_INTERNAL_ASSERT(false, "unknown stream kind");
+}
+
+void CudaBackend::copy_async(void* dst, const void* src, size_t bytes, StreamKind kind) {
+  DeviceGuard guard(config_.device);
+  GX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream(kind)));
+}
+
+std::shared_ptr<Event> CudaBackend::record_event(StreamKind kind) {
+  return std::make_shared<CudaEvent>(config_.device, stream(kind));
+}
+
+void CudaBackend::stream_wait_event(StreamKind kind, const std::shared_ptr<Event>& event) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(event.get());
+  GX_INTERNAL_ASSERT(cuda_event != nullptr, "stream_wait_event on the cuda backend with a non-CUDA event");
+  DeviceGuard guard(config_.device);
+  GX_CUDA_CHECK(cudaStreamWaitEvent(stream(kind), cuda_event->raw(), 0));
+}
+
+void CudaBackend::synchronize(StreamKind kind) {
+  DeviceGuard guard(config_.device);
+  GX_CUDA_CHECK(cudaStreamSynchronize(stream(kind)));
+}
+
+}  // namespace gx

@@ -1,0 +1,189 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "core/chunk_manager.h"
+#include "core/sim_backend.h"
+
+namespace gx {
+namespace {
+
+using S = TensorState;
+
+class ChunkManagerTest : public ::testing::Test {
+ protected:
+  SimBackend sim{SimConfig{1 << 20, 50, 11}};  // 1 MiB device, random copy delays
+  ChunkManager mgr{sim, ChunkManagerConfig{1, 0, 64, true}};  // 64-byte alignment: 16 floats
+
+  // Registers float32 tensors of the given numels into group "param" (chunk size 100).
+  std::vector<TensorHandle> register_floats(const std::vector<int64_t>& numels, Tier home = Tier::kDevice) {
+    mgr.create_group("param", DType::kFloat32, 100, home);
+    std::vector<TensorHandle> handles;
+    for (size_t i = 0; i < numels.size(); ++i)
+      handles.push_back(mgr.register_tensor("param", "t" + std::to_string(i), numels[i], {numels[i]}));
+    mgr.finalize();
+    return handles;
+  }
+
+  // Writes value i + k into element k of tensor i on `tier` and moves it to HOLD.
+  void fill(const std::vector<TensorHandle>& hs, Tier tier) {
+    for (size_t i = 0; i < hs.size(); ++i) {
+      const auto& slot = mgr.chunk(hs[i].chunk_id).slot(hs[i].slot_index);
+      auto* p = static_cast<float*>(mgr.tensor_ptr(hs[i], tier));
+      for (int64_t k = 0; k < slot.numel; ++k) p[k] = static_cast<float>(i * 1000 + k);
+      mgr.transition(hs[i], S::kHold);
+    }
+  }
+  void expect_values(const std::vector<TensorHandle>& hs, Tier tier) {
+    for (size_t i = 0; i < hs.size(); ++i) {
+      const auto& slot = mgr.chunk(hs[i].chunk_id).slot(hs[i].slot_index);
+      auto* p = static_cast<float*>(mgr.tensor_ptr(hs[i], tier));
+      for (int64_t k = 0; k < slot.numel; ++k) ASSERT_EQ(p[k], static_cast<float>(i * 1000 + k)) << i << "," << k;
+    }
+  }
+};
+
+TEST_F(ChunkManagerTest, PacksTensorsInOrderAndGivesOversizedOnesTheirOwnChunk) {
+  auto hs = register_floats({40, 40, 30, 250, 10});
+  // chunk 0: t0 @0, t1 @48 (aligned to 16 floats = 64 bytes); t2 does not fit (96 + 30 > 100)
+  EXPECT_EQ(hs[0].chunk_id, 0);
+  EXPECT_EQ(hs[1].chunk_id, 0);
+  EXPECT_EQ(mgr.chunk(0).slot(1).offset_numel, 48);
+  EXPECT_EQ(hs[2].chunk_id, 1);
+  EXPECT_EQ(hs[3].chunk_id, 2);  // oversized: own chunk of 250 (+ alignment padding)
+  EXPECT_EQ(mgr.chunk(2).capacity_numel(), 250);
+  EXPECT_EQ(mgr.chunk(2).padded_numel(), 256);
+  EXPECT_EQ(hs[4].chunk_id, 1) << "the open chunk stays open after an oversized tensor";
+  EXPECT_EQ(mgr.group("param").chunk_ids, (std::vector<ChunkId>{0, 1, 2}));
+  // chunks of 100 floats pad to 112 (aligned to 16); 256 for the big one
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, (112 + 112 + 256) * 4);
+  EXPECT_EQ(mgr.wasted_bytes(), ((112 + 112 + 256) - (40 + 40 + 30 + 250 + 10)) * 4);
+}
+
+TEST_F(ChunkManagerTest, MovesPreserveBytesAndAccountingIsExact) {
+  auto hs = register_floats({40, 40, 30, 10});
+  fill(hs, Tier::kDevice);
+  const int64_t chunk_bytes = 112 * 4;
+  for (ChunkId c : {0, 1}) mgr.move(c, Tier::kPageableHost);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 0);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kPageableHost).current, 2 * chunk_bytes);
+  EXPECT_EQ(mgr.traffic().d2h_bytes, 2 * chunk_bytes);
+  expect_values(hs, Tier::kPageableHost);
+  for (ChunkId c : {0, 1}) mgr.move(c, Tier::kDevice);
+  EXPECT_EQ(mgr.traffic().h2d_bytes, 2 * chunk_bytes);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 2 * chunk_bytes);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kPageableHost).current, 0);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).peak, 2 * chunk_bytes);
+  EXPECT_EQ(mgr.traffic().moves, 4);
+  expect_values(hs, Tier::kDevice);
+}
+
+TEST_F(ChunkManagerTest, RepeatedMovesReuseThePoolSlots) {
+  auto hs = register_floats({40, 40, 30});
+  fill(hs, Tier::kDevice);
+  for (int round = 0; round < 20; ++round) {
+    mgr.move(0, Tier::kPageableHost, /*async=*/true);
+    mgr.move(1, Tier::kPageableHost, /*async=*/true);
+    mgr.move(0, Tier::kDevice, /*async=*/true);
+    mgr.move(1, Tier::kDevice, /*async=*/true);
+  }
+  mgr.wait(0);
+  mgr.wait(1);
+  expect_values(hs, Tier::kDevice);
+  EXPECT_EQ(mgr.num_chunks(), 2u);
+  EXPECT_EQ(mgr.allocator().upstream_allocations(Tier::kDevice), 2u) << "one device slot per chunk, reused";
+  EXPECT_LE(mgr.allocator().upstream_allocations(Tier::kPageableHost), 2u);
+}
+
+TEST_F(ChunkManagerTest, AsyncMoveCompletesOnWaitAndFreesTheSource) {
+  auto hs = register_floats({40});
+  fill(hs, Tier::kDevice);
+  mgr.move(0, Tier::kPageableHost, /*async=*/true);
+  EXPECT_TRUE(mgr.in_flight(0));
+  EXPECT_TRUE(mgr.chunk(0).shard_tiers().contains(Tier::kDevice)) << "source kept until the copy is done";
+  mgr.wait(0);
+  EXPECT_FALSE(mgr.in_flight(0));
+  EXPECT_FALSE(mgr.chunk(0).shard_tiers().contains(Tier::kDevice));
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 0);
+  expect_values(hs, Tier::kPageableHost);
+}
+
+TEST_F(ChunkManagerTest, AccessFetchesFromHostAndReleaseDropsTheGatheredView) {
+  auto hs = register_floats({40, 40}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 0);
+  for (auto& h : hs) mgr.transition(h, S::kCompute);
+  mgr.access(0);
+  EXPECT_TRUE(mgr.chunk(0).gathered());
+  EXPECT_EQ(mgr.traffic().fetches, 1);
+  EXPECT_EQ(mgr.traffic().h2d_bytes, 112 * 4);
+  auto* p = static_cast<float*>(mgr.gathered_tensor_ptr(hs[1]));
+  EXPECT_EQ(p[5], 1005.0f) << "compute sees the fetched bytes";
+  EXPECT_THROW(mgr.release(0), InternalError) << "tensors still in COMPUTE";
+  EXPECT_THROW(mgr.move(0, Tier::kPageableHost), InternalError) << "a COMPUTE chunk never moves";
+  for (auto& h : hs) mgr.transition(h, S::kHold);
+  mgr.release(0);
+  EXPECT_FALSE(mgr.chunk(0).gathered());
+  EXPECT_THROW(mgr.gathered_tensor_ptr(hs[0]), UsageError);
+  mgr.access(0);
+  EXPECT_EQ(mgr.traffic().fetches, 1) << "second access finds the shard on the device";
+  mgr.release(0);
+}
+
+TEST_F(ChunkManagerTest, ReduceNeedsEveryTensorReady) {
+  auto hs = register_floats({40, 40});
+  fill(hs, Tier::kDevice);
+  mgr.transition(hs[0], S::kReadyForReduce);
+  EXPECT_THROW(mgr.reduce(0), InternalError);
+  mgr.transition(hs[1], S::kReadyForReduce);
+  mgr.reduce(0);
+  EXPECT_EQ(mgr.state(hs[0]), S::kHold);
+  EXPECT_EQ(mgr.state(hs[1]), S::kHold);
+  EXPECT_EQ(mgr.traffic().reductions, 1);
+}
+
+TEST_F(ChunkManagerTest, DeviceCapacityIsOutOfMemoryNamingTheKnob) {
+  mgr.create_group("param", DType::kFloat32, 100000, Tier::kPageableHost);  // 400 KB chunks
+  for (int i = 0; i < 4; ++i) mgr.register_tensor("param", "w" + std::to_string(i), 100000, {100000});
+  mgr.finalize();
+  mgr.move(0, Tier::kDevice);
+  mgr.move(1, Tier::kDevice);
+  try {
+    mgr.move(2, Tier::kDevice);  // 1.2 MB > 1 MiB
+    FAIL();
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("sim_capacity"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 2 * 400000) << "the failed move left no accounting behind";
+  EXPECT_TRUE(mgr.chunk(2).shard_tiers().contains(Tier::kPageableHost));
+}
+
+TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
+  EXPECT_THROW(mgr.register_tensor("nope", "w", 4, {4}), UsageError);
+  mgr.create_group("param", DType::kFloat32, 100, Tier::kDevice);
+  EXPECT_THROW(mgr.create_group("param", DType::kFloat32, 100, Tier::kDevice), UsageError);
+  EXPECT_THROW(mgr.create_group("pinned", DType::kFloat32, 100, Tier::kPinnedHost), UsageError)
+      << "sim has no pinned tier";
+  auto h = mgr.register_tensor("param", "w", 4, {4});
+  EXPECT_THROW(mgr.access(h.chunk_id), UsageError) << "not finalized";
+  mgr.finalize();
+  EXPECT_THROW(mgr.register_tensor("param", "late", 4, {4}), UsageError);
+  EXPECT_THROW(mgr.chunk(99), UsageError);
+  EXPECT_THROW(mgr.tensor_ptr(h, Tier::kPageableHost), UsageError);
+}
+
+TEST(ChunkManagerSharded, LayoutSplitsIntoShardsAndAccessNeedsACommunicator) {
+  SimBackend sim(SimConfig{1 << 20, 0, 0});
+  ChunkManager mgr(sim, ChunkManagerConfig{4, 1, 16, true});
+  mgr.create_group("param", DType::kBFloat16, 1000, Tier::kDevice);
+  mgr.register_tensor("param", "w", 900, {30, 30});
+  mgr.finalize();
+  const Chunk& c = mgr.chunk(0);
+  EXPECT_EQ(c.shard_numel(), 256);  // ceil(1000 / 4) = 250, aligned to 8 bf16 (16 bytes) -> 256
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 256 * 2) << "a rank holds only its shard";
+  EXPECT_THROW(mgr.access(0), UsageError);
+}
+
+}  // namespace
+}  // namespace gx
