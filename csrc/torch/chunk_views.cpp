@@ -1,0 +1,81 @@
+#include "torch/chunk_views.h"
+
+#include "core/errors.h"
+#include "core/sim_backend.h"
+#include "torch/dtype_map.h"
+
+#ifdef GX_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace gx::torch_layer {
+
+bool cuda_compiled() {
+#ifdef GX_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+DeviceContext::DeviceContext(const DeviceOptions& options) : options_(options) {
+  if (options.kind == "sim") {
+    GX_CHECK(options.capacity_bytes > 0, "sim_capacity: expected > 0 bytes, got 0.");
+    backend_ = std::make_unique<SimBackend>(SimConfig{options.capacity_bytes, options.sim_max_copy_delay_us, options.sim_seed});
+    return;
+  }
+  GX_CHECK(options.kind == "cuda", "device: expected 'sim' or 'cuda', got '", options.kind, "'.");
+#ifdef GX_WITH_CUDA
+  backend_ = std::make_unique<CudaBackend>(CudaConfig{options.device_index, options.capacity_bytes});
+#else
+  GX_CHECK(false, "device='cuda': this gemini_ext build has no CUDA support (built against a CPU torch or with "
+                  "GEMINI_EXT_CUDA=0). Reinstall with a CUDA torch and nvcc, or use device='sim'.");
+#endif
+}
+
+at::Device DeviceContext::device_for(Tier tier) const {
+  if (tier == Tier::kDevice && options_.kind == "cuda") return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.device_index));
+  return at::Device(at::kCPU);
+}
+
+void DeviceContext::sync_compute_stream() {
+#ifdef GX_WITH_CUDA
+  if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get())) {
+    cuda->set_compute_stream(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(options_.device_index)).stream());
+  }
+#endif
+}
+
+namespace {
+at::Tensor view_at(DeviceContext& ctx, const Chunk& c, void* base, Tier tier, int64_t offset_numel, int64_t numel,
+                   const std::vector<int64_t>& shape) {
+  auto options = at::TensorOptions().dtype(to_scalar_type(c.dtype())).device(ctx.device_for(tier));
+  auto* start = static_cast<uint8_t*>(base) + static_cast<size_t>(offset_numel) * element_size_bytes(c.dtype());
+  at::Tensor flat = at::from_blob(start, {numel}, options);
+  return flat.view(shape);  // an empty shape gives a 0-d tensor (numel 1)
+}
+}  // namespace
+
+at::Tensor shard_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id, Tier tier) {
+  const Chunk& c = mgr.chunk(id);
+  GX_CHECK(c.shard_tiers().contains(tier), "chunk ", id, " has no copy on ", to_string(tier), " (it is on ",
+           c.shard_tiers().to_string(), ").");
+  return view_at(ctx, c, c.shard_ptr(tier), tier, 0, c.shard_numel(), {c.shard_numel()});
+}
+
+at::Tensor tensor_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle, Tier tier) {
+  const Chunk& c = mgr.chunk(handle.chunk_id);
+  const TensorSlot& s = c.slot(handle.slot_index);
+  void* ptr = mgr.tensor_ptr(handle, tier);  // validates tier and sharding
+  return view_at(ctx, c, ptr, tier, 0, s.numel, s.shape);
+}
+
+at::Tensor gathered_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle) {
+  const Chunk& c = mgr.chunk(handle.chunk_id);
+  const TensorSlot& s = c.slot(handle.slot_index);
+  return view_at(ctx, c, mgr.gathered_tensor_ptr(handle), Tier::kDevice, 0, s.numel, s.shape);
+}
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,31 @@
+"""gemini_ext: chunk-based heterogeneous memory management for PyTorch training.
+
+    import gemini_ext as gx
+    with gx.enable(model, gx.GeminiConfig(...)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=3e-4)
+        ...
+Environment variables are read once, here (see gemini_ext/_env.py and SPEC.md section 4).
+"""
+
+from ._env import SETTINGS as _SETTINGS  # noqa: F401  (read the environment first, before CUDA)
+
+import torch  # noqa: E402,F401  (the extension links against torch's libraries)
+
+from . import _C  # noqa: E402
+from ._units import format_bytes, parse_bytes  # noqa: E402
+from .config import GeminiConfig  # noqa: E402
+from .engine import GeminiEngine, enable  # noqa: E402
+from .info import info  # noqa: E402
+from .search import search_chunk_configuration  # noqa: E402
+
+UsageError = _C.UsageError
+OutOfMemoryError = _C.OutOfMemoryError
+InternalError = _C.InternalError
+IllegalTransition = _C.IllegalTransition
+TensorState = _C.TensorState
+
+__version__ = "0.1.0"
+__all__ = [
+    "GeminiConfig", "GeminiEngine", "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
+    "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
+]

@@ -1,0 +1,130 @@
+"""GeminiConfig: every knob of the engine (SPEC.md section 3), validated when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._units import parse_bytes
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+PLACEMENT_POLICIES = ("static", "auto", "const")
+DEVICES = ("auto", "cuda", "sim")
+DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
+
+
+@dataclasses.dataclass(frozen=True)
+class GeminiConfig:
+    precision: str = "bf16"
+    placement_policy: str = "static"
+    chunk_config_dict: dict | None = None
+    chunk_init_device: str | None = None  # None: the engine's device
+    search_range_m: float = 128
+    min_chunk_size_m: float = 32
+    shard_param_frac: float = 1.0
+    offload_optim_frac: float = 1.0
+    offload_param_frac: float = 0.0
+    const_gpu_budget: int | str | None = None
+    gpu_memory_limit: int | str | None = None
+    max_prefetch: int = 2
+    enable_gradient_accumulation: bool = False
+    initial_scale: float = 2.0**16
+    min_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    max_scale: float = 2.0**32
+    max_norm: float = 0.0
+    enable_async_reduce: bool = True
+    extra_dp_size: int = 1
+    pin_memory: bool = True
+    master_weights: bool = True
+    device: str = "auto"
+    sim_capacity: int | str | None = None
+
+    def __post_init__(self):
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("placement_policy", self.placement_policy, PLACEMENT_POLICIES)
+        _choice("device", self.device, DEVICES)
+        if self.chunk_init_device is not None:
+            _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: expected a fraction in [0, 1], got {value!r}. "
+                                 f"Pass e.g. {name}=0.5.")
+        for name in ("search_range_m", "min_chunk_size_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: expected a number >= 0 (units of 2**20 elements), got {value!r}.")
+        for name in ("const_gpu_budget", "gpu_memory_limit", "sim_capacity"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_bytes(value, name))
+        for name, low in (("max_prefetch", 0), ("growth_interval", 1), ("hysteresis", 1), ("extra_dp_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}.")
+        for name in ("initial_scale", "min_scale", "max_scale", "growth_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)!r}.")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError(f"initial_scale: expected within [min_scale, max_scale] = [{self.min_scale}, "
+                             f"{self.max_scale}], got {self.initial_scale}.")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor: expected in (0, 1), got {self.backoff_factor!r}.")
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"growth_factor: expected > 1, got {self.growth_factor!r}.")
+        if not self.max_norm >= 0.0:
+            raise ValueError(f"max_norm: expected >= 0 (0 disables clipping), got {self.max_norm!r}.")
+        if self.placement_policy == "const" and self.const_gpu_budget is None:
+            raise ValueError("const_gpu_budget: placement_policy='const' needs a byte budget, got None. "
+                             "Pass e.g. const_gpu_budget='8GiB'.")
+        if self.chunk_config_dict is not None:
+            object.__setattr__(self, "chunk_config_dict", _normalise_chunk_config(self.chunk_config_dict))
+
+    def chunk_config_for(self, world_size: int) -> dict | None:
+        """The {'chunk_size', 'keep_gathered'} to use at `world_size`, or None to search."""
+        cfg = self.chunk_config_dict
+        if cfg is None:
+            return None
+        if "chunk_size" in cfg:
+            return cfg
+        if world_size not in cfg:
+            raise ValueError(f"chunk_config_dict: has entries for world sizes {sorted(cfg)}, not for {world_size}. "
+                             "Add one or pass the flat form {'chunk_size': ..., 'keep_gathered': ...}.")
+        return cfg[world_size]
+
+    def replace(self, **overrides: Any) -> "GeminiConfig":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"GeminiConfig has no field(s) {unknown}; known fields: {sorted(known)}.")
+        return dataclasses.replace(self, **overrides)
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}.")
+
+
+def _check_flat(entry: Any, where: str) -> dict:
+    if not isinstance(entry, dict) or "chunk_size" not in entry:
+        raise ValueError(f"{where}: expected {{'chunk_size': <elements>, 'keep_gathered': <bool>}}, got {entry!r}.")
+    unknown = set(entry) - {"chunk_size", "keep_gathered"}
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: chunk_size, keep_gathered.")
+    size = entry["chunk_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{where}['chunk_size']: expected a positive number of elements, got {size!r}.")
+    return {"chunk_size": size, "keep_gathered": bool(entry.get("keep_gathered", False))}
+
+
+def _normalise_chunk_config(cfg: Any) -> dict:
+    if isinstance(cfg, dict) and "chunk_size" in cfg:
+        return _check_flat(cfg, "chunk_config_dict")
+    if isinstance(cfg, dict) and cfg and all(isinstance(k, int) and not isinstance(k, bool) for k in cfg):
+        return {k: _check_flat(v, f"chunk_config_dict[{k}]") for k, v in cfg.items()}
+    raise ValueError("chunk_config_dict: expected {'chunk_size': <elements>, 'keep_gathered': <bool>} or "
+                     f"{{world_size: {{...}}}}, got {cfg!r}.")
