@@ -29,7 +29,8 @@ from .search import search_chunk_configuration, unique_parameters
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
 # Fields this stage honours; any other field with a non-default value is reported.
-_HONOURED = {"chunk_config_dict", "chunk_init_device", "search_range_m", "min_chunk_size_m", "gpu_memory_limit",
+# shard_param_frac has no effect with one rank, the only world size of this stage.
+_HONOURED = {"shard_param_frac", "chunk_config_dict", "chunk_init_device", "search_range_m", "min_chunk_size_m", "gpu_memory_limit",
              "pin_memory", "device", "sim_capacity"}
 
 
@@ -53,7 +54,8 @@ def resolve_device(config: GeminiConfig) -> str:
 def _unhonoured_fields(config: GeminiConfig) -> list[str]:
     """Settings that ask for behaviour this stage does not have (see the Note at the top)."""
     default = GeminiConfig()
-    asked = {f for f in config.__dataclass_fields__ if f not in _HONOURED and getattr(config, f) != getattr(default, f)}
+    asked = {f for f in config.__dataclass_fields__
+             if f not in _HONOURED | {"precision", "offload_optim_frac"} and getattr(config, f) != getattr(default, f)}
     if config.precision != "fp32":
         asked.add("precision")  # chunks keep the parameters' own dtype
     if config.offload_optim_frac > 0:

@@ -1,0 +1,113 @@
+"""Train the example GPT with gemini_ext: on the GPU where there is one, on the `sim` device otherwise.
+
+    python examples/train_gpt.py                  # preset 'small' on sim, '125m' on a GPU
+    python examples/train_gpt.py --preset 350m --steps 100 --batch 8 --seq 1024
+
+Prints a progress bar and a closing summary: tokens/s, peak memory and chunk traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import gemini_ext as gx
+from gemini_ext.engine import resolve_device
+from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default=None)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, help="also write the summary as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device_kind = resolve_device(gx.GeminiConfig(device=args.device))
+    preset = args.preset or ("125m" if device_kind == "cuda" else "small")
+    model_cfg = GPT_PRESETS[preset]
+    # Chunks of about an eighth of the model (at most the 32 Mi-element default), so that even a
+    # small model spreads over several chunks.
+    model_m = model_cfg.num_parameters() / 2**20
+    cfg = gx.GeminiConfig(device=args.device, precision=args.precision, offload_optim_frac=0.0,
+                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4))
+    seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
+    torch.manual_seed(args.seed)
+    model = GPT(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    if autocast_dtype is not None and device_kind != "cuda":
+        autocast_dtype = torch.bfloat16  # CPU autocast supports bf16 only
+
+    losses, step_seconds = [], []
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+        dev = engine.compute_device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        bar = tqdm(range(args.steps), desc=f"gpt-{preset} on {device_kind}", disable=args.no_progress, file=sys.stdout)
+        for step in bar:
+            x, y = synthetic_batch(model_cfg, args.batch, seq, step, dev, seed=args.seed)
+            start = time.perf_counter()
+            with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(x, y)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_value = loss.item()  # synchronises the device
+            step_seconds.append(time.perf_counter() - start)
+            losses.append(loss_value)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+        stats = engine.stats()
+        torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+
+    timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
+    tokens_per_s = args.batch * seq * len(timed) / sum(timed)
+    summary = {
+        "preset": preset, "parameters": n_params, "device": device_kind, "precision": args.precision,
+        "steps": args.steps, "batch": args.batch, "seq_len": seq,
+        "first_loss": losses[0], "last_loss": losses[-1],
+        "tokens_per_s": tokens_per_s, "step_s_median": sorted(timed)[len(timed) // 2],
+        "chunks": stats["num_chunks"], "chunk_size_elements": stats["chunk_size"],
+        "chunk_wasted_bytes": stats["wasted_bytes"],
+        "peak_chunk_device_bytes": stats["tier_bytes"]["device"]["peak"],
+        "peak_torch_device_bytes": torch_peak,
+        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "chunk_traffic": engine._final_stats["traffic"],
+    }
+    t = summary["chunk_traffic"]
+    print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
+          f"{args.steps} steps of {args.batch} x {seq} tokens")
+    print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(f"   throughput      {tokens_per_s:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
+    print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
+          + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
+          + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")
+    print(f"   chunks          {stats['num_chunks']} x {stats['chunk_size']:,} elements "
+          f"({gx.format_bytes(stats['wasted_bytes'])} padding)")
+    print(f"   chunk traffic   H2D {gx.format_bytes(t['h2d_bytes'])}, D2H {gx.format_bytes(t['d2h_bytes'])}, "
+          f"{t['moves']} moves")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

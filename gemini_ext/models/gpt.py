@@ -1,0 +1,107 @@
+"""A plain GPT (pre-LayerNorm decoder, tied embedding) with the presets of MEASUREMENTS.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 32000
+    max_seq_len: int = 1024
+    d_model: int = 2048
+    n_layers: int = 24
+    n_heads: int = 16
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # the output head shares the token embedding's weight
+
+    def num_parameters(self) -> int:
+        d, f = self.d_model, self.d_model * self.mlp_ratio
+        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.max_seq_len * d + self.n_layers * per_layer + 2 * d + head
+
+
+GPT_PRESETS = {
+    "tiny": GPTConfig(vocab_size=256, max_seq_len=64, d_model=64, n_layers=2, n_heads=4),
+    "small": GPTConfig(vocab_size=8192, max_seq_len=256, d_model=256, n_layers=4, n_heads=8),
+    "125m": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12),
+    "350m": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16),
+    # The sizes of MEASUREMENTS.md (1.34B, 6.7B) have an untied output head.
+    "1.3b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=2048, n_layers=24, n_heads=16, tie_embeddings=False),
+    "6.7b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=4096, n_layers=32, n_heads=32, tie_embeddings=False),
+    "13b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=40, n_heads=40, tie_embeddings=False),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("fc2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"GPT: sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}.")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(cfg: GPTConfig, batch: int, seq_len: int, step: int, device, seed: int = 0):
+    """A learnable synthetic task: each sequence counts up by a per-sequence stride (mod vocab)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+    stride = torch.randint(1, 4, (batch, 1), generator=g)
+    seq = (start + stride * torch.arange(seq_len + 1)) % cfg.vocab_size
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
