@@ -76,10 +76,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "gemini_ext native core (chunks, pools, device backends, chunk search)";
 
   // Base classes first: pybind11 tries the most recently registered translator first.
-  static py::exception<UsageError> usage_error(m, "UsageError", PyExc_ValueError);
-  static py::exception<OutOfMemoryError> oom_error(m, "OutOfMemoryError", PyExc_RuntimeError);
-  static py::exception<InternalError> internal_error(m, "InternalError", PyExc_RuntimeError);
-  static py::exception<IllegalTransition> illegal(m, "IllegalTransition", internal_error.ptr());
+  py::register_exception<UsageError>(m, "UsageError", PyExc_ValueError);
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError);
+  auto internal_error = py::register_exception<InternalError>(m, "InternalError", PyExc_RuntimeError);
+  py::register_exception<IllegalTransition>(m, "IllegalTransition", internal_error.ptr());
 
   py::enum_<TensorState>(m, "TensorState")
       .value("FREE", TensorState::kFree)

@@ -1,0 +1,37 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemini_ext as gx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cuda_usable() -> bool:
+    return bool(gx._C.build_info()["cuda"]) and torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_usable():
+        return
+    why = "CUDA build of gemini_ext and a CUDA device needed" if torch.cuda.is_available() or gx._C.build_info()["cuda"] \
+        else "no CUDA device (run on the H200: see README)"
+    skip = pytest.mark.skip(reason=why)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+# Device parameter for tests that run on both backends: sim everywhere, cuda on GPU machines.
+DEVICES = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def run_python(*args, env=None, timeout=600):
+    """Runs `python args...` in a fresh interpreter (for env vars read at import)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env, cwd=REPO,
+                          timeout=timeout)

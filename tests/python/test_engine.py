@@ -1,0 +1,127 @@
+"""enable(): parameters live in chunks, training matches plain PyTorch, close restores them."""
+
+import copy
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
+
+
+def _cfg(device, **kw):
+    return gx.GeminiConfig(device=device, precision="fp32", offload_optim_frac=0.0, min_chunk_size_m=0.01,
+                           search_range_m=0.02, **kw)
+
+
+def _train(model, opt, steps, device, backward):
+    losses = []
+    for step in range(steps):
+        x, y = synthetic_batch(model.cfg, 4, 32, step, device)
+        loss = model(x, y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_in_chunks_matches_plain_pytorch(device):
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"])
+    reference = copy.deepcopy(model)
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+    reference.to(dev)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_losses = _train(reference, ref_opt, 10, dev, lambda l: l.backward())
+    params_before = list(model.parameters())
+    with gx.enable(model, _cfg(device)) as engine:
+        assert engine.stats()["num_chunks"] > 1
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+        losses = _train(model, opt, 10, engine.compute_device, engine.backward)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert list(model.parameters()) == params_before, "the same Parameter objects"
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.detach().to(dev), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_are_views_into_chunk_slots_while_enabled(device):
+    model = GPT(GPT_PRESETS["tiny"])
+    with gx.enable(model, _cfg(device)) as engine:
+        for name, p in model.named_parameters():
+            handle = engine.parameter_handle(p)
+            chunk = engine._mgr.shard_view(handle[0], "device")
+            offset = engine.chunk_info(handle[0])["slots"][handle[1]][1]
+            assert p.data_ptr() == chunk.data_ptr() + offset * p.element_size(), name
+            assert p.device.type == ("cuda" if device == "cuda" else "cpu")
+        assert model.head.weight is model.tok_emb.weight, "tied weights stay tied"
+        stats = engine.stats()
+        assert stats["tier_bytes"]["device"]["current"] > 0
+        assert stats["traffic"]["h2d_bytes"] == stats["tier_bytes"]["device"]["current"]
+
+
+def test_close_restores_ordinary_parameters_on_their_original_device():
+    model = torch.nn.Linear(8, 8)
+    engine = gx.enable(model, _cfg("sim"))
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    engine.close()
+    engine.close()  # idempotent
+    assert model.weight.device.type == "cpu" and model.weight.eq(2.0).all()
+    storage = model.weight.untyped_storage()
+    assert storage.nbytes() == model.weight.numel() * 4, "an ordinary tensor, not a view into a chunk"
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.stats()
+
+
+def test_state_dict_is_fp32_on_cpu_with_plain_keys():
+    model = GPT(GPT_PRESETS["tiny"])
+    keys = set(model.state_dict())
+    with gx.enable(model, _cfg("sim")) as engine:
+        sd = engine.state_dict()
+    assert set(sd) == keys
+    assert all(v.device.type == "cpu" for v in sd.values())
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+
+
+def test_unsupported_optimizers_and_options_raise():
+    model = torch.nn.Linear(4, 4)
+    with gx.enable(model, _cfg("sim")) as engine:
+        with pytest.raises(TypeError, match="SGD.*Adam"):
+            engine.optimizer(torch.optim.SGD, lr=0.1)
+        with pytest.raises(ValueError, match="amsgrad"):
+            engine.optimizer(torch.optim.Adam, amsgrad=True)
+        with pytest.raises(RuntimeError, match="already managed"):
+            gx.enable(model, _cfg("sim"))
+
+
+def test_settings_not_yet_acted_on_are_reported_not_ignored():
+    with pytest.warns(UserWarning, match="offload_param_frac=0.5"):
+        with gx.enable(torch.nn.Linear(4, 4), _cfg("sim", offload_param_frac=0.5)):
+            pass
+
+
+def test_overrides_and_bad_arguments():
+    with gx.enable(torch.nn.Linear(4, 4), _cfg("sim"), sim_capacity="1MiB") as engine:
+        assert engine.device_kind == "sim"
+    with pytest.raises(TypeError, match="no field"):
+        gx.enable(torch.nn.Linear(4, 4), _cfg("sim"), not_a_field=1)
+    with pytest.raises(TypeError, match="nn.Module"):
+        gx.enable("model")
+    with pytest.raises(ValueError, match="no parameters"):
+        gx.enable(torch.nn.ReLU(), _cfg("sim"))
+
+
+def test_model_larger_than_the_sim_device_fails_clearly():
+    with pytest.raises(gx.OutOfMemoryError, match="sim_capacity"):
+        gx.enable(torch.nn.Linear(512, 512), _cfg("sim", sim_capacity=64 * 1024))
+
+
+def test_cuda_requested_without_cuda_is_refused():
+    if gx._C.build_info()["cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="device='sim'"):
+        gx.enable(torch.nn.Linear(4, 4), _cfg("cuda"))
