@@ -1,0 +1,69 @@
+# Sourced by scripts/train.sh and scripts/test.sh: installs what is missing, reuses what is there.
+#   torch        pip install torch==2.13.0 when `import torch` fails (a CPU build from local disk on
+#                our CPU machines; GPU machines already have their CUDA torch)
+#   tqdm/pytest  pip, when missing
+#   GoogleTest   Debian's libgtest-dev (tests only), unless already installed or its sources are
+#                in $GX_GTEST_SOURCE, .deps/googletest or /usr/src/googletest
+#   gemini_ext   pip install --no-build-isolation -e . when the extension is missing or its sources
+#                changed since the last build (a stamp in build/ records what was built)
+# Honours PYTHON (default python3) and MAX_JOBS (default: all cores).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+SUDO=""
+[ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo"
+
+log() { echo "[setup] $*" >&2; }
+
+ensure_python_module() {  # module pip-spec
+  if ! "$PYTHON" -c "import $1" 2>/dev/null; then
+    log "installing $2"
+    "$PYTHON" -m pip install -q "$2"
+  fi
+}
+
+ensure_torch() {
+  if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    log "torch is not importable: installing torch==2.13.0"
+    "$PYTHON" -m pip install -q "torch==2.13.0"
+  fi
+}
+
+apt_install() {
+  command -v apt-get >/dev/null || { log "apt-get not available to install $*"; return 1; }
+  $SUDO apt-get install -y -q "$@" >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q "$@" >/dev/null; }
+}
+
+gtest_source_dir() {
+  for d in "${GX_GTEST_SOURCE:-}" "$REPO/.deps/googletest" /usr/src/googletest; do
+    [ -n "$d" ] && [ -f "$d/CMakeLists.txt" ] && { echo "$d"; return 0; }
+  done
+  return 1
+}
+
+ensure_cpp_toolchain() {
+  command -v cmake >/dev/null || apt_install cmake
+  if [ ! -f /usr/include/gtest/gtest.h ] && ! gtest_source_dir >/dev/null; then
+    log "installing GoogleTest (libgtest-dev)"
+    apt_install libgtest-dev || { log "GoogleTest missing: install libgtest-dev or set GX_GTEST_SOURCE"; return 1; }
+  fi
+}
+
+source_hash() {
+  (cd "$REPO" && find csrc setup.py pyproject.toml -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -print0 \
+    | sort -z | xargs -0 sha256sum; "$PYTHON" -c "import sys, torch; print(sys.version, torch.__version__)"; echo "${GEMINI_EXT_CUDA:-}") | sha256sum | cut -d' ' -f1
+}
+
+ensure_extension() {
+  local stamp="$REPO/build/.gemini_ext_stamp" want
+  want="$(source_hash)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && \
+     (cd /tmp && "$PYTHON" -c "import gemini_ext._C, os, sys; sys.exit(0 if os.path.realpath(gemini_ext.__file__).startswith(os.path.realpath('$REPO')) else 1)") 2>/dev/null; then
+    return 0
+  fi
+  log "building and installing gemini_ext (MAX_JOBS=$MAX_JOBS)"
+  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e .)
+  mkdir -p "$REPO/build"
+  echo "$want" > "$stamp"
+}
