@@ -28,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="fp32")
     p.add_argument("--seed", type=int, default=0)

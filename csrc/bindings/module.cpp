@@ -18,6 +18,9 @@
 #include "cuda/cuda_backend.h"
 #endif
 
+#define GX_STR_(x) #x
+#define GX_STR(x) GX_STR_(x)
+
 namespace py = pybind11;
 using namespace gx;
 using gx::torch_layer::DeviceContext;
@@ -67,7 +70,47 @@ py::dict build_info() {
   d["cpu_features"] = cpu_feature_summary();
   d["torch_compiled"] = TORCH_VERSION;
   d["cplusplus"] = static_cast<long>(__cplusplus);
+  d["pybind11"] = GX_STR(PYBIND11_VERSION_MAJOR) "." GX_STR(PYBIND11_VERSION_MINOR) "." GX_STR(PYBIND11_VERSION_PATCH);
   return d;
+}
+
+// Python types of the core's exceptions, created once and kept for the life of the process.
+// One translator, most derived first. (Plain PyErr_NewException rather than
+// py::register_exception: raising IllegalTransition through the latter segfaulted on the GPU
+// machine, torch 2.11 / Python 3.12, 2026-11-29; the cause was not established.)
+PyObject* g_usage_error = nullptr;
+PyObject* g_oom_error = nullptr;
+PyObject* g_internal_error = nullptr;
+PyObject* g_illegal_transition = nullptr;
+
+PyObject* new_exception(py::module_& m, const char* name, PyObject* base, const char* doc) {
+  const std::string qualified = std::string("gemini_ext._C.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base, nullptr);
+  if (type == nullptr) throw py::error_already_set();
+  Py_INCREF(type);  // one reference for the module attribute, one kept by us
+  if (PyModule_AddObject(m.ptr(), name, type) != 0) throw py::error_already_set();
+  return type;
+}
+
+void register_exceptions(py::module_& m) {
+  g_usage_error = new_exception(m, "UsageError", PyExc_ValueError, "A caller's mistake; the message says the fix.");
+  g_oom_error = new_exception(m, "OutOfMemoryError", PyExc_RuntimeError, "A tier ran out of memory.");
+  g_internal_error = new_exception(m, "InternalError", PyExc_RuntimeError, "A broken invariant: a gemini_ext bug.");
+  g_illegal_transition = new_exception(m, "IllegalTransition", g_internal_error,
+                                       "An illegal TensorState transition: a gemini_ext bug.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IllegalTransition& e) {
+      PyErr_SetString(g_illegal_transition, e.what());
+    } catch (const InternalError& e) {
+      PyErr_SetString(g_internal_error, e.what());
+    } catch (const OutOfMemoryError& e) {
+      PyErr_SetString(g_oom_error, e.what());
+    } catch (const UsageError& e) {
+      PyErr_SetString(g_usage_error, e.what());
+    }
+  });
 }
 
 }  // namespace
@@ -75,11 +118,7 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gemini_ext native core (chunks, pools, device backends, chunk search)";
 
-  // Base classes first: pybind11 tries the most recently registered translator first.
-  py::register_exception<UsageError>(m, "UsageError", PyExc_ValueError);
-  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError);
-  auto internal_error = py::register_exception<InternalError>(m, "InternalError", PyExc_RuntimeError);
-  py::register_exception<IllegalTransition>(m, "IllegalTransition", internal_error.ptr());
+  register_exceptions(m);
 
   py::enum_<TensorState>(m, "TensorState")
       .value("FREE", TensorState::kFree)
