@@ -8,13 +8,19 @@
 //    message says that this is a bug. GX_INTERNAL_ASSERT builds those. Illegal TensorState
 //    transitions are invariant failures of the scheduler, so they throw IllegalTransition,
 //    an InternalError carrying the chunk id, the tensor and both states.
-// The bindings map UsageError to ValueError, OutOfMemoryError to torch.OutOfMemoryError-like
-// RuntimeError and InternalError to RuntimeError.
+// The bindings map UsageError to ValueError, OutOfMemoryError and InternalError to RuntimeError.
+//
+// Messages are built by detail::concat without iostreams: inside the extension on the GPU
+// machine (torch 2.11, GCC 13), formatting an integer through std::ostringstream segfaulted in
+// std::ostream::operator<<(long) (seen 2026-11-29 with cuda-gdb); to_string and snprintf do not
+// touch the stream locale machinery.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace gx {
 
@@ -35,11 +41,31 @@ class InternalError : public std::logic_error {
 };
 
 namespace detail {
+inline void append_to(std::string& out, std::string_view text) { out.append(text); }
+inline void append_to(std::string& out, const char* text) { out.append(text != nullptr ? text : "(null)"); }
+inline void append_to(std::string& out, char c) { out.push_back(c); }
+inline void append_to(std::string& out, bool b) { out.append(b ? "true" : "false"); }
+template <typename T>
+std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>> append_to(
+    std::string& out, T value) {
+  out.append(std::to_string(value));
+}
+template <typename T>
+std::enable_if_t<std::is_floating_point_v<T>> append_to(std::string& out, T value) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(value));
+  out.append(buf);
+}
+template <typename T>
+std::enable_if_t<std::is_enum_v<T>> append_to(std::string& out, T value) {
+  out.append(std::to_string(static_cast<long long>(value)));
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (append_to(out, args), ...);
+  return out;
 }
 [[noreturn]] void throw_internal(const char* file, int line, const char* cond, const std::string& msg);
 }  // namespace detail
