@@ -1,0 +1,18 @@
+"""Benchmark scripts keep running: their --smoke modes on the sim device."""
+
+import json
+
+from conftest import run_python
+
+
+def test_chunk_moves_bench_smoke(tmp_path):
+    out_json = tmp_path / "moves.json"
+    out = run_python("bench/chunk_moves.py", "--smoke", "--json-out", str(out_json))
+    assert out.returncode == 0, out.stderr
+    assert "per-tensor" in out.stdout and "chunks" in out.stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["method"], r["direction"]) for r in rows} == {
+        (m, d) for m in ("chunks", "per-tensor", "flat") for d in ("H2D", "D2H")}
+    assert all(r["ms"] > 0 and r["payload_GB_per_s"] > 0 for r in rows)
+    chunk_rows = [r for r in rows if r["method"] == "chunks"]
+    assert all(r["bytes_moved"] >= rows[-1]["bytes_moved"] for r in chunk_rows), "chunks move at least the payload"
