@@ -56,7 +56,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--total-mb", type=float, default=772)
     p.add_argument("--tensors", type=int, default=288)
-    p.add_argument("--chunk-mb", type=float, default=32)
+    p.add_argument("--chunk-mb", type=float, default=32,
+                   help="smallest chunk size; the chunk-size search picks the size in [chunk-mb, 2 x chunk-mb]")
+    p.add_argument("--no-search", action="store_true", help="use exactly --chunk-mb")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json-out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny sizes on sim, for the test suite")
@@ -69,6 +71,9 @@ def main(argv=None) -> list[dict]:
     sizes = tensor_sizes(int(args.total_mb * MB), args.tensors, esize)
     total_bytes = sum(sizes) * esize
     chunk_numel = max(int(args.chunk_mb * MB) // esize, max(sizes))
+    if not args.no_search:  # as the engine does: the size with the least padding in range
+        found = gx._C.search_chunk_size(sizes, chunk_numel, chunk_numel, max(1, chunk_numel // 1024), 32)
+        chunk_numel = found["chunk_size_numel"]
 
     if device == "cuda":
         ctx = gx._C.DeviceContext("cuda", device_index=torch.cuda.current_device())
@@ -138,14 +143,16 @@ def main(argv=None) -> list[dict]:
                      "link_GB_per_s": moved / seconds / 1e9, "payload_GB_per_s": total_bytes / seconds / 1e9})
 
     print(f"device={device}  tensors={len(sizes)}  payload={total_bytes / MB:.1f} MB  "
-          f"chunks={mgr.num_chunks} x {chunk_numel * esize / MB:.1f} MB  (median of {args.repeats})")
+          f"chunks={mgr.num_chunks} x {chunk_numel * esize / MB:.1f} MB"
+          f"{'' if args.no_search else ' (searched)'}  (median of {args.repeats})")
     print(f"{'method':<12}{'dir':<5}{'MB moved':>10}{'ms':>10}{'link GB/s':>11}{'payload GB/s':>14}")
     for r in rows:
         print(f"{r['method']:<12}{r['direction']:<5}{r['bytes_moved'] / MB:>10.1f}{r['ms']:>10.2f}"
               f"{r['link_GB_per_s']:>11.2f}{r['payload_GB_per_s']:>14.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": device, "rows": rows}, f, indent=2)
+            json.dump({"device": device, "chunks": mgr.num_chunks, "chunk_bytes": chunk_numel * esize, "rows": rows},
+                      f, indent=2)
     return rows
 
 
