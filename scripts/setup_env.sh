@@ -55,7 +55,15 @@ source_hash() {
     | sort -z | xargs -0 sha256sum; "$PYTHON" -c "import sys, torch; print(sys.version, torch.__version__)"; echo "${GEMINI_EXT_CUDA:-}") | sha256sum | cut -d' ' -f1
 }
 
+ensure_build_tools() {  # what `pip install --no-build-isolation` needs from the environment
+  "$PYTHON" - <<'PY' 2>/dev/null || { log "installing setuptools>=64, wheel"; "$PYTHON" -m pip install -q "setuptools>=64" wheel; }
+import setuptools, wheel
+assert int(setuptools.__version__.split(".")[0]) >= 64
+PY
+}
+
 ensure_extension() {
+  ensure_build_tools
   local stamp="$REPO/build/.gemini_ext_stamp" want
   want="$(source_hash)"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && \
