@@ -74,9 +74,9 @@ def main(argv=None) -> dict:
             step_seconds.append(time.perf_counter() - start)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
-        stats = engine.stats()
         torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
 
+    stats = engine.stats()  # as of the close: the moves back to the host included
     timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
     tokens_per_s = args.batch * seq * len(timed) / sum(timed)
     summary = {
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
         "peak_chunk_device_bytes": stats["tier_bytes"]["device"]["peak"],
         "peak_torch_device_bytes": torch_peak,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "chunk_traffic": engine._final_stats["traffic"],
+        "chunk_traffic": stats["traffic"],
     }
     t = summary["chunk_traffic"]
     print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "

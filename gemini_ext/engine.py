@@ -135,6 +135,8 @@ class GeminiEngine:
             self._mgr.move(chunk_id, "device")
         for name, p, handle, _ in self._params:
             p.data = self._mgr.tensor_view(handle, "device")
+            if p.grad is not None:  # an existing gradient follows its parameter
+                p.grad = p.grad.to(self.compute_device)
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None and buf.device != self.compute_device:
@@ -163,8 +165,10 @@ class GeminiEngine:
         loss.backward()
 
     def stats(self) -> dict:
-        """Chunk layout, bytes per tier and chunk traffic so far."""
-        self._check_open("stats")
+        """Chunk layout, bytes per tier and chunk traffic so far; after close(), as of the close
+        (the moves back to the host included)."""
+        if self._closed:
+            return self._stats_at_close
         tiers = {t: self._mgr.tier_bytes(t) for t in ("device", "pinned_host", "pageable_host")}
         return {
             "device": self.device_kind,
@@ -202,7 +206,9 @@ class GeminiEngine:
         with torch.no_grad():
             for _, p, handle, device in self._params:
                 p.data = self._mgr.tensor_view(handle, host).to(device, copy=True)
-        self._final_stats = {"traffic": self._mgr.traffic()}
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+        self._stats_at_close = self.stats()
         self._closed = True
         self.model._gemini_engine = None
         del self._mgr  # frees the chunk pools; the views into them were replaced above

@@ -76,19 +76,20 @@ TensorHandle ChunkManager::register_tensor(const std::string& group, const std::
 
 void ChunkManager::finalize() {
   GX_CHECK(!finalized_, "finalize(): already finalized.");
+  std::vector<uint8_t> zeros;  // source for zeroing device shards, as large as the largest
   for (auto& c : chunks_) {
     c->close();
     const Tier home = groups_.at(c->group()).home_tier;
     add_copy(*c, home);
     // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.
     if (home == Tier::kDevice) {
-      std::vector<uint8_t> zeros(c->shard_bytes(), 0);
-      backend_.copy_async(c->shard_ptr(home), zeros.data(), zeros.size(), StreamKind::kHostToDevice);
-      backend_.synchronize(StreamKind::kHostToDevice);
+      if (zeros.size() < c->shard_bytes()) zeros.assign(c->shard_bytes(), 0);
+      backend_.copy_async(c->shard_ptr(home), zeros.data(), c->shard_bytes(), StreamKind::kHostToDevice);
     } else {
       std::memset(c->shard_ptr(home), 0, c->shard_bytes());
     }
   }
+  backend_.synchronize(StreamKind::kHostToDevice);  // `zeros` must outlive the copies
   finalized_ = true;
 }
 

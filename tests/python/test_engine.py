@@ -74,7 +74,18 @@ def test_close_restores_ordinary_parameters_on_their_original_device():
     storage = model.weight.untyped_storage()
     assert storage.nbytes() == model.weight.numel() * 4, "an ordinary tensor, not a view into a chunk"
     with pytest.raises(RuntimeError, match="closed"):
-        engine.stats()
+        engine.optimizer(torch.optim.AdamW)
+    traffic = engine.stats()["traffic"]  # a snapshot taken at close
+    assert traffic["d2h_bytes"] == traffic["h2d_bytes"] > 0
+
+
+def test_existing_gradients_follow_their_parameters():
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    grad = model.weight.grad.clone()
+    with gx.enable(model, _cfg("sim")) as engine:
+        assert model.weight.grad is not None and model.weight.grad.device == engine.compute_device
+    torch.testing.assert_close(model.weight.grad, grad)
 
 
 def test_state_dict_is_fp32_on_cpu_with_plain_keys():
