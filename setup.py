@@ -17,14 +17,32 @@ import sys
 
 from setuptools import find_packages, setup
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def locate_cuda_home():
+    """Sets CUDA_HOME when unset and `nvcc` on PATH is not inside a toolkit (a wrapper script,
+    e.g. /usr/local/bin/nvcc): torch's build helper would otherwise take its grandparent folder
+    and miss the CUDA headers. Must run before torch.utils.cpp_extension is imported."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    candidates += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")) and \
+                os.path.exists(os.path.join(home, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+locate_cuda_home()
 try:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 except ImportError:  # pragma: no cover - a clear message instead of a traceback
     sys.exit("gemini_ext needs torch installed before it is built: pip install torch, then "
              "pip install --no-build-isolation .")
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def nvcc_major():
