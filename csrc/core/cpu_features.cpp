@@ -19,8 +19,10 @@ const char* to_string(SimdIsa isa) {
 SimdIsa detected_simd_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return SimdIsa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdIsa::kAvx2;
+  // Both SIMD paths also convert with F16C, which every AVX2 and AVX-512 CPU has in practice.
+  const bool f16c = __builtin_cpu_supports("f16c");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) return SimdIsa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return SimdIsa::kAvx2;
 #endif
   return SimdIsa::kScalar;
 }

@@ -29,6 +29,10 @@ class ResourceConformance : public ::testing::TestWithParam<ResourceFactory> {
     mr_ = GetParam().make(keepalive_);
     if (mr_ == nullptr) GTEST_SKIP() << GetParam().name << ": device not present";
   }
+  // Adaptors and pools are pushed after their upstreams: destroy them first.
+  ~ResourceConformance() override {
+    while (!keepalive_.empty()) keepalive_.pop_back();
+  }
   std::vector<std::shared_ptr<void>> keepalive_;
   MemoryResource* mr_ = nullptr;
 };

@@ -1,0 +1,82 @@
+// CPU Adam / AdamW: one fused pass over a chunk's fp32 master, m, v and its gradient.
+//
+// Design note. Per element i, with t the step count after increment (the torch.optim update,
+// amsgrad off, maximize off):
+//   g  = grad[i] * grad_scale                       (grad may be fp32, bf16 or fp16; grad_scale
+//                                                     folds 1/loss_scale and the clip coefficient)
+//   Adam:  g += weight_decay * p       AdamW:  p *= 1 - lr * weight_decay
+//   m  = m + (1 - beta1) * (g - m)                  (torch's lerp for weight < 0.5)
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p -= (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   param16[i] = round_to_nearest_even(p)           (optional bf16 / fp16 copy for compute)
+// Scalars are computed in double and used as float, as torch does. Memory traffic is one read of
+// p, m, v, grad and one write of p, m, v, param16: 28 bytes per parameter with bf16 in and out,
+// where torch's fused CPU AdamW needs a separate cast of the gradient and of the parameter.
+// Three implementations with one result contract: scalar, AVX2+F16C+FMA and AVX-512 (F, BW),
+// picked by best_simd_isa() (GEMINI_EXT_SIMD caps it). The SIMD paths convert to 16 bits with the
+// same round-to-nearest-even as half_convert.h, so param16 is bit-identical across paths; p, m, v
+// may differ in the last bit where a path contracts a*b+c into an FMA.
+// cpu_adam_step splits the elements over the ThreadPool in contiguous ranges.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_features.h"
+#include "types.h"
+
+namespace gx {
+
+struct AdamHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled_weight_decay = true;  // AdamW; false: Adam (L2 added to the gradient)
+  int64_t step = 1;                    // t, already incremented for this update (>= 1)
+  double grad_scale = 1.0;
+};
+
+struct AdamBuffers {
+  float* param = nullptr;       // fp32 master
+  float* exp_avg = nullptr;     // m
+  float* exp_avg_sq = nullptr;  // v
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;  // float32, bfloat16 or float16
+  void* param16 = nullptr;             // optional 16-bit copy of the updated param
+  DType param16_dtype = DType::kBFloat16;
+  int64_t numel = 0;
+};
+
+// The per-step float constants every path uses.
+struct AdamConstants {
+  float lr;
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;   // Adam: L2 coefficient; AdamW: 0 (folded into decay)
+  float decay;          // AdamW: 1 - lr * wd; Adam: 1
+  float step_size;      // lr / (1 - beta1^t)
+  float bias2_sqrt;     // sqrt(1 - beta2^t)
+  float grad_scale;
+};
+AdamConstants adam_constants(const AdamHyper& hyper);
+
+// Validates buffers and hyperparameters (UsageError naming the bad one).
+void check_adam_args(const AdamHyper& hyper, const AdamBuffers& buffers);
+
+// One update of elements [begin, end) with a given implementation (no threading).
+void cpu_adam_range(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end, SimdIsa isa);
+// One update of all elements over the global ThreadPool with best_simd_isa() (or `isa`).
+void cpu_adam_step(const AdamHyper& hyper, const AdamBuffers& buffers);
+void cpu_adam_step(const AdamHyper& hyper, const AdamBuffers& buffers, SimdIsa isa);
+
+namespace detail {
+void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);
+void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);
+void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);
+}  // namespace detail
+
+}  // namespace gx

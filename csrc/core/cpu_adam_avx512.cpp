@@ -1,0 +1,75 @@
+// CPU Adam, AVX-512 (F, BW) path (16 floats per step); see cpu_adam.h for the contract.
+#include "cpu_adam.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace gx::detail {
+namespace {
+
+inline __m512 load_grad16(const AdamBuffers& b, int64_t i) {
+  switch (b.grad_dtype) {
+    case DType::kBFloat16: {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b.grad) + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case DType::kFloat16:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b.grad) + i)));
+    default: return _mm512_loadu_ps(static_cast<const float*>(b.grad) + i);
+  }
+}
+
+// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16.
+inline __m256i to_bf16x16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F800000));
+  out = _mm512_mask_mov_epi32(out, is_nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(out);
+}
+
+}  // namespace
+
+void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
+  const __m512 gs = _mm512_set1_ps(c.grad_scale), wd = _mm512_set1_ps(c.weight_decay), decay = _mm512_set1_ps(c.decay);
+  const __m512 omb1 = _mm512_set1_ps(c.one_minus_beta1), beta2 = _mm512_set1_ps(c.beta2);
+  const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2), b2s = _mm512_set1_ps(c.bias2_sqrt);
+  const __m512 eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size);
+  auto* out16 = static_cast<uint16_t*>(b.param16);
+  const bool bf16_out = b.param16_dtype == DType::kBFloat16;
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 g = _mm512_mul_ps(load_grad16(b, i), gs);
+    __m512 p = _mm512_loadu_ps(b.param + i);
+    g = _mm512_fmadd_ps(wd, p, g);
+    p = _mm512_mul_ps(p, decay);
+    __m512 m = _mm512_loadu_ps(b.exp_avg + i);
+    m = _mm512_fmadd_ps(omb1, _mm512_sub_ps(g, m), m);
+    __m512 v = _mm512_fmadd_ps(omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), b2s), eps);
+    p = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), p);
+    _mm512_storeu_ps(b.param + i, p);
+    _mm512_storeu_ps(b.exp_avg + i, m);
+    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    if (out16 != nullptr) {
+      const __m256i h = bf16_out ? to_bf16x16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + i), h);
+    }
+  }
+  cpu_adam_scalar(c, b, i, end);
+}
+
+}  // namespace gx::detail
+
+#pragma GCC pop_options
+#else
+namespace gx::detail {
+void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
+  cpu_adam_scalar(c, b, begin, end);  // never selected: detected_simd_isa() is scalar off x86
+}
+}  // namespace gx::detail
+#endif

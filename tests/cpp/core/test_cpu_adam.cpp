@@ -1,0 +1,148 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/cpu_adam.h"
+#include "core/errors.h"
+#include "core/half_convert.h"
+#include "core/thread_pool.h"
+
+namespace gx {
+namespace {
+
+std::vector<SimdIsa> available_isas() {
+  std::vector<SimdIsa> out{SimdIsa::kScalar};
+  if (static_cast<int>(detected_simd_isa()) >= static_cast<int>(SimdIsa::kAvx2)) out.push_back(SimdIsa::kAvx2);
+  if (detected_simd_isa() == SimdIsa::kAvx512) out.push_back(SimdIsa::kAvx512);
+  return out;
+}
+
+// Straightforward double-precision AdamW/Adam for one element, the reference of the float paths.
+struct Ref {
+  double p, m, v;
+  void step(double g, const AdamHyper& h) {
+    g *= h.grad_scale;
+    if (h.decoupled_weight_decay) p *= 1 - h.lr * h.weight_decay;
+    else g += h.weight_decay * p;
+    m = h.beta1 * m + (1 - h.beta1) * g;
+    v = h.beta2 * v + (1 - h.beta2) * g * g;
+    const double b1 = 1 - std::pow(h.beta1, h.step), b2 = 1 - std::pow(h.beta2, h.step);
+    p -= h.lr / b1 * m / (std::sqrt(v) / std::sqrt(b2) + h.eps);
+  }
+};
+
+struct Case {
+  DType grad_dtype;
+  bool adamw;
+  double weight_decay;
+  int64_t numel;
+};
+
+class CpuAdam : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CpuAdam, EveryIsaMatchesTheDoubleReferenceAndEachOther) {
+  const Case k = GetParam();
+  std::mt19937 rng(static_cast<unsigned>(k.numel));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> p0(k.numel), g32(k.numel);
+  std::vector<uint16_t> g16(k.numel);
+  for (int64_t i = 0; i < k.numel; ++i) {
+    p0[i] = normal(rng);
+    g32[i] = normal(rng) * 0.1f;
+    if (k.grad_dtype == DType::kBFloat16) {
+      g16[i] = float_to_bf16(g32[i]);
+      g32[i] = bf16_to_float(g16[i]);
+    } else if (k.grad_dtype == DType::kFloat16) {
+      g16[i] = float_to_fp16(g32[i]);
+      g32[i] = fp16_to_float(g16[i]);
+    }
+  }
+  std::vector<std::vector<float>> results;
+  std::vector<std::vector<uint16_t>> copies;
+  for (SimdIsa isa : available_isas()) {
+    std::vector<float> p = p0, m(k.numel, 0.0f), v(k.numel, 0.0f);
+    std::vector<uint16_t> out(k.numel, 0);
+    std::vector<Ref> ref(k.numel);
+    for (int64_t i = 0; i < k.numel; ++i) ref[i] = Ref{p0[i], 0, 0};
+    AdamHyper h;
+    h.lr = 1e-2;
+    h.weight_decay = k.weight_decay;
+    h.decoupled_weight_decay = k.adamw;
+    h.grad_scale = 0.5;
+    for (int64_t t = 1; t <= 5; ++t) {
+      h.step = t;
+      AdamBuffers b{p.data(), m.data(), v.data(),
+                    k.grad_dtype == DType::kFloat32 ? static_cast<const void*>(g32.data()) : g16.data(),
+                    k.grad_dtype, out.data(), DType::kBFloat16, k.numel};
+      cpu_adam_step(h, b, isa);
+      for (int64_t i = 0; i < k.numel; ++i) ref[i].step(g32[i], h);
+    }
+    for (int64_t i = 0; i < k.numel; ++i) {
+      ASSERT_NEAR(p[i], ref[i].p, 1e-5 * std::max(1.0, std::abs(ref[i].p))) << to_string(isa) << " i=" << i;
+      ASSERT_NEAR(m[i], ref[i].m, 1e-5 * std::max(1e-2, std::abs(ref[i].m))) << to_string(isa) << " i=" << i;
+      ASSERT_EQ(out[i], float_to_bf16(p[i])) << "bf16 copy of the updated param, " << to_string(isa);
+    }
+    results.push_back(p);
+    copies.push_back(out);
+  }
+  for (size_t r = 1; r < results.size(); ++r)
+    for (int64_t i = 0; i < k.numel; ++i)
+      ASSERT_NEAR(results[r][i], results[0][i], 2e-6 * std::max(1.0f, std::abs(results[0][i])));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, CpuAdam,
+    ::testing::Values(Case{DType::kFloat32, true, 0.0, 1}, Case{DType::kFloat32, true, 0.1, 17},
+                      Case{DType::kFloat32, false, 0.1, 1000}, Case{DType::kBFloat16, true, 0.1, 4099},
+                      Case{DType::kBFloat16, false, 0.0, 31}, Case{DType::kFloat16, true, 0.01, 200003},
+                      Case{DType::kFloat16, false, 0.1, 15}));
+
+TEST(HalfConvert, RoundsToNearestEvenAndKeepsSpecials) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(float_to_bf16(bits_to_float(0x3F808000u)), 0x3F80);  // tie, even stays
+  EXPECT_EQ(float_to_bf16(bits_to_float(0x3F818000u)), 0x3F82);  // tie, odd rounds up
+  EXPECT_EQ(float_to_bf16(bits_to_float(0x3F808001u)), 0x3F81);
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+  EXPECT_EQ(float_to_fp16(1.0f), 0x3C00);
+  EXPECT_EQ(float_to_fp16(65504.0f), 0x7BFF);
+  EXPECT_EQ(float_to_fp16(70000.0f), 0x7C00);
+  EXPECT_EQ(float_to_fp16(-2.0f), 0xC000);
+  EXPECT_EQ(float_to_fp16(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(fp16_to_float(0x0001), std::ldexp(1.0f, -24));
+  for (uint32_t h = 0; h < 0x7C00; h += 7) EXPECT_EQ(float_to_fp16(fp16_to_float(static_cast<uint16_t>(h))), h);
+}
+
+TEST(CpuAdamArgs, BadHyperparametersAreUsageErrors) {
+  float x = 0;
+  AdamBuffers b{&x, &x, &x, &x, DType::kFloat32, nullptr, DType::kBFloat16, 1};
+  AdamHyper h;
+  h.step = 0;
+  EXPECT_THROW(cpu_adam_step(h, b), UsageError);
+  h.step = 1;
+  h.beta1 = 1.0;
+  EXPECT_THROW(cpu_adam_step(h, b), UsageError);
+  h.beta1 = 0.9;
+  b.grad_dtype = DType::kInt32;
+  EXPECT_THROW(cpu_adam_step(h, b), UsageError);
+}
+
+TEST(ThreadPool, CoversTheRangeOnceAndRethrows) {
+  ThreadPool pool(4);
+  std::vector<int> hits(100003, 0);
+  pool.parallel_for(static_cast<int64_t>(hits.size()), 1000, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) hits[i] += 1;
+  });
+  for (int h : hits) ASSERT_EQ(h, 1);
+  EXPECT_THROW(pool.parallel_for(100, 1, [](int64_t a, int64_t) {
+                 if (a > 0) throw UsageError("boom");
+               }),
+               UsageError);
+  int calls = 0;
+  pool.parallel_for(10, 100, [&](int64_t a, int64_t b) { calls += static_cast<int>(b - a); });
+  EXPECT_EQ(calls, 10);  // below one grain: run inline
+}
+
+}  // namespace
+}  // namespace gx
