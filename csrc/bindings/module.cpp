@@ -10,6 +10,7 @@
 #include "core/cpu_features.h"
 #include "core/errors.h"
 #include "torch/chunk_views.h"
+#include "torch/cpu_adam_op.h"
 #include "torch/dtype_map.h"
 
 #ifdef GX_WITH_CUDA
@@ -129,6 +130,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_legal_transition", &is_legal_transition);
 
   m.def("build_info", &build_info);
+
+  m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
+        py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
+        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h).");
 
   m.def(
       "search_chunk_size",

@@ -56,14 +56,16 @@ void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin
       case DType::kFloat16: g = fp16_to_float(static_cast<const uint16_t*>(b.grad)[i]); break;
       default: g = static_cast<const float*>(b.grad)[i]; break;
     }
+    // The same operations, in the same order and with FMAs in the same places, as the SIMD
+    // paths: every path gives bit-identical results (sqrt and division are correctly rounded).
     g *= c.grad_scale;
     float pi = p[i];
-    g += c.weight_decay * pi;
+    g = std::fma(c.weight_decay, pi, g);
     pi *= c.decay;
-    const float mi = m[i] + c.one_minus_beta1 * (g - m[i]);
-    const float vi = c.beta2 * v[i] + c.one_minus_beta2 * (g * g);
+    const float mi = std::fma(c.one_minus_beta1, g - m[i], m[i]);
+    const float vi = std::fma(c.one_minus_beta2, g * g, c.beta2 * v[i]);
     const float denom = std::sqrt(vi) / c.bias2_sqrt + c.eps;
-    pi -= c.step_size * (mi / denom);
+    pi = std::fma(-c.step_size, mi / denom, pi);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;

@@ -1,0 +1,63 @@
+#include "torch/cpu_adam_op.h"
+
+#include "core/cpu_adam.h"
+#include "core/errors.h"
+#include "torch/dtype_map.h"
+
+namespace gx::torch_layer {
+
+namespace {
+void check_tensor(const at::Tensor& t, const char* name, int64_t numel) {
+  GX_CHECK(t.device().is_cpu(), "cpu_adam_step: ", name, " must be a CPU tensor, got one on ", t.device().str(),
+           ". Move the optimizer state of this chunk to the host or use the GPU Adam.");
+  GX_CHECK(t.is_contiguous(), "cpu_adam_step: ", name, " must be contiguous; call .contiguous() first.");
+  GX_CHECK(t.numel() == numel, "cpu_adam_step: ", name, " has ", t.numel(), " elements, expected ", numel,
+           " (the param's).");
+}
+
+SimdIsa parse_isa(const std::string& isa) {
+  if (isa.empty()) return best_simd_isa();
+  for (SimdIsa candidate : {SimdIsa::kScalar, SimdIsa::kAvx2, SimdIsa::kAvx512})
+    if (isa == to_string(candidate)) return candidate;
+  GX_CHECK(false, "cpu_adam_step isa: expected '', 'scalar', 'avx2' or 'avx512', got '", isa, "'.");
+}
+}  // namespace
+
+void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                   const std::string& isa) {
+  const int64_t n = param.numel();
+  GX_CHECK(param.scalar_type() == at::kFloat, "cpu_adam_step: param (the master) must be float32, got ",
+           c10::toString(param.scalar_type()), ".");
+  GX_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+           "cpu_adam_step: exp_avg and exp_avg_sq must be float32.");
+  check_tensor(param, "param", n);
+  check_tensor(exp_avg, "exp_avg", n);
+  check_tensor(exp_avg_sq, "exp_avg_sq", n);
+  check_tensor(grad, "grad", n);
+  AdamBuffers b;
+  b.param = param.data_ptr<float>();
+  b.exp_avg = exp_avg.data_ptr<float>();
+  b.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  b.grad = grad.data_ptr();
+  b.grad_dtype = to_gx_dtype(grad.scalar_type());
+  b.numel = n;
+  if (param16.has_value()) {
+    check_tensor(*param16, "param16", n);
+    b.param16 = param16->data_ptr();
+    b.param16_dtype = to_gx_dtype(param16->scalar_type());
+  }
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled_weight_decay = adamw;
+  h.step = step;
+  h.grad_scale = grad_scale;
+  gx::cpu_adam_step(h, b, parse_isa(isa));
+}
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,20 @@
+// The CPU Adam kernel over torch tensors: validation of devices, dtypes, shapes and layout, then
+// one call of the core kernel (csrc/core/cpu_adam.h) over the host thread pool.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace gx::torch_layer {
+
+// Updates `param` (fp32), `exp_avg`, `exp_avg_sq` in place from `grad` (fp32/bf16/fp16) and, when
+// given, writes the updated param into `param16` (bf16/fp16). All CPU, contiguous, same numel.
+// `isa` ("scalar", "avx2", "avx512") forces an implementation; empty: the best available.
+void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                   const std::string& isa);
+
+}  // namespace gx::torch_layer
