@@ -16,3 +16,14 @@ def test_chunk_moves_bench_smoke(tmp_path):
     assert all(r["ms"] > 0 and r["payload_GB_per_s"] > 0 for r in rows)
     chunk_rows = [r for r in rows if r["method"] == "chunks"]
     assert all(r["bytes_moved"] >= rows[-1]["bytes_moved"] for r in chunk_rows), "chunks move at least the payload"
+
+
+def test_cpu_adam_bench_smoke(tmp_path):
+    out_json = tmp_path / "adam.json"
+    out = run_python("bench/cpu_adam.py", "--smoke", "--json-out", str(out_json))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["torch fused AdamW, fp32 grad", "torch fused AdamW + casts, bf16 in/out",
+                                           "gemini_ext, fp32 grad", "gemini_ext, bf16 grad + bf16 copy"]
+    assert all(r["ms"] > 0 and r["Gparams_per_s"] > 0 for r in rows)
+    assert rows[0]["vs_torch_fp32"] == 1.0 and rows[1]["vs_torch_mixed"] == 1.0
