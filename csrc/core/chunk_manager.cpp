@@ -34,13 +34,23 @@ ChunkManager::~ChunkManager() {
   }
 }
 
-void ChunkManager::create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier) {
+void ChunkManager::create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier,
+                                int64_t alignment_numel) {
   GX_CHECK(!finalized_, "create_group('", group, "'): the ChunkManager is finalized; create groups before finalize().");
   GX_CHECK(groups_.count(group) == 0, "create_group: group '", group, "' already exists; use another name.");
   GX_CHECK(chunk_size_numel > 0, "chunk_size_numel of group '", group, "': expected > 0, got ", chunk_size_numel, ".");
   GX_CHECK(allocator_.has_tier(home_tier), "home tier of group '", group, "': ", to_string(home_tier),
            " is not available on the ", backend_.name(), " backend; use ", to_string(host_tier_), ".");
-  groups_[group] = GroupInfo{group, dtype, chunk_size_numel, home_tier, {}};
+  GX_CHECK(alignment_numel >= 0, "alignment_numel of group '", group, "': expected >= 0, got ", alignment_numel, ".");
+  if (alignment_numel == 0)
+    alignment_numel = std::max<int64_t>(1, static_cast<int64_t>(config_.alignment_bytes / element_size_bytes(dtype)));
+  GroupInfo info;
+  info.name = group;
+  info.dtype = dtype;
+  info.chunk_size_numel = chunk_size_numel;
+  info.alignment_numel = alignment_numel;
+  info.home_tier = home_tier;
+  groups_[group] = info;
 }
 
 TensorHandle ChunkManager::register_tensor(const std::string& group, const std::string& name, int64_t numel,
@@ -49,8 +59,7 @@ TensorHandle ChunkManager::register_tensor(const std::string& group, const std::
   auto it = groups_.find(group);
   GX_CHECK(it != groups_.end(), "register_tensor('", name, "'): unknown group '", group, "'; call create_group first.");
   GroupInfo& g = it->second;
-  const int64_t alignment_numel =
-      std::max<int64_t>(1, static_cast<int64_t>(config_.alignment_bytes / element_size_bytes(g.dtype)));
+  const int64_t alignment_numel = g.alignment_numel;
 
   if (g.open_chunk >= 0) {
     Chunk& open = *chunks_[static_cast<size_t>(g.open_chunk)];
@@ -152,10 +161,15 @@ void ChunkManager::add_copy(Chunk& c, Tier tier) {
   c.set_shard_ptr(tier, ptr);
   c.shard_tiers().add(tier);
   tier_bytes_[static_cast<int>(tier)].increase(static_cast<int64_t>(c.shard_bytes()));
+  if (tier == Tier::kDevice && listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
 }
 
 void ChunkManager::drop_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
+  if (tier == Tier::kDevice) {
+    if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
+    if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
+  }
   allocator_.deallocate(tier, c.shard_ptr(tier), c.shard_bytes());
   c.set_shard_ptr(tier, nullptr);
   c.shard_tiers().remove(tier);
@@ -195,14 +209,59 @@ void ChunkManager::move(ChunkId id, Tier to, bool async) {
   const Tier from = c.shard_tiers().contains(Tier::kDevice) ? Tier::kDevice
               : c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
   add_copy(c, to);
+  start_copy(c, from, to, /*drop_source=*/true, async);
+}
+
+void ChunkManager::start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async) {
   const StreamKind stream = stream_for(from, to);
-  // The side stream must see everything compute did to the source (e.g. an optimizer update).
+  // The side stream must see everything compute did to the source (e.g. an optimizer update)
+  // and must not overwrite the destination while compute still reads it.
   if (stream != StreamKind::kCompute) backend_.stream_wait_event(stream, backend_.record_event(StreamKind::kCompute));
   backend_.copy_async(c.shard_ptr(to), c.shard_ptr(from), c.shard_bytes(), stream);
   count_traffic(from, to, c.shard_bytes());
   traffic_.moves += 1;
-  in_flight_[id] = InFlight{backend_.record_event(stream), from, to};
-  if (!async) complete_move(id, /*block=*/true);
+  in_flight_[c.id()] = InFlight{backend_.record_event(stream), from, to, drop_source};
+  if (to == Tier::kDevice) {
+    // Compute that uses the destination must wait for the copy (an event wait, not a host wait).
+    backend_.stream_wait_event(StreamKind::kCompute, in_flight_[c.id()].event);
+  }
+  if (!async) complete_move(c.id(), /*block=*/true);
+}
+
+void ChunkManager::allocate_copy(ChunkId id, Tier tier) {
+  check_finalized("allocate_copy");
+  Chunk& c = mutable_chunk(id);
+  complete_move(id, /*block=*/true);
+  GX_CHECK(!c.shard_tiers().contains(tier), "allocate_copy of chunk ", id, ": it already has a copy on ",
+           to_string(tier), ".");
+  add_copy(c, tier);
+}
+
+void ChunkManager::transfer(ChunkId id, Tier from, Tier to, bool async) {
+  check_finalized("transfer");
+  Chunk& c = mutable_chunk(id);
+  complete_move(id, /*block=*/true);
+  GX_CHECK(from != to, "transfer of chunk ", id, ": source and destination are both ", to_string(from), ".");
+  GX_CHECK(c.shard_tiers().contains(from) && c.shard_tiers().contains(to), "transfer of chunk ", id, " from ",
+           to_string(from), " to ", to_string(to), ": both copies must exist, the chunk is on ",
+           c.shard_tiers().to_string(), "; use move() or allocate_copy() first.");
+  GX_INTERNAL_ASSERT(to != Tier::kDevice || c.can_move(), "transfer into the device copy of chunk ", id, " while ",
+                     c.count_in(TensorState::kCompute), " of its tensors are in COMPUTE");
+  start_copy(c, from, to, /*drop_source=*/false, async);
+}
+
+void ChunkManager::discard_copy(ChunkId id, Tier tier) {
+  check_finalized("discard_copy");
+  Chunk& c = mutable_chunk(id);
+  complete_move(id, /*block=*/true);
+  GX_CHECK(c.shard_tiers().contains(tier), "discard_copy of chunk ", id, ": no copy on ", to_string(tier),
+           " (it is on ", c.shard_tiers().to_string(), ").");
+  GX_INTERNAL_ASSERT(tier != Tier::kDevice || c.can_move(), "discard of the device copy of chunk ", id, " while ",
+                     c.count_in(TensorState::kCompute), " of its tensors are in COMPUTE");
+  // Kernels queued on the compute stream may still read a device copy. Its slot can go back to
+  // the pool at once: every later writer of a device slot is ordered after them (copies wait on
+  // a compute event before they start; compute-stream writers are in stream order).
+  drop_copy(c, tier);
 }
 
 void ChunkManager::complete_move(ChunkId id, bool block) {
@@ -212,8 +271,9 @@ void ChunkManager::complete_move(ChunkId id, bool block) {
   it->second.event->synchronize();
   Chunk& c = mutable_chunk(id);
   const Tier from = it->second.from;
+  const bool drop_source = it->second.drop_source;
   in_flight_.erase(it);
-  drop_copy(c, from);
+  if (drop_source) drop_copy(c, from);
 }
 
 void ChunkManager::wait(ChunkId id) {

@@ -16,6 +16,14 @@
 //                  slot is freed when the copy is known complete (wait(c), access(c), poll()).
 //      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold). With world size 1
 //                  there is nothing to communicate; more ranks need a communicator (not yet).
+//      allocate_copy(c, t)      give c a slot on t without copying (the caller fills it).
+//      transfer(c, from, to)    copy between two existing copies (refresh a stale one).
+//      discard_copy(c, t)       drop t's copy without copying it anywhere (a clean cache copy, or
+//                               content nobody needs any more).
+//    Coherence is the caller's contract: every copy in shard_tiers is meant to hold the same
+//    bytes; whoever writes one copy refreshes or discards the others.
+//  * Residency listener. The torch layer binds parameter storages to the device copy; the
+//    manager tells it whenever a chunk's device copy appears or goes away.
 //  * Accounting. One Stat per tier counts the shard bytes chunks hold there, updated only in
 //    add_copy/drop_copy; traffic counters count bytes moved per direction. Stats never go
 //    negative (Stat asserts it). Policies read these numbers; they never call move themselves.
@@ -41,6 +49,13 @@ struct ChunkManagerConfig {
   bool pin_memory = true;       // host copies in pinned memory when the backend has it
 };
 
+// Told when a chunk's device copy is created (ptr = its memory) or dropped (ptr = nullptr).
+class ResidencyListener {
+ public:
+  virtual ~ResidencyListener() = default;
+  virtual void on_device_copy(ChunkId id, void* ptr) = 0;
+};
+
 struct TensorHandle {
   ChunkId chunk_id = -1;
   size_t slot_index = 0;
@@ -50,6 +65,7 @@ struct GroupInfo {
   std::string name;
   DType dtype = DType::kFloat32;
   int64_t chunk_size_numel = 0;
+  int64_t alignment_numel = 1;
   Tier home_tier = Tier::kDevice;
   std::vector<ChunkId> chunk_ids;
   ChunkId open_chunk = -1;  // the chunk new tensors go into; oversized tensors never open one
@@ -73,7 +89,10 @@ class ChunkManager {
   ChunkManager& operator=(const ChunkManager&) = delete;
 
   // Registration.
-  void create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier);
+  // alignment_numel 0: derived from ChunkManagerConfig::alignment_bytes and the dtype. Groups
+  // that must share one layout (16-bit params and their fp32 masters) pass the same value.
+  void create_group(const std::string& group, DType dtype, int64_t chunk_size_numel, Tier home_tier,
+                    int64_t alignment_numel = 0);
   TensorHandle register_tensor(const std::string& group, const std::string& name, int64_t numel,
                                const std::vector<int64_t>& shape);
   void finalize();
@@ -92,6 +111,10 @@ class ChunkManager {
   void wait(ChunkId id);
   void poll();  // completes finished async moves without blocking
   void reduce(ChunkId id);
+  void allocate_copy(ChunkId id, Tier tier);
+  void transfer(ChunkId id, Tier from, Tier to, bool async = false);
+  void discard_copy(ChunkId id, Tier tier);
+  void set_listener(ResidencyListener* listener) { listener_ = listener; }
   bool in_flight(ChunkId id) const { return in_flight_.count(id) != 0; }
 
   // Introspection.
@@ -111,6 +134,7 @@ class ChunkManager {
     std::shared_ptr<Event> event;
     Tier from;
     Tier to;
+    bool drop_source;  // a move; a transfer keeps both copies
   };
   Chunk& mutable_chunk(ChunkId id);
   void add_copy(Chunk& c, Tier tier);   // allocates a slot, accounts it
@@ -118,6 +142,7 @@ class ChunkManager {
   void complete_move(ChunkId id, bool block);
   StreamKind stream_for(Tier from, Tier to) const;
   void count_traffic(Tier from, Tier to, size_t bytes);
+  void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async);
   void check_finalized(const char* what) const;
 
   DeviceBackend& backend_;
@@ -130,6 +155,7 @@ class ChunkManager {
   std::map<ChunkId, InFlight> in_flight_;
   std::array<Stat, kNumTiers> tier_bytes_;
   TrafficStats traffic_;
+  ResidencyListener* listener_ = nullptr;
   bool finalized_ = false;
 };
 

@@ -173,6 +173,76 @@ TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
   EXPECT_THROW(mgr.tensor_ptr(h, Tier::kPageableHost), UsageError);
 }
 
+struct RecordingListener : ResidencyListener {
+  std::vector<std::pair<ChunkId, bool>> events;  // (chunk, device copy present)
+  void on_device_copy(ChunkId id, void* ptr) override { events.emplace_back(id, ptr != nullptr); }
+};
+
+TEST_F(ChunkManagerTest, TransferRefreshesAStaleCopyAndKeepsBoth) {
+  auto hs = register_floats({40, 40}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  mgr.allocate_copy(0, Tier::kDevice);
+  mgr.transfer(0, Tier::kPageableHost, Tier::kDevice, /*async=*/true);
+  mgr.wait(0);
+  EXPECT_TRUE(mgr.chunk(0).shard_tiers().contains(Tier::kDevice));
+  EXPECT_TRUE(mgr.chunk(0).shard_tiers().contains(Tier::kPageableHost)) << "a transfer keeps its source";
+  expect_values(hs, Tier::kDevice);
+  // Write the device copy, refresh the host copy from it.
+  static_cast<float*>(mgr.tensor_ptr(hs[1], Tier::kDevice))[3] = -7.0f;
+  mgr.transfer(0, Tier::kDevice, Tier::kPageableHost);
+  EXPECT_EQ(static_cast<float*>(mgr.tensor_ptr(hs[1], Tier::kPageableHost))[3], -7.0f);
+  EXPECT_EQ(mgr.traffic().h2d_bytes, 112 * 4);
+  EXPECT_EQ(mgr.traffic().d2h_bytes, 112 * 4);
+}
+
+TEST_F(ChunkManagerTest, DiscardDropsACopyWithoutTrafficAndTellsTheListener) {
+  RecordingListener listener;
+  mgr.set_listener(&listener);
+  auto hs = register_floats({40}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  mgr.access(0);
+  ASSERT_EQ(listener.events.size(), 1u);
+  EXPECT_EQ(listener.events[0], std::make_pair(ChunkId{0}, true));
+  mgr.release(0);
+  const int64_t d2h = mgr.traffic().d2h_bytes;
+  mgr.discard_copy(0, Tier::kDevice);
+  EXPECT_EQ(mgr.traffic().d2h_bytes, d2h) << "a discard copies nothing";
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 0);
+  ASSERT_EQ(listener.events.size(), 2u);
+  EXPECT_EQ(listener.events[1], std::make_pair(ChunkId{0}, false));
+  expect_values(hs, Tier::kPageableHost);
+  EXPECT_THROW(mgr.discard_copy(0, Tier::kDevice), UsageError);
+  EXPECT_THROW(mgr.allocate_copy(0, Tier::kPageableHost), UsageError) << "already has a host copy";
+  EXPECT_THROW(mgr.transfer(0, Tier::kDevice, Tier::kPageableHost), UsageError) << "no device copy to read";
+  mgr.set_listener(nullptr);
+}
+
+TEST_F(ChunkManagerTest, DiscardOfAChunkInComputeIsABug) {
+  auto hs = register_floats({40}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  mgr.access(0);
+  mgr.transition(hs[0], S::kCompute);
+  EXPECT_THROW(mgr.discard_copy(0, Tier::kDevice), InternalError);
+  mgr.transition(hs[0], S::kHold);
+}
+
+TEST_F(ChunkManagerTest, GroupsWithOneAlignmentShareTheirLayoutAcrossDtypes) {
+  mgr.create_group("p16", DType::kBFloat16, 100, Tier::kDevice, 16);
+  mgr.create_group("p32", DType::kFloat32, 100, Tier::kPageableHost, 16);
+  for (int64_t n : {7, 33, 50, 120, 3}) {
+    auto a = mgr.register_tensor("p16", "a", n, {n});
+    auto b = mgr.register_tensor("p32", "b", n, {n});
+    EXPECT_EQ(mgr.chunk(a.chunk_id).slot(a.slot_index).offset_numel, mgr.chunk(b.chunk_id).slot(b.slot_index).offset_numel);
+    EXPECT_EQ(a.slot_index, b.slot_index);
+  }
+  mgr.finalize();
+  const auto& ids16 = mgr.group("p16").chunk_ids;
+  const auto& ids32 = mgr.group("p32").chunk_ids;
+  ASSERT_EQ(ids16.size(), ids32.size());
+  for (size_t i = 0; i < ids16.size(); ++i)
+    EXPECT_EQ(mgr.chunk(ids16[i]).padded_numel(), mgr.chunk(ids32[i]).padded_numel());
+}
+
 TEST(ChunkManagerSharded, LayoutSplitsIntoShardsAndAccessNeedsACommunicator) {
   SimBackend sim(SimConfig{1 << 20, 0, 0});
   ChunkManager mgr(sim, ChunkManagerConfig{4, 1, 16, true});
