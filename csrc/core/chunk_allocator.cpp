@@ -24,7 +24,16 @@ FixedSizePool& ChunkAllocator::pool(Tier tier, size_t slot_bytes) {
 
 void* ChunkAllocator::allocate(Tier tier, size_t slot_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  void* ptr = pool(tier, slot_bytes).allocate(slot_bytes);
+  FixedSizePool& p = pool(tier, slot_bytes);
+  void* ptr = nullptr;
+  try {
+    ptr = p.allocate(slot_bytes);
+  } catch (const OutOfMemoryError&) {
+    // Free slots cached by pools of other sizes on this tier count against the same limit:
+    // give them back and try once more before the caller has to evict anything.
+    for (auto& [size, other] : pools_[static_cast<int>(tier)]) other->release_free_slots();
+    ptr = p.allocate(slot_bytes);
+  }
   in_use_[static_cast<int>(tier)].increase(static_cast<int64_t>(slot_bytes));
   return ptr;
 }

@@ -5,7 +5,8 @@
 // upstream (device memory of the backend, pinned or pageable host memory) wrapped in a
 // StatisticsAdaptor, so `reserved` per tier is what the pools took from the system and `in_use`
 // what chunks hold now. Pools are created on first use of a size and live until the allocator
-// dies; `release_free_slots()` trims them (the eviction path of a later issue uses it).
+// dies; `release_free_slots()` trims them. An allocation the upstream refuses first trims the
+// tier's other pools and retries, so cached slots of one size never starve another size.
 #pragma once
 
 #include <array>

@@ -188,6 +188,22 @@ TEST(ChunkAllocator, OnePoolPerTierAndSizeExactAccounting) {
   EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 0);
 }
 
+TEST(ChunkAllocator, CachedSlotsOfOneSizeDoNotStarveAnother) {
+  HostMemoryResource host;
+  LimitingAdaptor device(host, 4096, "limit");
+  HostMemoryResource pinned, pageable;
+  ChunkAllocator alloc({&device, &pinned, &pageable});
+  void* a = alloc.allocate(Tier::kDevice, 1024);
+  void* b = alloc.allocate(Tier::kDevice, 1024);
+  alloc.deallocate(Tier::kDevice, a, 1024);
+  alloc.deallocate(Tier::kDevice, b, 1024);  // 2 KiB cached in the 1 KiB pool
+  void* c = alloc.allocate(Tier::kDevice, 4096);  // needs the cached bytes back
+  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 4096);
+  EXPECT_THROW(alloc.allocate(Tier::kDevice, 1024), OutOfMemoryError);
+  EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).current, 4096) << "a failed allocation changes nothing";
+  alloc.deallocate(Tier::kDevice, c, 4096);
+}
+
 TEST(ChunkAllocator, MissingTierIsAUsageError) {
   HostMemoryResource device, pageable;
   ChunkAllocator alloc({&device, nullptr, &pageable});
