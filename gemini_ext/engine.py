@@ -1,37 +1,47 @@
-"""enable() and GeminiEngine: parameters moved into chunk storage for the life of a `with` block.
+"""enable() and GeminiEngine: the model's parameters live in chunks for the life of the engine.
 
-[Note: what this stage of the engine does]
-Every parameter is registered into a chunk group of its dtype in definition order (tied
-parameters once), its values are written into the chunk's host copy, every chunk is moved to
-the device tier (one H2D copy per chunk, counted as chunk traffic) and the parameter, still the
-same Python object, is rebound to a view of its slot in the device copy. Training then updates
-the chunks in place. Leaving the block moves every chunk back to the host and rebinds each
-parameter to an ordinary tensor on its original device, holding the trained values.
-All chunks stay resident on the device between enable() and close(): the scheduler (prefetch,
-eviction, placement policies), mixed-precision chunks with fp32 masters and the chunked
-optimizer are later stages; config fields that only they honour are accepted, validated and
-listed in one warning, so that nothing is silently ignored.
+[Note: what enable() builds]
+1. Parameters (tied ones once) are registered, in definition order, into chunk groups that
+   share one layout: `param` (the compute dtype of `precision`), `grad` (same dtype), `master`
+   (fp32; absent for fp32 precision, where the parameter chunk is the master), `exp_avg` and
+   `exp_avg_sq` (fp32). Frozen parameters (requires_grad=False at enable) go to a `frozen`
+   group without companions. Every group starts on the host; the host copies are filled from
+   the parameters' current values.
+2. The placement policy decides, per parameter chunk, where its optimizer state lives and
+   whether its home is the host (static policy: core/static_placement.h); the C++
+   GeminiManager carries that out and binds one torch storage per parameter chunk to the
+   chunk's device copy (see csrc/torch/param_storage.h).
+3. Each parameter, still the same Python object, gets `.data` = a view into its chunk storage
+   (dtype = compute dtype, device = the compute device: cuda, or cpu for the sim device).
+   Floating buffers are cast to the compute dtype on the compute device.
+4. Hooks are registered (gemini_ext/_hooks.py); their bodies are C++.
+Closing (or leaving the `with` block) gives every parameter back an ordinary tensor of its
+original dtype and device holding the current fp32 master value, restores buffers, removes the
+hooks and frees the chunk pools.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
 import torch
 
-from . import _C
+from . import _C, checkpoint
 from ._env import SETTINGS, logger
+from ._hooks import HookSet
 from ._units import format_bytes
+from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
+from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
 from .search import search_chunk_configuration, unique_parameters
 
-SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ALIGNMENT_NUMEL = 32  # every group aligns slots to 32 elements: 64 bytes of 16-bit, 128 of fp32
 
-# Fields this stage honours; any other field with a non-default value is reported.
-# shard_param_frac has no effect with one rank, the only world size of this stage.
-_HONOURED = {"shard_param_frac", "chunk_config_dict", "chunk_init_device", "search_range_m", "min_chunk_size_m", "gpu_memory_limit",
-             "pin_memory", "device", "sim_capacity"}
+# Settings of later stages: accepted and validated, reported once if set, not acted on yet.
+_LATER = {"placement_policy": "static", "max_prefetch": 2, "const_gpu_budget": None, "extra_dp_size": 1}
 
 
 def cuda_available() -> bool:
@@ -52,19 +62,11 @@ def resolve_device(config: GeminiConfig) -> str:
 
 
 def _unhonoured_fields(config: GeminiConfig) -> list[str]:
-    """Settings that ask for behaviour this stage does not have (see the Note at the top)."""
-    default = GeminiConfig()
-    asked = {f for f in config.__dataclass_fields__
-             if f not in _HONOURED | {"precision", "offload_optim_frac"} and getattr(config, f) != getattr(default, f)}
-    if config.precision != "fp32":
-        asked.add("precision")  # chunks keep the parameters' own dtype
-    if config.offload_optim_frac > 0:
-        asked.add("offload_optim_frac")  # optimizer state stays with the torch optimizer
-    return [f"{f}={getattr(config, f)!r}" for f in sorted(asked)]
+    return [f"{k}={getattr(config, k)!r}" for k, default in _LATER.items() if getattr(config, k) != default]
 
 
 class GeminiEngine:
-    """Owns the chunks of one model; see enable()."""
+    """Owns the chunks and hooks of one model; see enable()."""
 
     def __init__(self, model: torch.nn.Module, config: GeminiConfig, process_group=None):
         if not isinstance(model, torch.nn.Module):
@@ -81,28 +83,114 @@ class GeminiEngine:
         if SETTINGS.allocator == "chunk":
             raise NotImplementedError("GEMINI_EXT_ALLOCATOR=chunk: the process-wide chunk allocator is not in this "
                                       "release; unset GEMINI_EXT_ALLOCATOR or set it to 'default'.")
-        ignored = _unhonoured_fields(config)
-        if ignored:
-            warnings.warn("gemini_ext: this release keeps every chunk resident on the device in the parameters' own "
-                          "dtype and uses the torch optimizer on those chunks; these settings are validated but not "
-                          "acted on yet: " + ", ".join(ignored), stacklevel=3)
+        if not config.master_weights and config.precision != "fp32":
+            raise NotImplementedError(f"master_weights=False with precision={config.precision!r}: stepping 16-bit "
+                                      "parameters without fp32 masters is not supported; use master_weights=True.")
+        later = _unhonoured_fields(config)
+        if later:
+            warnings.warn("gemini_ext: these settings belong to later stages (scheduler policies, multi-rank) and "
+                          "are validated but not acted on yet; the static policy is used: " + ", ".join(later),
+                          stacklevel=3)
         self.model = model
         self.config = config
         self.device_kind = resolve_device(config)
+        self.compute_dtype = COMPUTE_DTYPES[config.precision]
+        self.scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
         self._closed = False
+        self._optimizer = None
+        self._optimizers = []
+        self._optimizer_steps = 0
+        self._skipped_steps = 0
         start = time.perf_counter()
 
         named = unique_parameters(model)
         if not named:
             raise ValueError(f"enable(): {type(model).__name__} has no parameters to place in chunks.")
+        for name, p in named:
+            if not p.is_floating_point():
+                raise TypeError(f"enable(): parameter {name!r} has dtype {p.dtype}; only floating-point parameters "
+                                "can live in chunks. Make it a buffer, or convert it to a floating dtype.")
         chunk_cfg = config.chunk_config_for(world_size)
         if chunk_cfg is None:
-            found = search_chunk_configuration(model, config.search_range_m, config.min_chunk_size_m)
+            found = search_chunk_configuration(model, config.search_range_m, config.min_chunk_size_m,
+                                               precision=config.precision)
             chunk_size = found["chunk_size"]
         else:
             chunk_size = chunk_cfg["chunk_size"]
         self.chunk_size = chunk_size
+        self._build_context()
+        mgr = self._mgr
+        host = mgr.host_tier
 
+        dt = self.compute_dtype
+        has_master = dt != torch.float32
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        kinds = ["param", "grad", "exp_avg", "exp_avg_sq"] + (["master"] if has_master else [])
+        group_dtype = {"param": dt, "grad": dt, "master": torch.float32, "exp_avg": torch.float32,
+                       "exp_avg_sq": torch.float32, "frozen": dt}
+        if trainable:
+            for kind in kinds:
+                mgr.create_group(kind, group_dtype[kind], chunk_size, host, ALIGNMENT_NUMEL)
+        if frozen:
+            mgr.create_group("frozen", dt, chunk_size, host, ALIGNMENT_NUMEL)
+        handles = {}  # (kind, parameter index) -> (chunk, slot)
+        self._names, self._params, self._orig = [], [], []
+        for name, p in trainable + frozen:
+            idx = len(self._params)
+            self._names.append(name)
+            self._params.append(p)
+            self._orig.append((p.dtype, p.device))
+            for kind in (kinds if p.requires_grad else ["frozen"]):
+                handles[(kind, idx)] = mgr.register_tensor(kind, name, p.numel(), list(p.shape))
+        mgr.finalize()
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                value = p.detach()
+                if p.requires_grad:
+                    mgr.tensor_view(handles[("param", i)], host).copy_(value)
+                    if has_master:
+                        mgr.tensor_view(handles[("master", i)], host).copy_(value)
+                    for kind in kinds:
+                        mgr.transition(handles[(kind, i)], _C.TensorState.HOLD)
+                else:
+                    mgr.tensor_view(handles[("frozen", i)], host).copy_(value)
+                    mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
+
+        sets = self._plan_sets(mgr, has_master)
+        pspecs = []
+        for i, p in enumerate(self._params):
+            chunk, slot = handles[("param", i) if p.requires_grad else ("frozen", i)]
+            pspecs.append((chunk, slot, bool(p.requires_grad)))
+        self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
+        self._gm.set_async_reduce(config.enable_async_reduce)
+        if config.enable_gradient_accumulation:
+            self._gm.set_no_sync(True)  # gradients accumulate on the device until the step
+        views = self._gm.param_views()
+        self._gm.apply_placement()
+        for p, view in zip(self._params, views):
+            p.data = view
+            p.grad = None  # gradients live in chunks from now on
+        self._buffers = []
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                self._buffers.append((module, key, buf.dtype, buf.device))
+                target_dtype = dt if buf.is_floating_point() else buf.dtype
+                if buf.device != self.compute_device or buf.dtype != target_dtype:
+                    module._buffers[key] = buf.to(self.compute_device, target_dtype)
+        self._hooks = HookSet(self._gm, model, self._params,
+                              scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None)
+        model._gemini_engine = self
+        self.setup_seconds = time.perf_counter() - start
+        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
+                    len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
+                    format_bytes(mgr.wasted_bytes()), self.setup_seconds)
+
+    def _build_context(self) -> None:
+        config = self.config
         if self.device_kind == "cuda":
             limit = config.gpu_memory_limit or SETTINGS.gpu_limit_bytes or 0
             index = torch.cuda.current_device()
@@ -112,106 +200,214 @@ class GeminiEngine:
             capacity = config.sim_capacity or SETTINGS.gpu_limit_bytes or DEFAULT_SIM_CAPACITY_BYTES
             self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity)
             self.compute_device = torch.device("cpu")
-        self._mgr = _C.ChunkManager(self._ctx, pin_memory=config.pin_memory)
-        host = self._mgr.host_tier
+        self._mgr = _C.ChunkManager(self._ctx, pin_memory=self.config.pin_memory)
 
-        groups = {}
-        for name, p in named:
-            group = f"param.{str(p.dtype).replace('torch.', '')}"
-            if group not in groups:
-                self._mgr.create_group(group, p.dtype, chunk_size, host)
-                groups[group] = p.dtype
-        self._params = []  # (name, parameter, handle, original device)
-        for name, p in named:
-            group = f"param.{str(p.dtype).replace('torch.', '')}"
-            handle = self._mgr.register_tensor(group, name, p.numel(), list(p.shape))
-            self._params.append((name, p, handle, p.device))
-        self._mgr.finalize()
-        with torch.no_grad():
-            for name, p, handle, _ in self._params:
-                self._mgr.tensor_view(handle, host).copy_(p.detach())
-                self._mgr.transition(handle, _C.TensorState.HOLD)
-        for chunk_id in range(self._mgr.num_chunks):
-            self._mgr.move(chunk_id, "device")
-        for name, p, handle, _ in self._params:
-            p.data = self._mgr.tensor_view(handle, "device")
-            if p.grad is not None:  # an existing gradient follows its parameter
-                p.grad = p.grad.to(self.compute_device)
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None and buf.device != self.compute_device:
-                    module._buffers[key] = buf.to(self.compute_device)
-        model._gemini_engine = self
-        self.setup_seconds = time.perf_counter() - start
-        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
-                    len(self._params), self._mgr.num_chunks, chunk_size, self.device_kind,
-                    format_bytes(self._mgr.wasted_bytes()), self.setup_seconds)
+    def _plan_sets(self, mgr, has_master: bool) -> list[dict]:
+        """One dict per parameter chunk: its companions and the static policy's placement."""
+        config = self.config
+        sets = []
+        try:
+            p_ids = mgr.group_chunk_ids("param")
+        except ValueError:
+            p_ids = []
+        if p_ids:
+            ids = {k: mgr.group_chunk_ids(k) for k in ("grad", "exp_avg", "exp_avg_sq")}
+            ids["master"] = mgr.group_chunk_ids("master") if has_master else [-1] * len(p_ids)
+            for k, v in ids.items():
+                if len(v) != len(p_ids):
+                    raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): group {k} "
+                                           f"has {len(v)} chunks, the parameter group {len(p_ids)}")
+            sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in p_ids]
+            plan = _C.static_placement(sizes, config.offload_param_frac, config.offload_optim_frac)
+            for k, c in enumerate(p_ids):
+                sets.append({"param": c, "grad": ids["grad"][k], "master": ids["master"][k],
+                             "exp_avg": ids["exp_avg"][k], "exp_avg_sq": ids["exp_avg_sq"][k],
+                             "param_home_on_host": plan[k][0], "optim_on_host": plan[k][1]})
+        try:
+            f_ids = mgr.group_chunk_ids("frozen")
+        except ValueError:
+            f_ids = []
+        if f_ids:
+            sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in f_ids]
+            plan = _C.static_placement(sizes, config.offload_param_frac, 0.0)
+            for k, c in enumerate(f_ids):
+                sets.append({"param": c, "grad": -1, "master": -1, "exp_avg": -1, "exp_avg_sq": -1,
+                             "param_home_on_host": plan[k][0], "optim_on_host": False})
+        return sets
 
-    # --- public API -------------------------------------------------------------------------
-    def optimizer(self, cls, **kwargs) -> torch.optim.Optimizer:
-        """A `cls` optimizer over the chunk-backed parameters (Adam or AdamW)."""
+    # --- parameters --------------------------------------------------------------------------
+    @property
+    def num_parameters(self) -> int:
+        return len(self._params)
+
+    def parameters(self):
+        """The managed parameters (each shared parameter once), in chunk order."""
+        return list(self._params)
+
+    def parameter_index(self, param) -> int:
+        idx = self._index.get(id(param))
+        if idx is None or self._params[idx] is not param:
+            raise ValueError("gemini_ext: the tensor is not a parameter managed by this engine (pass parameters of "
+                             "the model given to gx.enable).")
+        return idx
+
+    def parameter_name(self, index: int) -> str:
+        return self._names[index]
+
+    def parameter_numel(self, index: int) -> int:
+        return self._params[index].numel()
+
+    # --- public API ----------------------------------------------------------------------------
+    def optimizer(self, cls, params=None, **kwargs) -> GeminiOptimizer:
+        """A GeminiOptimizer (Adam or AdamW semantics) over the fp32 master chunks."""
         self._check_open("optimizer")
-        if not (isinstance(cls, type) and issubclass(cls, SUPPORTED_OPTIMIZERS)):
-            name = getattr(cls, "__name__", repr(cls))
-            raise TypeError(f"engine.optimizer: {name} is not supported; supported: torch.optim.Adam, "
-                            "torch.optim.AdamW.")
-        if kwargs.get("amsgrad", False):
-            raise ValueError("engine.optimizer: amsgrad=True is not supported; pass amsgrad=False.")
-        params = [p for _, p, _, _ in self._params if p.requires_grad]
-        return cls(params, **kwargs)
+        return GeminiOptimizer(self, cls, params, **kwargs)
+
+    def _register_optimizer(self, opt: GeminiOptimizer) -> None:
+        if self._optimizer is not None:
+            raise RuntimeError("engine.optimizer(): this engine already has an optimizer; the optimizer state lives "
+                               "in the engine's chunks, so there can be only one. Reuse the first one.")
+        self._optimizer = opt
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Same as loss.backward() (the fp16 loss scale is applied by the engine's hooks)."""
         self._check_open("backward")
         loss.backward()
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside keep their gradients on the device and do
+        not send them to the optimizer's tier; the first backward outside (or the step) does."""
+        self._check_open("no_sync")
+        previous = self._gm.no_sync
+        self._gm.set_no_sync(True)
+        try:
+            yield
+        finally:
+            self._gm.set_no_sync(previous)
+
+    def grad(self, param) -> torch.Tensor | None:
+        """The accumulated gradient of `param` (fp32, CPU) as it is in its chunk, or None."""
+        self._check_open("grad")
+        idx = self.parameter_index(param)
+        if not param.requires_grad or not self._gm.has_grad(idx):
+            return None
+        return self._gm.read_grad(idx)
+
+    def _check_no_stray_grads(self) -> None:
+        for name, p in zip(self._names, self._params):
+            if p.grad is not None:
+                raise RuntimeError(f"gemini_ext: parameter {name!r} has a .grad that did not go into its chunk (was "
+                                   "requires_grad changed after gx.enable, or .grad assigned by hand?). Set "
+                                   "requires_grad before gx.enable; gradients must come from backward.")
+
     def stats(self) -> dict:
-        """Chunk layout, bytes per tier and chunk traffic so far; after close(), as of the close
-        (the moves back to the host included)."""
+        """Chunk layout, bytes per tier, traffic and counters so far; after close(), as of the close."""
         if self._closed:
             return self._stats_at_close
-        tiers = {t: self._mgr.tier_bytes(t) for t in ("device", "pinned_host", "pageable_host")}
-        return {
+        mgr, gm = self._mgr, self._gm
+        tiers = {t: mgr.tier_bytes(t) for t in ("device", "pinned_host", "pageable_host")}
+        placements = gm.set_placements()
+        out = {
             "device": self.device_kind,
-            "num_chunks": self._mgr.num_chunks,
+            "precision": self.config.precision,
+            "num_chunks": mgr.num_chunks,
+            "num_param_chunks": len(placements),
             "chunk_size": self.chunk_size,
-            "wasted_bytes": self._mgr.wasted_bytes(),
+            "wasted_bytes": mgr.wasted_bytes(),
             "tier_bytes": tiers,
-            "traffic": self._mgr.traffic(),
-            "placement": {"policy": "resident", "device_chunks": self._mgr.num_chunks, "host_chunks": 0},
+            "peak_device_bytes": tiers["device"]["peak"],
+            "host_bytes": tiers["pinned_host"]["current"] + tiers["pageable_host"]["current"],
+            "traffic": mgr.traffic(),
+            "counters": gm.counters(),
+            "optimizer_steps": self._optimizer_steps,
+            "skipped_steps": self._skipped_steps,
+            "loss_scale": self.scaler.scale if self.scaler is not None else None,
+            "placement": {
+                "policy": "static",
+                "param_chunks_home_host": sum(p["param_home_on_host"] for p in placements),
+                "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
+                "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),
+            },
         }
+        if self._optimizer is not None:
+            out["last_step"] = self._optimizer.last_step_stats()
+        return out
 
     def state_dict(self) -> dict:
-        """The full model state: fp32 tensors on the CPU under the model's own keys."""
+        """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
+        parameters from their fp32 masters)."""
         self._check_open("state_dict")
-        return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
-                for k, v in self.model.state_dict().items()}
+        out = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            idx = self._index.get(id(value))
+            if idx is not None and self._params[idx] is value:
+                out[key] = self._gm.read("param", idx)
+            else:
+                v = value.detach()
+                out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Loads a full (plain) state dict into the chunks: masters, their 16-bit copies, buffers."""
+        self._check_open("load_state_dict")
+        own = self.model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"engine.load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''},"
+                               f" unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; pass "
+                               "strict=False to load the matching subset.")
+        with torch.no_grad():
+            for key, target in own.items():
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"engine.load_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
+                                     f"expects {tuple(target.shape)}.")
+                idx = self._index.get(id(target))
+                if idx is not None and self._params[idx] is target:
+                    self._gm.write("param", idx, value.detach().float().cpu())
+                else:
+                    target.copy_(value)
+        self._gm.synchronize()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model masters, optimizer, loss scaler, step counts and RNG states (see checkpoint.py)."""
+        self._check_open("save_checkpoint")
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._check_open("load_checkpoint")
+        checkpoint.load(self, path)
 
     def chunk_info(self, chunk_id: int) -> dict:
         return self._mgr.chunk_info(chunk_id)
 
-    def parameter_handle(self, param: torch.nn.Parameter):
-        for _, p, handle, _ in self._params:
-            if p is param:
-                return handle
-        raise ValueError("parameter_handle: the tensor is not a parameter managed by this engine.")
-
     def close(self) -> None:
-        """Moves every chunk back to the host and restores ordinary parameters (idempotent)."""
+        """Restores ordinary parameters holding the current values and frees the chunks (idempotent)."""
         if self._closed:
             return
-        self._ctx.synchronize()
-        host = self._mgr.host_tier
-        for chunk_id in range(self._mgr.num_chunks):
-            self._mgr.move(chunk_id, host)
-        with torch.no_grad():
-            for _, p, handle, device in self._params:
-                p.data = self._mgr.tensor_view(handle, host).to(device, copy=True)
-                if p.grad is not None:
-                    p.grad = p.grad.to(device)
+        self._gm.synchronize()
         self._stats_at_close = self.stats()
+        with torch.no_grad():
+            values = [self._gm.read("param", i) for i in range(len(self._params))]
+            for p, value, (dtype, device) in zip(self._params, values, self._orig):
+                p.data = value.to(device=device, dtype=dtype)
+                p.grad = None
+            for module, key, dtype, device in self._buffers:
+                buf = module._buffers.get(key)
+                if buf is not None:
+                    module._buffers[key] = buf.to(device=device, dtype=dtype)
+        self._hooks.remove()
         self._closed = True
         self.model._gemini_engine = None
-        del self._mgr  # frees the chunk pools; the views into them were replaced above
+        for opt in ([self._optimizer] if self._optimizer is not None else []):
+            opt._hybrid = None
+        del self._gm  # unbinds the parameter storages; then the pools go
+        del self._mgr
         del self._ctx
 
     def __enter__(self) -> "GeminiEngine":
@@ -229,7 +425,9 @@ class GeminiEngine:
 def enable(model: torch.nn.Module, config: GeminiConfig | None = None, *, process_group=None,
            **overrides) -> GeminiEngine:
     """Places `model`'s parameters in chunks; use as `with gx.enable(model, cfg) as engine:`."""
-    config = (config or GeminiConfig()).replace(**overrides) if overrides else (config or GeminiConfig())
-    if not isinstance(config, GeminiConfig):
+    if config is not None and not isinstance(config, GeminiConfig):
         raise TypeError(f"enable(config=...): expected a GeminiConfig, got {type(config).__name__}.")
+    config = config or GeminiConfig()
+    if overrides:
+        config = config.replace(**overrides)
     return GeminiEngine(model, config, process_group)

@@ -9,9 +9,12 @@
 #include "core/chunk_search.h"
 #include "core/cpu_features.h"
 #include "core/errors.h"
+#include "core/static_placement.h"
 #include "torch/chunk_views.h"
 #include "torch/cpu_adam_op.h"
 #include "torch/dtype_map.h"
+#include "torch/gemini_manager.h"
+#include "torch/hybrid_adam.h"
 
 #ifdef GX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -26,6 +29,8 @@ namespace py = pybind11;
 using namespace gx;
 using gx::torch_layer::DeviceContext;
 using gx::torch_layer::DeviceOptions;
+using gx::torch_layer::GeminiManager;
+using gx::torch_layer::HybridAdam;
 
 namespace {
 
@@ -138,6 +143,17 @@ PYBIND11_MODULE(_C, m) {
         "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h).");
 
   m.def(
+      "static_placement",
+      [](const std::vector<int64_t>& chunk_bytes, double offload_param_frac, double offload_optim_frac) {
+        py::list out;
+        for (const auto& p : static_placement(chunk_bytes, StaticFractions{offload_param_frac, offload_optim_frac}))
+          out.append(py::make_tuple(p.param_home_on_host, p.optim_on_host));
+        return out;
+      },
+      py::arg("chunk_bytes"), py::arg("offload_param_frac"), py::arg("offload_optim_frac"),
+      "The static policy's decision per chunk: (param_home_on_host, optim_on_host); see core/static_placement.h.");
+
+  m.def(
       "search_chunk_size",
       [](std::vector<int64_t> numels, int64_t search_range_numel, int64_t min_chunk_size_numel,
          int64_t search_interval_numel, int64_t alignment_numel, int world_size, bool filter_exlarge) {
@@ -189,9 +205,26 @@ PYBIND11_MODULE(_C, m) {
            py::arg("pin_memory") = true)
       .def("create_group",
            [](PyChunkManager& p, const std::string& group, py::object dtype, int64_t chunk_size_numel,
-              const std::string& home_tier) {
+              const std::string& home_tier, int64_t alignment_numel) {
              const auto scalar_type = torch::python::detail::py_object_to_dtype(dtype);
-             p.mgr->create_group(group, torch_layer::to_gx_dtype(scalar_type), chunk_size_numel, parse_tier(home_tier));
+             p.mgr->create_group(group, torch_layer::to_gx_dtype(scalar_type), chunk_size_numel, parse_tier(home_tier),
+                                 alignment_numel);
+           },
+           py::arg("group"), py::arg("dtype"), py::arg("chunk_size_numel"), py::arg("home_tier"),
+           py::arg("alignment_numel") = 0)
+      .def("allocate_copy", [](PyChunkManager& p, ChunkId id, const std::string& tier) {
+             p.mgr->allocate_copy(id, parse_tier(tier));
+           })
+      .def("transfer",
+           [](PyChunkManager& p, ChunkId id, const std::string& from, const std::string& to, bool async) {
+             const Tier f = parse_tier(from), t = parse_tier(to);
+             py::gil_scoped_release nogil;
+             p.ctx->sync_compute_stream();
+             p.mgr->transfer(id, f, t, async);
+           },
+           py::arg("chunk_id"), py::arg("from_tier"), py::arg("to_tier"), py::arg("async_") = false)
+      .def("discard_copy", [](PyChunkManager& p, ChunkId id, const std::string& tier) {
+             p.mgr->discard_copy(id, parse_tier(tier));
            })
       .def("register_tensor",
            [](PyChunkManager& p, const std::string& group, const std::string& name, int64_t numel,
@@ -266,6 +299,122 @@ PYBIND11_MODULE(_C, m) {
         d["fetches"] = t.fetches;
         d["accesses"] = t.accesses;
         d["reductions"] = t.reductions;
+        return d;
+      });
+
+  py::class_<GeminiManager>(m, "GeminiManager")
+      .def(py::init([](PyChunkManager& cm, const py::list& sets, const py::list& params, const std::string& policy) {
+             std::vector<torch_layer::ChunkSetSpec> specs;
+             for (const auto& item : sets) {
+               auto d = item.cast<py::dict>();
+               torch_layer::ChunkSetSpec s;
+               s.param = d["param"].cast<ChunkId>();
+               s.grad = d["grad"].cast<ChunkId>();
+               s.master = d["master"].cast<ChunkId>();
+               s.exp_avg = d["exp_avg"].cast<ChunkId>();
+               s.exp_avg_sq = d["exp_avg_sq"].cast<ChunkId>();
+               s.optim_on_host = d["optim_on_host"].cast<bool>();
+               s.param_home_on_host = d["param_home_on_host"].cast<bool>();
+               specs.push_back(s);
+             }
+             std::vector<torch_layer::ParamSpec> ps;
+             for (const auto& item : params) {
+               auto t = item.cast<py::tuple>();
+               ps.push_back(torch_layer::ParamSpec{t[0].cast<ChunkId>(), t[1].cast<size_t>(), t[2].cast<bool>()});
+             }
+             return std::make_unique<GeminiManager>(cm.ctx, *cm.mgr, std::move(specs), std::move(ps), policy);
+           }),
+           py::arg("chunk_manager"), py::arg("sets"), py::arg("params"), py::arg("policy"), py::keep_alive<1, 2>())
+      .def("param_views", &GeminiManager::param_views)
+      .def("apply_placement", &GeminiManager::apply_placement, py::call_guard<py::gil_scoped_release>())
+      .def("register_module", &GeminiManager::register_module)
+      .def("pre_forward", &GeminiManager::pre_forward, py::call_guard<py::gil_scoped_release>())
+      .def("post_forward", &GeminiManager::post_forward, py::call_guard<py::gil_scoped_release>())
+      .def("pre_backward", &GeminiManager::pre_backward, py::call_guard<py::gil_scoped_release>())
+      .def("post_backward", &GeminiManager::post_backward, py::call_guard<py::gil_scoped_release>())
+      .def("post_accumulate_grad",
+           [](GeminiManager& g, int param, at::Tensor p) { g.post_accumulate_grad(param, p); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_backward", &GeminiManager::end_backward, py::call_guard<py::gil_scoped_release>())
+      .def("set_no_sync", &GeminiManager::set_no_sync)
+      .def("set_async_reduce", &GeminiManager::set_async_reduce)
+      .def("flush_grads", &GeminiManager::flush_grads, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("no_sync", &GeminiManager::no_sync)
+      .def_property_readonly("in_backward", &GeminiManager::in_backward)
+      .def("zero_grad", &GeminiManager::zero_grad, py::call_guard<py::gil_scoped_release>())
+      .def("read", &GeminiManager::read, py::call_guard<py::gil_scoped_release>())
+      .def("write", &GeminiManager::write, py::call_guard<py::gil_scoped_release>())
+      .def("read_grad",
+           [](GeminiManager& g, int param) -> py::object {
+             at::Tensor t;
+             {
+               py::gil_scoped_release nogil;
+               t = g.read_grad(param);
+             }
+             if (!t.defined()) return py::none();
+             return py::cast(t);
+           })
+      .def("step_of", &GeminiManager::step_of)
+      .def("set_step", &GeminiManager::set_step)
+      .def("synchronize", &GeminiManager::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("has_grad",
+           [](GeminiManager& g, int param) {
+             const auto& ps = g.params().at(static_cast<size_t>(param));
+             return g.sets()[static_cast<size_t>(g.set_of_chunk(ps.chunk))].has_grad[ps.slot] != 0;
+           })
+      .def("set_placements",
+           [](GeminiManager& g) {
+             py::list out;
+             for (const auto& s : g.sets()) {
+               py::dict d;
+               d["param_chunk"] = s.spec.param;
+               d["trainable"] = s.trainable;
+               d["optim_on_host"] = s.spec.optim_on_host;
+               d["param_home_on_host"] = s.spec.param_home_on_host;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("counters", [](GeminiManager& g) {
+        const auto& c = g.counters();
+        py::dict d;
+        d["evictions"] = c.evictions;
+        d["evicted_bytes"] = c.evicted_bytes;
+        d["fetches"] = c.fetches;
+        d["grad_chunks_offloaded"] = c.grad_chunks_offloaded;
+        d["flushed_chunks"] = c.flushed_chunks;
+        d["backward_passes"] = c.backward_passes;
+        return d;
+      });
+
+  py::class_<HybridAdam>(m, "HybridAdam")
+      .def(py::init<GeminiManager&>(), py::arg("manager"), py::keep_alive<1, 2>())
+      .def("set_param_groups", &HybridAdam::set_param_groups)
+      .def("grad_norm_sq", &HybridAdam::grad_norm_sq, py::call_guard<py::gil_scoped_release>())
+      .def("step",
+           [](HybridAdam& a, const py::list& groups, double grad_multiplier) {
+             std::vector<torch_layer::GroupHyper> hs;
+             for (const auto& item : groups) {
+               auto d = item.cast<py::dict>();
+               torch_layer::GroupHyper h;
+               h.lr = d["lr"].cast<double>();
+               h.beta1 = d["beta1"].cast<double>();
+               h.beta2 = d["beta2"].cast<double>();
+               h.eps = d["eps"].cast<double>();
+               h.weight_decay = d["weight_decay"].cast<double>();
+               h.adamw = d["adamw"].cast<bool>();
+               hs.push_back(h);
+             }
+             py::gil_scoped_release nogil;
+             a.step(hs, grad_multiplier);
+           })
+      .def("last_step", [](HybridAdam& a) {
+        const auto& s = a.last_step();
+        py::dict d;
+        d["host_params"] = s.host_params;
+        d["device_params"] = s.device_params;
+        d["host_seconds"] = s.host_seconds;
+        d["device_seconds"] = s.device_seconds;
         return d;
       });
 }

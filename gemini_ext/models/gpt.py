@@ -20,10 +20,14 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True  # the output head shares the token embedding's weight
+    # The key part of the qkv bias has an exactly zero gradient (softmax ignores a constant added
+    # to every score), so Adam turns its rounding noise into full-size updates; parity tests that
+    # compare two implementations element by element turn it off.
+    qkv_bias: bool = True
 
     def num_parameters(self) -> int:
         d, f = self.d_model, self.d_model * self.mlp_ratio
-        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        per_layer = 4 * d + (3 * d * d + (3 * d if self.qkv_bias else 0)) + (d * d + d) + (d * f + f) + (f * d + d)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.max_seq_len * d + self.n_layers * per_layer + 2 * d + head
 
@@ -45,7 +49,7 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc1 = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)

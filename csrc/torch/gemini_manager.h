@@ -1,0 +1,169 @@
+// GeminiManager: the per-process runtime behind the engine's hooks. It decides nothing about
+// placement (the static placement and the eviction policy do); it carries their decisions out
+// on the ChunkManager, moves gradients into chunks, and keeps the books the optimizer needs.
+//
+// Design note.
+//  * Chunk sets. Every parameter chunk P (the compute dtype: bf16, fp16 or fp32) of trainable
+//    parameters comes with companions of the same layout: G (gradients, compute dtype), M (fp32
+//    master; absent when P itself is fp32), A and S (Adam's exp_avg and exp_avg_sq, fp32).
+//    Frozen parameters live in chunks of their own with no companions. Per set: where the
+//    optimizer state lives (host: CPU Adam; device: fused GPU Adam) and P's home tier.
+//  * Coherence. Every copy a chunk has holds the same bytes. For a set whose optimizer state is
+//    on the host, P's host copy is permanent and always current (CPU Adam writes it); its device
+//    copy is a cache, dropped for free on eviction. Otherwise P's device copy is the truth, and
+//    eviction moves it to the host. Whoever writes a copy refreshes or drops the others.
+//  * Lifecycle of a parameter tensor (TensorState in P): pre-forward HOLD -> COMPUTE, post-
+//    forward COMPUTE -> HOLD (reference counted, so a parameter used by two modules at once
+//    stays in COMPUTE until both are done); pre-backward -> COMPUTE; post-backward (the
+//    module's inputs got their gradient) COMPUTE -> HOLD_AFTER_BWD; its gradient accumulated ->
+//    READY_FOR_REDUCE. When every tensor of P is READY_FOR_REDUCE the chunk is reduced (nothing
+//    to communicate with one rank) and G goes to the optimizer's tier asynchronously. At the end
+//    of backward, tensors still in COMPUTE go to HOLD_AFTER_BWD, chunks whose tensors got no
+//    gradient are flushed (reduced with the gradients they have), and everything returns to HOLD.
+//    Under no_sync() gradients accumulate in G on the device and nothing is reduced.
+//  * Device budget. Fetching a chunk or a gradient chunk that does not fit evicts the least
+//    recently used chunk that has no tensor in COMPUTE, then retries; when nothing can be
+//    evicted the OutOfMemoryError names the budget, what is resident and the knobs.
+//  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
+//    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
+//  * Threads. Hook bodies run with the GIL released, on the autograd engine's threads too; one
+//    mutex serialises every entry point.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/chunk_manager.h"
+#include "core/lru_eviction.h"
+#include "torch/chunk_views.h"
+#include "torch/param_storage.h"
+
+namespace gx::torch_layer {
+
+struct ChunkSetSpec {
+  ChunkId param = -1;
+  ChunkId grad = -1;
+  ChunkId master = -1;  // -1: P is the fp32 master itself (precision fp32)
+  ChunkId exp_avg = -1;
+  ChunkId exp_avg_sq = -1;
+  bool optim_on_host = true;
+  bool param_home_on_host = false;
+};
+
+struct ParamSpec {
+  ChunkId chunk = -1;  // its P chunk
+  size_t slot = 0;
+  bool trainable = true;
+};
+
+enum class GradPlace { kNone, kDevice, kHost };
+
+struct ChunkSet {
+  ChunkSetSpec spec;
+  bool trainable = false;
+  std::vector<int> params;           // parameter index per slot of P
+  std::vector<uint8_t> has_grad;     // per slot: a gradient is in G
+  std::vector<int64_t> step;         // per slot: optimizer steps taken
+  GradPlace grad_place = GradPlace::kNone;
+  bool reduced = false;              // gradients of this backward reduced and sent to the optimizer's tier
+};
+
+struct EngineCounters {
+  int64_t evictions = 0;
+  int64_t evicted_bytes = 0;
+  int64_t fetches = 0;
+  int64_t grad_chunks_offloaded = 0;
+  int64_t flushed_chunks = 0;
+  int64_t backward_passes = 0;
+};
+
+class GeminiManager {
+ public:
+  GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& mgr, std::vector<ChunkSetSpec> sets,
+                std::vector<ParamSpec> params, std::string policy_name);
+  ~GeminiManager();
+
+  // Setup.
+  std::vector<at::Tensor> param_views();  // one storage-backed view per parameter, in index order
+  void apply_placement();                 // initial moves after the host copies were filled
+  int register_module(const std::vector<int>& params);
+
+  // Hook bodies.
+  void pre_forward(int module);
+  void post_forward(int module);
+  void pre_backward(int module);
+  void post_backward(int module);
+  void post_accumulate_grad(int param, at::Tensor& p);
+  void end_backward();
+  void set_no_sync(bool no_sync);
+  bool no_sync() const { return no_sync_; }
+  bool in_backward() const { return in_backward_; }
+
+  // Gradients and optimizer support (see hybrid_adam.h for the step).
+  void zero_grad();
+  // Sends gradients still on the device (accumulated under no_sync) to the optimizer's tier.
+  void flush_grads();
+  void wait_grads();
+  void set_async_reduce(bool async) { async_reduce_ = async; }  // every G move finished
+  std::vector<ChunkSet>& sets() { return sets_; }
+  const std::vector<ParamSpec>& params() const { return params_; }
+  ChunkManager& chunks() { return mgr_; }
+  DeviceContext& context() { return *ctx_; }
+  std::mutex& mutex() { return mutex_; }
+  void ensure_on_device_locked(ChunkId id);
+  void allocate_on_device_locked(ChunkId id);
+  int set_of_chunk(ChunkId p_chunk) const;
+
+  // Values (fp32 on the CPU), for state_dict, checkpoints and close.
+  // kind: "param" (the master, or P for frozen / fp32), "exp_avg", "exp_avg_sq".
+  at::Tensor read(const std::string& kind, int param);
+  void write(const std::string& kind, int param, const at::Tensor& value);
+  at::Tensor read_grad(int param);  // fp32 CPU copy of the gradient in its chunk (undefined if none)
+  int64_t step_of(int param) const;
+  void set_step(int param, int64_t step);
+  void synchronize();
+
+  const EngineCounters& counters() const { return counters_; }
+  const std::string& policy_name() const { return policy_name_; }
+
+ private:
+  struct Module {
+    std::vector<int> params;
+    std::vector<ChunkId> chunks;
+  };
+  at::Tensor slot_view(ChunkId id, size_t slot, Tier tier);
+  Tier where_current(ChunkId id) const;  // a tier holding a current copy
+  void evict_locked(ChunkId id);
+  // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least
+  // recently used evictable parameter chunk and retries, until fn succeeds or nothing is left.
+  template <typename Fn>
+  void with_room_locked(ChunkId id, Fn&& fn);
+  void release_if_idle_locked(ChunkId id);
+  void reduce_locked(ChunkSet& set);
+  void offload_grads_locked(ChunkSet& set);
+  [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
+  void check_module(int module) const;
+  void check_param(int param) const;
+
+  std::shared_ptr<DeviceContext> ctx_;
+  ChunkManager& mgr_;
+  std::vector<ChunkSet> sets_;
+  std::vector<ParamSpec> params_;
+  std::vector<int> set_of_p_chunk_;  // indexed by chunk id, -1 for companion chunks
+  std::vector<int> forward_refs_;    // per parameter
+  std::vector<Module> modules_;
+  std::unique_ptr<ParamStorages> storages_;
+  LruEviction lru_;
+  std::string policy_name_;
+  EngineCounters counters_;
+  bool no_sync_ = false;
+  bool async_reduce_ = true;
+  bool in_backward_ = false;
+  std::mutex mutex_;
+};
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,154 @@
+#include "torch/hybrid_adam.h"
+
+#include <chrono>
+
+#include "core/errors.h"
+#include "torch/cpu_adam_op.h"
+
+namespace gx::torch_layer {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Run {
+  size_t first_slot;
+  size_t last_slot;
+  int group;
+  int64_t step;
+};
+}  // namespace
+
+HybridAdam::HybridAdam(GeminiManager& manager) : m_(manager) {}
+
+void HybridAdam::set_param_groups(std::vector<int> group_of_param) {
+  GX_CHECK(group_of_param.size() == m_.params().size(), "set_param_groups: expected ", m_.params().size(),
+           " entries (one per parameter), got ", group_of_param.size(), ".");
+  for (size_t i = 0; i < group_of_param.size(); ++i)
+    GX_CHECK(group_of_param[i] < 0 || m_.params()[i].trainable, "parameter ", i,
+             " is frozen (requires_grad=False) and cannot be in an optimizer's param_groups.");
+  group_of_param_ = std::move(group_of_param);
+}
+
+double HybridAdam::grad_norm_sq() {
+  std::lock_guard<std::mutex> lock(m_.mutex());
+  DeviceContext& ctx = m_.context();
+  ChunkManager& mgr = m_.chunks();
+  ctx.sync_compute_stream();
+  m_.wait_grads();
+  at::Tensor device_total, host_total;
+  for (const ChunkSet& set : m_.sets()) {
+    if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
+    const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr.host_tier();
+    at::Tensor g = shard_view(ctx, mgr, set.spec.grad, tier).to(at::kFloat);
+    at::Tensor sq = at::dot(g, g);
+    at::Tensor& total = tier == Tier::kDevice ? device_total : host_total;
+    total = total.defined() ? total + sq : sq;
+  }
+  double sum = 0.0;
+  if (device_total.defined()) sum += device_total.item<double>();
+  if (host_total.defined()) sum += host_total.item<double>();
+  return sum;
+}
+
+void HybridAdam::step(const std::vector<GroupHyper>& groups, double grad_multiplier) {
+  std::lock_guard<std::mutex> lock(m_.mutex());
+  GX_CHECK(!group_of_param_.empty() || m_.params().empty(), "HybridAdam::step before set_param_groups.");
+  DeviceContext& ctx = m_.context();
+  ChunkManager& mgr = m_.chunks();
+  ctx.sync_compute_stream();
+  m_.wait_grads();
+  // CPU Adam writes P's host copies: every H2D copy still reading them must be done.
+  ctx.backend().synchronize(StreamKind::kHostToDevice);
+  stats_ = StepStats{};
+  const Tier host = mgr.host_tier();
+
+  for (ChunkSet& set : m_.sets()) {
+    if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
+    const Chunk& pc = mgr.chunk(set.spec.param);
+    std::vector<Run> runs;
+    for (size_t k = 0; k < pc.num_slots(); ++k) {
+      const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+      if (!set.has_grad[k] || group < 0) continue;
+      GX_CHECK(static_cast<size_t>(group) < groups.size(), "parameter group ", group, " of parameter ",
+               set.params[k], ": only ", groups.size(), " groups were passed.");
+      if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group &&
+          runs.back().step == set.step[k]) {
+        runs.back().last_slot = k;
+      } else {
+        runs.push_back(Run{k, k, group, set.step[k]});
+      }
+    }
+    if (runs.empty()) continue;
+    const bool on_host = set.spec.optim_on_host;
+    const bool has_master = set.spec.master >= 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (on_host) {
+      GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
+                         ": gradients not on the host for a host optimizer step");
+    } else {
+      m_.ensure_on_device_locked(set.spec.param);
+      if (set.grad_place == GradPlace::kHost) {  // a second backward's gradients went to the host copy
+        m_.allocate_on_device_locked(set.spec.grad);
+        mgr.transfer(set.spec.grad, host, Tier::kDevice);
+        set.grad_place = GradPlace::kDevice;
+      }
+    }
+    const Tier tier = on_host ? host : Tier::kDevice;
+    at::Tensor master = shard_view(ctx, mgr, has_master ? set.spec.master : set.spec.param, tier);
+    at::Tensor exp_avg = shard_view(ctx, mgr, set.spec.exp_avg, tier);
+    at::Tensor exp_avg_sq = shard_view(ctx, mgr, set.spec.exp_avg_sq, tier);
+    at::Tensor grad = shard_view(ctx, mgr, set.spec.grad, tier);
+    at::Tensor param16 = has_master ? shard_view(ctx, mgr, set.spec.param, tier) : at::Tensor();
+    for (const Run& r : runs) {
+      const int64_t begin = pc.slot(r.first_slot).offset_numel;
+      const int64_t end = pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel;
+      const int64_t n = end - begin;
+      const GroupHyper& h = groups[static_cast<size_t>(r.group)];
+      const int64_t step = r.step + 1;
+      if (on_host) {
+        std::optional<at::Tensor> p16;
+        if (has_master) p16 = param16.narrow(0, begin, n);
+        cpu_adam_step(master.narrow(0, begin, n), exp_avg.narrow(0, begin, n), exp_avg_sq.narrow(0, begin, n),
+                      grad.narrow(0, begin, n), p16, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw,
+                      grad_multiplier, "");
+        stats_.host_params += n;
+      } else {
+        at::Tensor g = grad.narrow(0, begin, n).to(at::kFloat);
+        if (grad_multiplier != 1.0) g = g.mul(grad_multiplier);
+        at::Tensor p = master.narrow(0, begin, n);
+        at::Tensor step_t = at::full({}, static_cast<double>(step), master.options());
+        if (h.adamw) {
+          at::_fused_adamw_({p}, {g}, {exp_avg.narrow(0, begin, n)}, {exp_avg_sq.narrow(0, begin, n)}, {}, {step_t},
+                            h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
+        } else {
+          at::_fused_adam_({p}, {g}, {exp_avg.narrow(0, begin, n)}, {exp_avg_sq.narrow(0, begin, n)}, {}, {step_t},
+                           h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
+        }
+        if (has_master) param16.narrow(0, begin, n).copy_(p);
+        stats_.device_params += n;
+      }
+      for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+        if (set.has_grad[k]) set.step[k] = step;
+    }
+    // Coherence of P's other copy.
+    const ChunkId p = set.spec.param;
+    if (on_host) {
+      if (pc.shard_tiers().contains(Tier::kDevice)) {
+        if (set.spec.param_home_on_host) {
+          mgr.discard_copy(p, Tier::kDevice);
+        } else {
+          mgr.transfer(p, host, Tier::kDevice, /*async=*/true);
+        }
+      }
+      stats_.host_seconds += seconds_since(t0);
+    } else {
+      for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
+        if (pc.shard_tiers().contains(t)) mgr.discard_copy(p, t);
+      stats_.device_seconds += seconds_since(t0);
+    }
+  }
+}
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,59 @@
+// HybridAdam: the optimizer step over chunk sets, CPU Adam where the state is on the host and
+// torch's fused Adam where it is on the device.
+//
+// Design note.
+//  * Units of work. Within a chunk set, consecutive slots that have a gradient, belong to the
+//    same parameter group and have taken the same number of steps form one run; a run is one
+//    kernel call over its element range (alignment padding between slots included: it is zero in
+//    every companion and stays zero). Slots without a gradient are skipped, exactly as
+//    torch.optim skips a parameter whose grad is None, and keep their own step count.
+//  * Host sets: our fused CPU Adam reads the fp32 master, m, v and the 16-bit (or fp32)
+//    gradient from the pinned host copies and writes master, m, v and the 16-bit parameter into
+//    P's host copy in one pass. P's device copy is then refreshed by one H2D copy (home on the
+//    device) or dropped (home on the host).
+//  * Device sets: torch's _fused_adamw_ / _fused_adam_ on the device copies (the gradient cast
+//    to fp32 first), then the master is rounded into P's device copy; a stale host copy of P is
+//    dropped.
+//  * `grad_multiplier` folds 1/loss_scale and the clipping coefficient into one factor applied
+//    to every gradient, so clipping costs no extra pass.
+#pragma once
+
+#include <vector>
+
+#include "torch/gemini_manager.h"
+
+namespace gx::torch_layer {
+
+struct GroupHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adamw = true;
+};
+
+struct StepStats {
+  int64_t host_params = 0;    // elements stepped by CPU Adam in the last step
+  int64_t device_params = 0;  // elements stepped by the fused device Adam
+  double host_seconds = 0.0;
+  double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
+};
+
+class HybridAdam {
+ public:
+  explicit HybridAdam(GeminiManager& manager);
+  // Parameter group of each parameter (-1: not in the optimizer; never stepped).
+  void set_param_groups(std::vector<int> group_of_param);
+  // Sum of squares of every gradient held in G chunks, in fp32 (waits for gradient moves).
+  double grad_norm_sq();
+  void step(const std::vector<GroupHyper>& groups, double grad_multiplier);
+  const StepStats& last_step() const { return stats_; }
+
+ private:
+  GeminiManager& m_;
+  std::vector<int> group_of_param_;
+  StepStats stats_;
+};
+
+}  // namespace gx::torch_layer
