@@ -47,6 +47,7 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   for (const auto& set : sets_)
     for (int p : set.params) GX_INTERNAL_ASSERT(p >= 0, "a slot of chunk ", set.spec.param, " has no parameter");
   forward_refs_.assign(params_.size(), 0);
+  backward_claimed_.assign(params_.size(), 0);
   storages_ = std::make_unique<ParamStorages>(mgr_, ctx_->device_for(Tier::kDevice));
   mgr_.set_listener(storages_.get());
 }
@@ -123,14 +124,7 @@ void GeminiManager::with_room_locked(ChunkId id, Fn&& fn) {
         }
       }
       if (waited) continue;
-      std::vector<ChunkId> candidates;
-      for (size_t c = 0; c < set_of_p_chunk_.size(); ++c) {
-        const auto cid = static_cast<ChunkId>(c);
-        if (set_of_p_chunk_[c] < 0 || cid == id) continue;
-        const Chunk& chunk = mgr_.chunk(cid);
-        if (chunk.shard_tiers().contains(Tier::kDevice) && chunk.can_move()) candidates.push_back(cid);
-      }
-      auto victim = lru_.choose(candidates);
+      auto victim = lru_.choose(evictable_locked(id));
       if (!victim) throw_budget_exceeded(id, mgr_.chunk(id).shard_bytes());
       evict_locked(*victim);
     }
@@ -148,9 +142,37 @@ void GeminiManager::allocate_on_device_locked(ChunkId id) {
   with_room_locked(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
 }
 
+std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
+  std::vector<ChunkId> out;
+  for (const auto& set : sets_) {
+    const Chunk& p = mgr_.chunk(set.spec.param);
+    if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move())
+      out.push_back(set.spec.param);
+    // A gradient chunk on the device that no backward is still writing into (its parameter
+    // chunk has no tensor waiting for reduction) can wait for the step on the host.
+    if (set.trainable && set.spec.grad != requester && set.grad_place == GradPlace::kDevice &&
+        !mgr_.in_flight(set.spec.grad) && p.count_in(S::kReadyForReduce) == 0 &&
+        mgr_.chunk(set.spec.grad).shard_tiers().contains(Tier::kDevice))
+      out.push_back(set.spec.grad);
+  }
+  return out;
+}
+
 void GeminiManager::evict_locked(ChunkId id) {
   const Chunk& c = mgr_.chunk(id);
   if (!c.shard_tiers().contains(Tier::kDevice)) return;
+  if (set_of_chunk(id) < 0) {  // a gradient chunk (see evictable_locked)
+    for (auto& set : sets_) {
+      if (set.spec.grad != id) continue;
+      if (c.shard_tiers().contains(mgr_.host_tier())) mgr_.discard_copy(id, mgr_.host_tier());
+      mgr_.move(id, mgr_.host_tier());
+      set.grad_place = GradPlace::kHost;
+      counters_.evictions += 1;
+      counters_.evicted_bytes += static_cast<int64_t>(c.shard_bytes());
+      return;
+    }
+    GX_INTERNAL_ASSERT(false, "eviction of chunk ", id, ", which is neither a parameter nor a gradient chunk");
+  }
   if (c.gathered()) mgr_.release(id);
   counters_.evictions += 1;
   counters_.evicted_bytes += static_cast<int64_t>(c.shard_bytes());
@@ -242,10 +264,20 @@ void GeminiManager::pre_forward(int module) {
 void GeminiManager::post_forward(int module) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_module(module);
-  // A forward re-run inside backward (activation checkpointing): the tensors stay in COMPUTE
-  // until their gradients arrive or the backward ends.
-  if (in_backward_) return;
   const Module& m = modules_[static_cast<size_t>(module)];
+  if (in_backward_) {
+    // A forward re-run inside backward (activation checkpointing). Tensors a pre-backward hook
+    // claimed stay in COMPUTE for that backward; the others are released, and their own
+    // pre-backward hook fetches them again when their backward comes.
+    for (int p : m.params) {
+      const ParamSpec& ps = params_[static_cast<size_t>(p)];
+      const TensorHandle h{ps.chunk, ps.slot};
+      if (!backward_claimed_[static_cast<size_t>(p)] && mgr_.state(h) == S::kCompute)
+        mgr_.transition(h, S::kHoldAfterBwd);
+    }
+    for (ChunkId c : m.chunks) release_if_idle_locked(c);
+    return;
+  }
   for (int p : m.params) {
     int& refs = forward_refs_[static_cast<size_t>(p)];
     if (refs > 0) refs -= 1;
@@ -266,7 +298,9 @@ void GeminiManager::pre_backward(int module) {
     ensure_on_device_locked(c);
     for (int p : m.params) {
       const ParamSpec& ps = params_[static_cast<size_t>(p)];
-      if (ps.chunk == c) to_compute(mgr_, ps);
+      if (ps.chunk != c) continue;
+      to_compute(mgr_, ps);
+      if (mgr_.state(TensorHandle{ps.chunk, ps.slot}) == S::kCompute) backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
 }
@@ -278,6 +312,7 @@ void GeminiManager::post_backward(int module) {
   for (int p : m.params) {
     const ParamSpec& ps = params_[static_cast<size_t>(p)];
     const TensorHandle h{ps.chunk, ps.slot};
+    backward_claimed_[static_cast<size_t>(p)] = 0;
     if (mgr_.state(h) == S::kCompute) mgr_.transition(h, S::kHoldAfterBwd);
   }
   for (ChunkId c : m.chunks) release_if_idle_locked(c);
@@ -315,6 +350,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   grad.reset();  // the gradient now lives in its chunk
 
   const TensorHandle h{ps.chunk, ps.slot};
+  backward_claimed_[static_cast<size_t>(param)] = 0;
   if (mgr_.state(h) != S::kReadyForReduce) mgr_.transition(h, S::kReadyForReduce);
   if (!no_sync_ && mgr_.chunk(ps.chunk).can_reduce()) reduce_locked(set);
 }
@@ -368,6 +404,7 @@ void GeminiManager::end_backward() {
     release_if_idle_locked(p);
   }
   std::fill(forward_refs_.begin(), forward_refs_.end(), 0);
+  std::fill(backward_claimed_.begin(), backward_claimed_.end(), 0);
   in_backward_ = false;
   counters_.backward_passes += 1;
 }

@@ -14,16 +14,19 @@
 //    eviction moves it to the host. Whoever writes a copy refreshes or drops the others.
 //  * Lifecycle of a parameter tensor (TensorState in P): pre-forward HOLD -> COMPUTE, post-
 //    forward COMPUTE -> HOLD (reference counted, so a parameter used by two modules at once
-//    stays in COMPUTE until both are done); pre-backward -> COMPUTE; post-backward (the
+//    stays in COMPUTE until both are done); pre-backward -> COMPUTE (claimed for that backward:
+//    a forward re-run by activation checkpointing leaves it there); post-backward (the
 //    module's inputs got their gradient) COMPUTE -> HOLD_AFTER_BWD; its gradient accumulated ->
 //    READY_FOR_REDUCE. When every tensor of P is READY_FOR_REDUCE the chunk is reduced (nothing
 //    to communicate with one rank) and G goes to the optimizer's tier asynchronously. At the end
 //    of backward, tensors still in COMPUTE go to HOLD_AFTER_BWD, chunks whose tensors got no
 //    gradient are flushed (reduced with the gradients they have), and everything returns to HOLD.
 //    Under no_sync() gradients accumulate in G on the device and nothing is reduced.
-//  * Device budget. Fetching a chunk or a gradient chunk that does not fit evicts the least
-//    recently used chunk that has no tensor in COMPUTE, then retries; when nothing can be
-//    evicted the OutOfMemoryError names the budget, what is resident and the knobs.
+//  * Device budget. Fetching a chunk or a gradient chunk that does not fit first waits for
+//    gradient moves in flight (their device slots come back), then evicts the least recently
+//    used evictable chunk and retries: a parameter chunk with no tensor in COMPUTE, or a
+//    gradient chunk no backward still writes into (it waits for the step on the host). When
+//    nothing can be evicted the OutOfMemoryError names the budget, what is resident and the knobs.
 //  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
 //    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
 //  * Threads. Hook bodies run with the GIL released, on the autograd engine's threads too; one
@@ -138,6 +141,7 @@ class GeminiManager {
   at::Tensor slot_view(ChunkId id, size_t slot, Tier tier);
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
+  std::vector<ChunkId> evictable_locked(ChunkId requester) const;
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least
   // recently used evictable parameter chunk and retries, until fn succeeds or nothing is left.
   template <typename Fn>
@@ -155,6 +159,7 @@ class GeminiManager {
   std::vector<ParamSpec> params_;
   std::vector<int> set_of_p_chunk_;  // indexed by chunk id, -1 for companion chunks
   std::vector<int> forward_refs_;    // per parameter
+  std::vector<uint8_t> backward_claimed_;  // per parameter: in COMPUTE for a pending backward
   std::vector<Module> modules_;
   std::unique_ptr<ParamStorages> storages_;
   LruEviction lru_;

@@ -1,0 +1,89 @@
+"""Shared helpers of the parity and feature tests: a small GPT, the same batches for both sides."""
+
+import copy
+
+import torch
+
+import gemini_ext as gx
+from gemini_ext.models import GPT, GPTConfig, synthetic_batch
+
+# Small enough for CI, big enough for several chunks of 4096 elements (36 tensors in 27 chunks).
+SMALL = GPTConfig(vocab_size=128, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, qkv_bias=False)
+CHUNK = {"chunk_size": 4096}
+LR, WD = 1e-3, 0.1
+
+
+def torch_device(device: str) -> torch.device:
+    return torch.device("cuda" if device == "cuda" else "cpu")
+
+
+def make_models(cfg=SMALL, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    return model, copy.deepcopy(model)
+
+
+def config(device, **kw):
+    kw.setdefault("chunk_config_dict", CHUNK)
+    kw.setdefault("precision", "fp32")
+    return gx.GeminiConfig(device=device, **kw)
+
+
+def batch(cfg, step, device, batch_size=4, seq=16):
+    return synthetic_batch(cfg, batch_size, seq, step, device)
+
+
+def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_decay=WD, max_norm=0.0,
+                    opt_cls=torch.optim.AdamW, micro_batches=1):
+    """Plain PyTorch: fp32 model (or autocast for 16-bit precisions) and torch.optim."""
+    model.to(device)
+    opt = opt_cls(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(micro_batches):
+            x, y = batch(model.cfg, step * micro_batches + micro, device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(x, y) / micro_batches
+            loss.backward()
+            total += loss.item()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def train_gemini(model, steps, cfg, lr=LR, weight_decay=WD, opt_cls=torch.optim.AdamW, micro_batches=1,
+                 use_no_sync=False):
+    losses = []
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(opt_cls, lr=lr, weight_decay=weight_decay)
+        for step in range(steps):
+            total = 0.0
+            for micro in range(micro_batches):
+                x, y = batch(model.cfg, step * micro_batches + micro, engine.compute_device)
+                last = micro == micro_batches - 1
+                if use_no_sync and not last:
+                    with engine.no_sync():
+                        loss = model(x, y) / micro_batches
+                        loss.backward()
+                else:
+                    loss = model(x, y) / micro_batches
+                    loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        stats = engine.stats()
+    return losses, stats
+
+
+def max_relative_difference(model, reference) -> dict:
+    """Per parameter: max |a - b| / max |b| (compared on the CPU, fp32)."""
+    out = {}
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        a, b = a.detach().float().cpu(), b.detach().float().cpu()
+        out[name] = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    return out

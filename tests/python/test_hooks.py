@@ -1,0 +1,261 @@
+"""The hook cases of the training issue: checkpointing, tied, frozen and unused parameters,
+evaluation without grad, two forwards before one backward, and what must be refused."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import gemini_ext as gx
+from conftest import DEVICES
+from gemini_ext.models import GPT, GPTConfig
+from parity_utils import (LR, SMALL, WD, batch, config, make_models, max_relative_difference, torch_device,
+                          train_gemini, train_reference)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block, reentrant):
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _checkpoint_blocks(model, reentrant):
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = Checkpointed(block, reentrant)
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget_chunks", [None, 5])
+def test_non_reentrant_checkpointing_matches_plain_pytorch(device, budget_chunks):
+    model, reference = make_models()
+    _checkpoint_blocks(model, reentrant=False)
+    _checkpoint_blocks(reference, reentrant=False)
+    train_reference(reference, 8, torch_device(device))
+    kw = {}
+    if budget_chunks:
+        kw["gpu_memory_limit" if device == "cuda" else "sim_capacity"] = budget_chunks * 4096 * 4
+    _, stats = train_gemini(model, 8, config(device, **kw))
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+    if budget_chunks:
+        assert stats["counters"]["evictions"] > 0
+
+
+def test_reentrant_checkpointing_is_refused_clearly():
+    model, _ = make_models()
+    _checkpoint_blocks(model, reentrant=True)
+    with gx.enable(model, config("sim")):
+        x, y = batch(model.cfg, 0, "cpu")
+        loss = model(x, y)
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            loss.backward()
+
+
+def test_compiled_autograd_is_refused_clearly(monkeypatch):
+    from torch._dynamo import compiled_autograd
+    model, _ = make_models()
+    with gx.enable(model, config("sim")):
+        x, y = batch(model.cfg, 0, "cpu")
+        loss = model(x, y)
+        monkeypatch.setattr(compiled_autograd, "compiled_autograd_enabled", True)
+        with pytest.raises(RuntimeError, match="compiled autograd"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tied_weights_share_one_slot_and_stay_tied(device):
+    cfg = GPTConfig(vocab_size=128, max_seq_len=32, d_model=32, n_layers=1, n_heads=4, qkv_bias=False,
+                    tie_embeddings=True)
+    model, reference = make_models(cfg)
+    shared = model.tok_emb.weight
+    train_reference(reference, 6, torch_device(device))
+    with gx.enable(model, config(device)) as engine:
+        assert model.head.weight is model.tok_emb.weight
+        assert engine.num_parameters == len(list(model.parameters()))  # counted once
+        assert model.head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(6):
+            x, y = batch(cfg, step, engine.compute_device)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert model.tok_emb.weight is shared and model.head.weight is shared, "the same Parameter object after close"
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_parameters_stay_in_chunks_without_optimizer_state(device):
+    model, reference = make_models()
+    for m in (model, reference):
+        m.tok_emb.weight.requires_grad_(False)
+        m.blocks[0].requires_grad_(False)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    dev = torch_device(device)
+    reference.to(dev)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    with gx.enable(model, config(device)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        idx = engine.parameter_index(model.tok_emb.weight)
+        with pytest.raises(ValueError, match="frozen"):
+            engine._gm.read("exp_avg", idx)
+        assert model.tok_emb.weight.device.type == dev.type, "a frozen parameter lives in a chunk too"
+        for step in range(6):
+            x, y = batch(model.cfg, step, engine.compute_device)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            rx, ry = batch(reference.cfg, step, dev)
+            reference(rx, ry).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert len(opt.state_dict()["state"]) == sum(p.requires_grad for p in model.parameters())
+        with pytest.raises(ValueError, match="requires_grad=False"):
+            gx.GeminiOptimizer(engine, torch.optim.AdamW, [model.tok_emb.weight])
+    for n, p in model.named_parameters():
+        if n in frozen_before:
+            assert torch.equal(p.detach(), frozen_before[n]), n
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.a(x))
+        if use_b:
+            h = h + torch.tanh(self.b(x))
+        return self.c(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_size", [64, 4096])  # b alone in its chunk, or sharing one with a and c
+def test_parameters_unused_in_a_step_are_left_untouched_like_torch(device, chunk_size):
+    torch.manual_seed(0)
+    model = TwoBranches()
+    reference = copy.deepcopy(model)
+    dev = torch_device(device)
+    reference.to(dev)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=WD)
+    pattern = [True, False, False, True, False, True]
+    with gx.enable(model, config(device, chunk_config_dict={"chunk_size": chunk_size})) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=WD)
+        for step, use_b in enumerate(pattern):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            b_before = model.b.weight.detach().clone()
+            model(x.to(engine.compute_device), use_b).backward()
+            opt.step()
+            opt.zero_grad()
+            if not use_b:
+                assert torch.equal(model.b.weight.detach(), b_before), "unused: no decay, no moment update"
+            reference(x.to(dev), use_b).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = opt.state_dict()["state"]
+        b_pos = [n for n, _ in model.named_parameters()].index("b.weight")
+        assert state[b_pos]["step"].item() == sum(pattern)
+        assert state[0]["step"].item() == len(pattern)
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_and_inference_mode_evaluation_between_steps(device):
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    budget = {"gpu_memory_limit" if device == "cuda" else "sim_capacity": 5 * 4096 * 4}
+    with gx.enable(model, config(device, **budget)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+        for step in range(4):
+            x, y = batch(model.cfg, step, engine.compute_device)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            rx, ry = batch(model.cfg, step, dev)
+            reference(rx, ry).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ex, ey = batch(model.cfg, 100 + step, engine.compute_device)
+            with torch.no_grad():
+                eval_loss = model(ex, ey)
+            with torch.inference_mode():
+                infer_loss = model(ex, ey)
+            with torch.no_grad():
+                ref_eval = reference(ex.to(dev), ey.to(dev))
+            assert eval_loss.item() == pytest.approx(ref_eval.item(), rel=1e-5)
+            assert infer_loss.item() == pytest.approx(ref_eval.item(), rel=1e-5)
+            assert not engine._gm.in_backward
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_forwards_before_one_backward(device):
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    budget = {"gpu_memory_limit" if device == "cuda" else "sim_capacity": 5 * 4096 * 4}
+    with gx.enable(model, config(device, **budget)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(4):
+            (x1, y1), (x2, y2) = batch(model.cfg, 2 * step, dev), batch(model.cfg, 2 * step + 1, dev)
+            (model(x1, y1) + 0.5 * model(x2, y2)).backward()
+            opt.step()
+            opt.zero_grad()
+            (reference(x1, y1) + 0.5 * reference(x2, y2)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_go_into_chunks_and_p_grad_stays_none(device):
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    x, y = batch(model.cfg, 0, dev)
+    reference(x, y).backward()
+    with gx.enable(model, config(device)) as engine:
+        model(x, y).backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            assert p.grad is None, name
+            torch.testing.assert_close(engine.grad(p), q.grad.float().cpu(), rtol=1e-5, atol=1e-7, msg=name)
+        opt = engine.optimizer(torch.optim.AdamW)
+        opt.zero_grad()
+        assert engine.grad(model.head.weight) is None
+
+
+def test_an_evicted_parameter_has_an_empty_storage_and_comes_back():
+    model, _ = make_models()
+    with gx.enable(model, config("sim", offload_param_frac=1.0)) as engine:
+        p = model.blocks[0].fc1.weight
+        assert p.untyped_storage().nbytes() == 0, "home on the host: no device copy between uses"
+        x, y = batch(model.cfg, 0, "cpu")
+        seen = {}
+        def look(module, args):
+            seen.setdefault("nbytes", module.weight.untyped_storage().nbytes())
+
+        handle = model.blocks[0].fc1.register_forward_pre_hook(look)  # runs after the engine's pre-hook
+        model(x, y).backward()
+        handle.remove()
+        assert seen["nbytes"] > 0, "fetched for its forward"
+        assert engine.stats()["counters"]["evictions"] > 0
+
+
+def test_a_gradient_assigned_by_hand_is_not_silently_dropped():
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW)
+        model.ln_f.weight.grad = torch.ones_like(model.ln_f.weight)
+        with pytest.raises(RuntimeError, match="ln_f.weight"):
+            opt.step()
