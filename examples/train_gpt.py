@@ -3,7 +3,10 @@
     python examples/train_gpt.py                  # preset 'small' on sim, '125m' on a GPU
     python examples/train_gpt.py --preset 350m --steps 100 --batch 8 --seq 1024
 
-Prints a progress bar and a closing summary: tokens/s, peak memory and chunk traffic.
+Parameters live in bf16 chunks with fp32 masters; the optimizer state lives on the host by
+default (offload_optim_frac=1.0: our CPU Adam steps it), the parameters on the device.
+Prints a progress bar and a closing summary: tokens/s, peak memory, chunk traffic, evictions
+and where the optimizer ran.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 from tqdm import tqdm
 
 import gemini_ext as gx
@@ -30,11 +34,30 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="fp32")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--offload-optim-frac", type=float, default=1.0)
+    p.add_argument("--offload-param-frac", type=float, default=0.0)
+    p.add_argument("--gpu-limit", default=None, help="device budget for chunks, e.g. 2GiB (sim: the sim capacity)")
+    p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="also write the summary as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpoint_blocks(model) -> None:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = _Checkpointed(block)
 
 
 def main(argv=None) -> dict:
@@ -45,15 +68,18 @@ def main(argv=None) -> dict:
     # Chunks of about an eighth of the model (at most the 32 Mi-element default), so that even a
     # small model spreads over several chunks.
     model_m = model_cfg.num_parameters() / 2**20
-    cfg = gx.GeminiConfig(device=args.device, precision=args.precision, offload_optim_frac=0.0,
-                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4))
+    budget = {}
+    if args.gpu_limit:
+        budget["gpu_memory_limit" if device_kind == "cuda" else "sim_capacity"] = args.gpu_limit
+    cfg = gx.GeminiConfig(device=args.device, precision=args.precision, offload_optim_frac=args.offload_optim_frac,
+                          offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
+                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4), **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     model = GPT(model_cfg)
+    if args.checkpoint:
+        checkpoint_blocks(model)
     n_params = sum(p.numel() for p in model.parameters())
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    if autocast_dtype is not None and device_kind != "cuda":
-        autocast_dtype = torch.bfloat16  # CPU autocast supports bf16 only
 
     losses, step_seconds = [], []
     with gx.enable(model, cfg) as engine:
@@ -65,9 +91,8 @@ def main(argv=None) -> dict:
         for step in bar:
             x, y = synthetic_batch(model_cfg, args.batch, seq, step, dev, seed=args.seed)
             start = time.perf_counter()
-            with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                loss = model(x, y)
-            engine.backward(loss)
+            loss = model(x, y)  # computes in the chunks' dtype (bf16 by default)
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss_value = loss.item()  # synchronises the device
@@ -76,7 +101,7 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{loss_value:.3f}")
         torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
 
-    stats = engine.stats()  # as of the close: the moves back to the host included
+    stats = engine.stats()  # as of the close
     timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
     tokens_per_s = args.batch * seq * len(timed) / sum(timed)
     summary = {
@@ -84,12 +109,16 @@ def main(argv=None) -> dict:
         "steps": args.steps, "batch": args.batch, "seq_len": seq,
         "first_loss": losses[0], "last_loss": losses[-1],
         "tokens_per_s": tokens_per_s, "step_s_median": sorted(timed)[len(timed) // 2],
-        "chunks": stats["num_chunks"], "chunk_size_elements": stats["chunk_size"],
+        "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],
         "chunk_wasted_bytes": stats["wasted_bytes"],
         "peak_chunk_device_bytes": stats["tier_bytes"]["device"]["peak"],
         "peak_torch_device_bytes": torch_peak,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "chunk_traffic": stats["traffic"],
+        "counters": stats["counters"],
+        "placement": stats["placement"],
+        "last_optimizer_step": stats.get("last_step"),
+        "skipped_steps": stats["skipped_steps"],
     }
     t = summary["chunk_traffic"]
     print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
@@ -99,10 +128,13 @@ def main(argv=None) -> dict:
     print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
           + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
           + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")
-    print(f"   chunks          {stats['num_chunks']} x {stats['chunk_size']:,} elements "
+    print(f"   chunks          {stats['num_param_chunks']} parameter chunks x {stats['chunk_size']:,} elements "
           f"({gx.format_bytes(stats['wasted_bytes'])} padding)")
     print(f"   chunk traffic   H2D {gx.format_bytes(t['h2d_bytes'])}, D2H {gx.format_bytes(t['d2h_bytes'])}, "
-          f"{t['moves']} moves")
+          f"{t['moves']} moves, {stats['counters']['evictions']} evictions")
+    pl, ls = stats["placement"], stats.get("last_step") or {}
+    print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
+          f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)

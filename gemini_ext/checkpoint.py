@@ -44,11 +44,15 @@ def save(engine, path: str) -> None:
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    torch.save(payload, os.path.join(tmp, SHARD))
-    with open(os.path.join(tmp, "index.json"), "w") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        torch.save(payload, os.path.join(tmp, SHARD))
+        with open(os.path.join(tmp, "index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, if any, stays as it was
+        raise
     old = None
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"

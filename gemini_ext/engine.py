@@ -35,10 +35,9 @@ from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
-from .search import search_chunk_configuration, unique_parameters
+from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ALIGNMENT_NUMEL = 32  # every group aligns slots to 32 elements: 64 bytes of 16-bit, 128 of fp32
 
 # Settings of later stages: accepted and validated, reported once if set, not acted on yet.
 _LATER = {"placement_policy": "static", "max_prefetch": 2, "const_gpu_budget": None, "extra_dp_size": 1}
@@ -167,11 +166,26 @@ class GeminiEngine:
         self._gm.set_async_reduce(config.enable_async_reduce)
         if config.enable_gradient_accumulation:
             self._gm.set_no_sync(True)  # gradients accumulate on the device until the step
+        self._slots = [(c, s) for c, s, _ in pspecs]
         views = self._gm.param_views()
         self._gm.apply_placement()
-        for p, view in zip(self._params, views):
+        existing = []
+        for i, (p, view) in enumerate(zip(self._params, views)):
+            if p.grad is not None:
+                if not p.requires_grad:
+                    warnings.warn(f"gemini_ext: frozen parameter {self._names[i]!r} has a .grad; frozen parameters "
+                                  "have no gradient chunk, so it is dropped.", stacklevel=3)
+                else:
+                    existing.append((i, p.grad.detach()))
             p.data = view
             p.grad = None  # gradients live in chunks from now on
+        if existing:  # an existing gradient follows its parameter into its chunk
+            with torch.no_grad():
+                for i, g in existing:
+                    p = self._params[i]
+                    p.grad = g.to(device=p.device, dtype=p.dtype)
+                    self._gm.post_accumulate_grad(i, p)
+            self._gm.end_backward()
         self._buffers = []
         for module in model.modules():
             for key, buf in module._buffers.items():
@@ -251,6 +265,10 @@ class GeminiEngine:
                              "the model given to gx.enable).")
         return idx
 
+    def parameter_slot(self, param) -> tuple[int, int]:
+        """(chunk id, slot index) of `param`'s 16-bit (compute dtype) copy."""
+        return self._slots[self.parameter_index(param)]
+
     def parameter_name(self, index: int) -> str:
         return self._names[index]
 
@@ -314,7 +332,8 @@ class GeminiEngine:
             "num_chunks": mgr.num_chunks,
             "num_param_chunks": len(placements),
             "chunk_size": self.chunk_size,
-            "wasted_bytes": mgr.wasted_bytes(),
+            "wasted_bytes": self._param_wasted_bytes(),  # padding of the parameter chunks
+            "wasted_bytes_all_groups": mgr.wasted_bytes(),
             "tier_bytes": tiers,
             "peak_device_bytes": tiers["device"]["peak"],
             "host_bytes": tiers["pinned_host"]["current"] + tiers["pageable_host"]["current"],
@@ -333,6 +352,18 @@ class GeminiEngine:
         if self._optimizer is not None:
             out["last_step"] = self._optimizer.last_step_stats()
         return out
+
+    def _param_wasted_bytes(self) -> int:
+        total = 0
+        for group in ("param", "frozen"):
+            try:
+                ids = self._mgr.group_chunk_ids(group)
+            except ValueError:
+                continue
+            for c in ids:
+                info = self._mgr.chunk_info(c)
+                total += (info["padded_numel"] - info["payload_numel"]) * self.compute_dtype.itemsize
+        return total
 
     def state_dict(self) -> dict:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable

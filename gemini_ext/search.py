@@ -17,6 +17,7 @@ from . import _C
 _ELEMENTS_PER_M = 2**20  # search_range_m and min_chunk_size_m count 2**20 elements
 _MAX_SEARCH_INTERVAL_NUMEL = 32 * 1024
 _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ALIGNMENT_NUMEL = 32  # the engine aligns every slot to 32 elements: 64 bytes of 16-bit, 128 of fp32
 
 
 def unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -32,13 +33,14 @@ def default_search_interval(search_range_numel: int) -> int:
 def search_chunk_configuration(model: torch.nn.Module, search_range_m: float = 128, min_chunk_size_m: float = 32,
                                *, search_interval: int | None = None,
                                execution_order: Iterable[torch.nn.Parameter] | None = None,
-                               precision: str | None = None, world_size: int = 1, alignment_bytes: int = 64,
+                               precision: str | None = None, world_size: int = 1, alignment_bytes: int | None = None,
                                filter_exlarge_params: bool = True) -> dict:
     """Returns {'chunk_size' (elements), 'wasted_bytes', 'wasted_frac', 'num_chunks', 'search_ms',
     'order' ('execution' or 'definition'), 'candidates'} for `model`'s parameters.
 
     `precision` ('bf16', 'fp16', 'fp32') sets the element size of the chunks; None takes each
-    parameter's own dtype size (the largest if they differ).
+    parameter's own dtype size (the largest if they differ). `alignment_bytes` None aligns slots
+    to ALIGNMENT_NUMEL elements, as the engine does.
     """
     if search_range_m < 0 or min_chunk_size_m < 0:
         raise ValueError(f"search_range_m / min_chunk_size_m: expected >= 0, got {search_range_m} / "
@@ -70,7 +72,8 @@ def search_chunk_configuration(model: torch.nn.Module, search_range_m: float = 1
     start = time.perf_counter()
     result = _C.search_chunk_size([p.numel() for p in params], search_range_numel,
                                   int(min_chunk_size_m * _ELEMENTS_PER_M), interval,
-                                  max(1, alignment_bytes // element_bytes), world_size, filter_exlarge_params)
+                                  ALIGNMENT_NUMEL if alignment_bytes is None else max(1, alignment_bytes // element_bytes),
+                                  world_size, filter_exlarge_params)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     payload_bytes = result["total_numel"] * element_bytes
     wasted_bytes = result["wasted_numel"] * element_bytes

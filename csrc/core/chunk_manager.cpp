@@ -301,6 +301,8 @@ void ChunkManager::access(ChunkId id) {
     const Tier from = c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
     GX_INTERNAL_ASSERT(c.shard_tiers().contains(from), "chunk ", id, " holds no data on any tier");
     add_copy(c, Tier::kDevice);
+    // The slot may have been freed a moment ago while compute still read it: copy after that.
+    backend_.stream_wait_event(StreamKind::kHostToDevice, backend_.record_event(StreamKind::kCompute));
     backend_.copy_async(c.shard_ptr(Tier::kDevice), c.shard_ptr(from), c.shard_bytes(), StreamKind::kHostToDevice);
     count_traffic(from, Tier::kDevice, c.shard_bytes());
     backend_.stream_wait_event(StreamKind::kCompute, backend_.record_event(StreamKind::kHostToDevice));

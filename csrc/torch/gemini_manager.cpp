@@ -87,25 +87,29 @@ at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
 // --- residency -------------------------------------------------------------------------------
 
 void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
-  int64_t busy = 0, busy_bytes = 0, pinned_bytes = 0;
-  for (size_t c = 0; c < mgr_.num_chunks(); ++c) {
-    const Chunk& chunk = mgr_.chunk(static_cast<ChunkId>(c));
-    if (!chunk.shard_tiers().contains(Tier::kDevice)) continue;
-    if (set_of_chunk(static_cast<ChunkId>(c)) < 0) {
-      pinned_bytes += static_cast<int64_t>(chunk.shard_bytes());
-    } else if (!chunk.can_move()) {
+  int64_t busy = 0, busy_bytes = 0, grad_bytes = 0, optim_bytes = 0;
+  for (const auto& set : sets_) {
+    const Chunk& p = mgr_.chunk(set.spec.param);
+    if (p.shard_tiers().contains(Tier::kDevice) && !p.can_move()) {
       busy += 1;
-      busy_bytes += static_cast<int64_t>(chunk.shard_bytes());
+      busy_bytes += static_cast<int64_t>(p.shard_bytes());
     }
+    if (!set.trainable) continue;
+    const Chunk& g = mgr_.chunk(set.spec.grad);
+    if (g.shard_tiers().contains(Tier::kDevice)) grad_bytes += static_cast<int64_t>(g.shard_bytes());
+    for (ChunkId s : {set.spec.master, set.spec.exp_avg, set.spec.exp_avg_sq})
+      if (s >= 0 && mgr_.chunk(s).shard_tiers().contains(Tier::kDevice))
+        optim_bytes += static_cast<int64_t>(mgr_.chunk(s).shard_bytes());
   }
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
-      "' policy: the device budget is ", ctx_->backend().device_capacity_bytes(), " bytes, chunks hold ",
-      mgr_.tier_bytes(Tier::kDevice).current, " bytes of it: ", busy, " parameter chunks in use (", busy_bytes,
-      " bytes, not evictable) and ", pinned_bytes,
-      " bytes of gradient and optimizer-state chunks. Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on "
-      "the sim device), use smaller chunks (chunk_config_dict / min_chunk_size_m), or keep the optimizer state on "
-      "the host (offload_optim_frac=1.0)."));
+      "' policy: the device budget is ", ctx_->backend().device_capacity_bytes(), " bytes and chunks hold ",
+      mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
+      " parameter chunks in use by compute (", busy_bytes, " bytes), gradient chunks still collecting gradients (",
+      grad_bytes, " bytes), optimizer state kept on the device (", optim_bytes,
+      " bytes). Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
+      "(chunk_config_dict / min_chunk_size_m)",
+      optim_bytes > 0 ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)." : "."));
 }
 
 template <typename Fn>

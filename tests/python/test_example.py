@@ -14,4 +14,19 @@ def test_train_gpt_example_on_sim(tmp_path):
     summary = json.loads(out_json.read_text())
     assert summary["device"] == "sim" and summary["chunks"] >= 2
     assert summary["last_loss"] < summary["first_loss"], "the example model learns"
-    assert summary["chunk_traffic"]["h2d_bytes"] == summary["peak_chunk_device_bytes"] > 0
+    assert summary["precision"] == "bf16" and summary["skipped_steps"] == 0
+    assert summary["placement"]["optim_chunks_on_host"] == summary["chunks"] > 0, "CPU Adam steps every chunk"
+    assert summary["last_optimizer_step"]["host_params"] > 0
+    # gradients go down and updated parameters come up every step
+    assert summary["chunk_traffic"]["d2h_bytes"] > 0 and summary["chunk_traffic"]["h2d_bytes"] > 0
+
+
+def test_train_gpt_example_with_a_tiny_budget_and_checkpointing(tmp_path):
+    out_json = tmp_path / "summary.json"
+    out = run_python("examples/train_gpt.py", "--device", "sim", "--preset", "tiny", "--steps", "6", "--batch", "2",
+                     "--seq", "16", "--gpu-limit", "270KiB", "--checkpoint", "--json-out", str(out_json),
+                     "--no-progress")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out_json.read_text())
+    assert summary["counters"]["evictions"] > 0
+    assert summary["peak_chunk_device_bytes"] <= 270 * 1024

@@ -1,0 +1,168 @@
+"""GeminiOptimizer: clipping, fp16 loss scaling, gradient accumulation, LR schedulers, param
+groups and torch-compatible state dicts, each against plain PyTorch."""
+
+import math
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import (LR, WD, batch, config, make_models, max_relative_difference, torch_device, train_gemini,
+                          train_reference)
+
+
+def test_only_adam_and_adamw_are_supported():
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        with pytest.raises(TypeError, match="SGD is not supported.*Adam"):
+            engine.optimizer(torch.optim.SGD, lr=0.1)
+        with pytest.raises(ValueError, match="amsgrad=True"):
+            engine.optimizer(torch.optim.AdamW, amsgrad=True)
+        with pytest.raises(ValueError, match="maximize=True"):
+            engine.optimizer(torch.optim.Adam, maximize=True)
+        with pytest.raises(TypeError, match="momentum"):
+            engine.optimizer(torch.optim.AdamW, momentum=0.9)
+        with pytest.raises(ValueError, match="lr must be >= 0"):
+            engine.optimizer(torch.optim.AdamW, lr=-1.0)
+        engine.optimizer(torch.optim.AdamW, lr=1e-3, fused=True)  # implementation flags are accepted
+        with pytest.raises(RuntimeError, match="already has an optimizer"):
+            engine.optimizer(torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offload_optim_frac", [1.0, 0.0])
+def test_global_norm_clipping_matches_clip_grad_norm(device, offload_optim_frac):
+    model, reference = make_models()
+    train_reference(reference, 10, torch_device(device), max_norm=0.05)
+    _, stats = train_gemini(model, 10, config(device, max_norm=0.05, offload_optim_frac=offload_optim_frac))
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["accumulate", "no_sync", "config"])
+def test_gradient_accumulation_matches_plain_pytorch(device, mode):
+    model, reference = make_models()
+    train_reference(reference, 6, torch_device(device), micro_batches=3)
+    cfg = config(device, enable_gradient_accumulation=(mode == "config"))
+    _, stats = train_gemini(model, 6, cfg, micro_batches=3, use_no_sync=(mode == "no_sync"))
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+    if mode != "accumulate":
+        # gradients stayed on the device until the last micro-batch: one offload per chunk and step
+        assert stats["counters"]["grad_chunks_offloaded"] == 6 * stats["num_param_chunks"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lr_scheduler_and_param_groups(device):
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0, "lr": 2 * LR}]
+
+    ref_opt = torch.optim.AdamW(groups(reference), lr=LR)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    with gx.enable(model, config(device)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, params=groups(model), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for step in range(8):
+            x, y = batch(model.cfg, step, dev)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            reference(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+        assert opt.param_groups[1]["lr"] == pytest.approx(ref_opt.param_groups[1]["lr"])
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_overflow_skips_the_step_and_backs_off(device):
+    model, _ = make_models()
+    cfg = config(device, precision="fp16", initial_scale=2.0**24, max_scale=2.0**32, hysteresis=1)
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR)
+        before = engine.state_dict()
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()  # gradients scaled by 2**24 overflow fp16
+        opt.step()
+        opt.zero_grad()
+        assert engine.stats()["skipped_steps"] == 1
+        assert engine.scaler.scale == 2.0**23
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changes nothing"
+        assert opt.state_dict()["state"] == {}, "no step counted"
+        losses = []
+        for step in range(30):
+            x, y = batch(model.cfg, step, engine.compute_device)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        stats = engine.stats()
+        assert stats["optimizer_steps"] > 0 and stats["loss_scale"] < 2.0**23
+        assert stats["optimizer_steps"] + stats["skipped_steps"] == 31
+        finite = [l for l in losses if math.isfinite(l)]
+        assert finite[-1] < finite[0] - 0.1
+
+
+def test_loss_scaler_rules():
+    s = gx.DynamicLossScaler(initial_scale=1024, min_scale=256, growth_factor=2, backoff_factor=0.5,
+                             growth_interval=3, hysteresis=2, max_scale=2048)
+    s.update(True)
+    assert s.scale == 1024, "hysteresis: the first overflow does not back off"
+    s.update(True)
+    assert s.scale == 512
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 1024
+    for _ in range(9):
+        s.update(False)
+    assert s.scale == 2048, "capped at max_scale"
+    for _ in range(10):
+        s.update(True)
+    assert s.scale == 256, "floored at min_scale"
+    t = gx.DynamicLossScaler(1, 1, 2, 0.5, 1, 1, 2)
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_is_torch_adamw_format_both_ways(device):
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    with gx.enable(model, config(device)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(3):
+            x, y = batch(model.cfg, step, dev)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state_dict()
+        reference.load_state_dict(engine.state_dict())
+    # Ours into torch's AdamW, and both continue identically.
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    ref_opt.load_state_dict(state)
+    assert ref_opt.state_dict()["state"][0]["step"].item() == 3
+    fresh, _ = make_models()
+    with gx.enable(fresh, config(device)) as engine:
+        engine.load_state_dict(reference.state_dict())
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        opt.load_state_dict(ref_opt.state_dict())  # torch's into ours
+        for step in range(3, 6):
+            x, y = batch(fresh.cfg, step, dev)
+            fresh(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            reference(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert max(max_relative_difference(fresh, reference).values()) <= 1e-5
