@@ -137,6 +137,16 @@ void GeminiManager::with_room_locked(ChunkId id, Fn&& fn) {
 
 void GeminiManager::ensure_on_device_locked(ChunkId id) {
   const bool had = mgr_.chunk(id).shard_tiers().contains(Tier::kDevice);
+  if (!had) {
+    // The access stream moves to another chunk: idle chunks whose home is the host go back now
+    // (evicting them at every module's release would fetch a chunk once per module using it).
+    for (const auto& set : sets_) {
+      const Chunk& p = mgr_.chunk(set.spec.param);
+      if (set.spec.param_home_on_host && set.spec.param != id && p.shard_tiers().contains(Tier::kDevice) &&
+          p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param))
+        evict_locked(set.spec.param);
+    }
+  }
   with_room_locked(id, [&] { mgr_.access(id); });
   if (!had) counters_.fetches += 1;
   lru_.touch(id);
@@ -191,10 +201,6 @@ void GeminiManager::release_if_idle_locked(ChunkId id) {
   const Chunk& c = mgr_.chunk(id);
   if (c.count_in(S::kCompute) != 0) return;
   if (c.gathered() && c.can_release()) mgr_.release(id);
-  const int s = set_of_chunk(id);
-  if (s >= 0 && sets_[static_cast<size_t>(s)].spec.param_home_on_host && c.shard_tiers().contains(Tier::kDevice) &&
-      c.count_in(S::kReadyForReduce) == 0)
-    evict_locked(id);
 }
 
 void GeminiManager::apply_placement() {

@@ -22,6 +22,9 @@
 //    of backward, tensors still in COMPUTE go to HOLD_AFTER_BWD, chunks whose tensors got no
 //    gradient are flushed (reduced with the gradients they have), and everything returns to HOLD.
 //    Under no_sync() gradients accumulate in G on the device and nothing is reduced.
+//  * Home on the host (offload_param_frac): such a chunk's device copy is dropped (or moved
+//    back) when the access stream fetches a different chunk and it is idle, so each use phase
+//    (forward, backward) fetches it about once.
 //  * Device budget. Fetching a chunk or a gradient chunk that does not fit first waits for
 //    gradient moves in flight (their device slots come back), then evicts the least recently
 //    used evictable chunk and retries: a parameter chunk with no tensor in COMPUTE, or a

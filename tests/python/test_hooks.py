@@ -259,3 +259,20 @@ def test_a_gradient_assigned_by_hand_is_not_silently_dropped():
         model.ln_f.weight.grad = torch.ones_like(model.ln_f.weight)
         with pytest.raises(RuntimeError, match="ln_f.weight"):
             opt.step()
+
+
+def test_chunks_homed_on_the_host_are_fetched_about_once_per_pass():
+    model, _ = make_models()
+    with gx.enable(model, config("sim", offload_param_frac=1.0)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR)
+        n = engine.stats()["num_param_chunks"]
+        steps = 3
+        for step in range(steps):
+            x, y = batch(model.cfg, step, "cpu")
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        fetches = engine.stats()["counters"]["fetches"]
+    # forward and backward each walk the chunks once; the tied embedding/head chunk and chunks
+    # shared by neighbouring modules may come back once more
+    assert steps * n <= fetches <= steps * (2 * n + 2)
