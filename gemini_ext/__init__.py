@@ -18,6 +18,7 @@ from .engine import GeminiEngine, enable  # noqa: E402
 from .info import info  # noqa: E402
 from .optim import GeminiOptimizer  # noqa: E402
 from .amp import DynamicLossScaler  # noqa: E402
+from .compat import Booster, GeminiDDP, GeminiPlugin  # noqa: E402
 from .search import search_chunk_configuration  # noqa: E402
 
 UsageError = _C.UsageError
@@ -28,6 +29,7 @@ TensorState = _C.TensorState
 
 __version__ = "0.1.0"
 __all__ = [
-    "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
+    "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "GeminiDDP", "GeminiPlugin", "Booster",
+    "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
     "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
 ]

@@ -41,6 +41,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
         from .engine import GeminiEngine  # circular at import time only
+        shared_groups = None
+        self._wrapped = None
         if isinstance(optimizer_or_engine, GeminiEngine):
             engine, opt_cls = optimizer_or_engine, model_or_cls
         elif isinstance(optimizer_or_engine, torch.optim.Optimizer):
@@ -48,12 +50,16 @@ class GeminiOptimizer(torch.optim.Optimizer):
             torch_opt = optimizer_or_engine
             model = model_or_cls
             engine = getattr(model, "_gemini_engine", None) if model is not None else None
+            if engine is None and isinstance(getattr(model, "module", None), torch.nn.Module):
+                engine = getattr(model.module, "_gemini_engine", None)  # a GeminiDDP
             if engine is None:
                 raise ValueError("GeminiOptimizer(optimizer, model): `model` must be a module managed by gemini_ext "
                                  "(wrap it with gx.GeminiDDP(model) or gx.enable(model) first).")
             opt_cls = type(torch_opt)
             params = [dict(g) for g in torch_opt.param_groups]
             kwargs = {}
+            shared_groups = torch_opt.param_groups
+            self._wrapped = torch_opt
         else:
             raise TypeError("GeminiOptimizer: expected (engine, optimizer class) or (torch optimizer, model), got "
                             f"{type(optimizer_or_engine).__name__}.")
@@ -61,7 +67,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for flag in ("amsgrad", "maximize", "differentiable"):
             if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
                 raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported; pass {flag}=False.")
-        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2 if self._adamw else 0.0}
+        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2 if self._adamw else 0.0,
+                    "decoupled_weight_decay": self._adamw}
         for key, value in kwargs.items():
             if key in defaults:
                 defaults[key] = value
@@ -74,12 +81,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if params is None:
             params = [p for p in engine.parameters() if p.requires_grad]
         super().__init__(params, defaults)
+        if shared_groups is not None:
+            # The wrapped optimizer's group dicts themselves: an LR scheduler built on it edits ours.
+            self.param_groups = shared_groups
         for i, g in enumerate(self.param_groups):
             self._check_hyper(g, f"param_groups[{i}]")
-            for flag in ("amsgrad", "maximize", "differentiable"):
-                g.pop(flag, None)
-            for flag in _IGNORED_FLAGS:
-                g.pop(flag, None)
+            if shared_groups is None:
+                for flag in ("amsgrad", "maximize", "differentiable") + _IGNORED_FLAGS:
+                    g.pop(flag, None)
         group_of = [-1] * engine.num_parameters
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -114,7 +123,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             lr = g["lr"].item() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
             out.append({"lr": lr, "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]), "eps": float(g["eps"]),
-                        "weight_decay": float(g["weight_decay"]), "adamw": self._adamw})
+                        "weight_decay": float(g["weight_decay"]),
+                        "adamw": bool(g.get("decoupled_weight_decay", self._adamw))})
         return out
 
     @torch.no_grad()
@@ -147,6 +157,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     multiplier *= coef
         self._hybrid.step(self._hyper(), multiplier)
         engine._optimizer_steps += 1
+        if self._wrapped is not None:
+            self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
