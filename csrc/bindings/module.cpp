@@ -393,16 +393,16 @@ PYBIND11_MODULE(_C, m) {
       .def("grad_norm_sq", &HybridAdam::grad_norm_sq, py::call_guard<py::gil_scoped_release>())
       .def("step",
            [](HybridAdam& a, const py::list& groups, double grad_multiplier) {
-             std::vector<torch_layer::GroupHyper> hs;
+             std::vector<AdamHyper> hs;
              for (const auto& item : groups) {
                auto d = item.cast<py::dict>();
-               torch_layer::GroupHyper h;
+               AdamHyper h;
                h.lr = d["lr"].cast<double>();
                h.beta1 = d["beta1"].cast<double>();
                h.beta2 = d["beta2"].cast<double>();
                h.eps = d["eps"].cast<double>();
                h.weight_decay = d["weight_decay"].cast<double>();
-               h.adamw = d["adamw"].cast<bool>();
+               h.decoupled_weight_decay = d["adamw"].cast<bool>();
                hs.push_back(h);
              }
              py::gil_scoped_release nogil;

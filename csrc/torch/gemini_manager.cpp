@@ -254,21 +254,26 @@ void to_compute(ChunkManager& mgr, const ParamSpec& p) {
 }
 }  // namespace
 
-void GeminiManager::pre_forward(int module) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  check_module(module);
+void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
   ctx_->sync_compute_stream();
-  const Module& m = modules_[static_cast<size_t>(module)];
   for (ChunkId c : m.chunks) {
     ensure_on_device_locked(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
     for (int p : m.params) {
       const ParamSpec& ps = params_[static_cast<size_t>(p)];
       if (ps.chunk != c) continue;
-      if (!in_backward_) forward_refs_[static_cast<size_t>(p)] += 1;
       to_compute(mgr_, ps);
+      if (forward && !in_backward_) forward_refs_[static_cast<size_t>(p)] += 1;
+      if (!forward && mgr_.state(TensorHandle{ps.chunk, ps.slot}) == S::kCompute)
+        backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
+}
+
+void GeminiManager::pre_forward(int module) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_module(module);
+  fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/true);
 }
 
 void GeminiManager::post_forward(int module) {
@@ -301,18 +306,8 @@ void GeminiManager::post_forward(int module) {
 void GeminiManager::pre_backward(int module) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_module(module);
-  ctx_->sync_compute_stream();
   in_backward_ = true;
-  const Module& m = modules_[static_cast<size_t>(module)];
-  for (ChunkId c : m.chunks) {
-    ensure_on_device_locked(c);
-    for (int p : m.params) {
-      const ParamSpec& ps = params_[static_cast<size_t>(p)];
-      if (ps.chunk != c) continue;
-      to_compute(mgr_, ps);
-      if (mgr_.state(TensorHandle{ps.chunk, ps.slot}) == S::kCompute) backward_claimed_[static_cast<size_t>(p)] = 1;
-    }
-  }
+  fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/false);
 }
 
 void GeminiManager::post_backward(int module) {

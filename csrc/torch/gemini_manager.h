@@ -142,6 +142,9 @@ class GeminiManager {
     std::vector<ChunkId> chunks;
   };
   at::Tensor slot_view(ChunkId id, size_t slot, Tier tier);
+  // Fetches a module's chunks and puts its tensors in COMPUTE (forward: counted references;
+  // backward: claimed until their gradient or post-backward).
+  void fetch_for_compute_locked(const Module& m, bool forward);
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;

@@ -52,7 +52,7 @@ double HybridAdam::grad_norm_sq() {
   return sum;
 }
 
-void HybridAdam::step(const std::vector<GroupHyper>& groups, double grad_multiplier) {
+void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multiplier) {
   std::lock_guard<std::mutex> lock(m_.mutex());
   GX_CHECK(!group_of_param_.empty() || m_.params().empty(), "HybridAdam::step before set_param_groups.");
   DeviceContext& ctx = m_.context();
@@ -105,13 +105,13 @@ void HybridAdam::step(const std::vector<GroupHyper>& groups, double grad_multipl
       const int64_t begin = pc.slot(r.first_slot).offset_numel;
       const int64_t end = pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel;
       const int64_t n = end - begin;
-      const GroupHyper& h = groups[static_cast<size_t>(r.group)];
+      const AdamHyper& h = groups[static_cast<size_t>(r.group)];
       const int64_t step = r.step + 1;
       if (on_host) {
         std::optional<at::Tensor> p16;
         if (has_master) p16 = param16.narrow(0, begin, n);
         cpu_adam_step(master.narrow(0, begin, n), exp_avg.narrow(0, begin, n), exp_avg_sq.narrow(0, begin, n),
-                      grad.narrow(0, begin, n), p16, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw,
+                      grad.narrow(0, begin, n), p16, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled_weight_decay,
                       grad_multiplier, "");
         stats_.host_params += n;
       } else {
@@ -119,7 +119,7 @@ void HybridAdam::step(const std::vector<GroupHyper>& groups, double grad_multipl
         if (grad_multiplier != 1.0) g = g.mul(grad_multiplier);
         at::Tensor p = master.narrow(0, begin, n);
         at::Tensor step_t = at::full({}, static_cast<double>(step), master.options());
-        if (h.adamw) {
+        if (h.decoupled_weight_decay) {
           at::_fused_adamw_({p}, {g}, {exp_avg.narrow(0, begin, n)}, {exp_avg_sq.narrow(0, begin, n)}, {}, {step_t},
                             h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
         } else {

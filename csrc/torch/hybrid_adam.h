@@ -20,18 +20,10 @@
 
 #include <vector>
 
+#include "core/cpu_adam.h"
 #include "torch/gemini_manager.h"
 
 namespace gx::torch_layer {
-
-struct GroupHyper {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool adamw = true;
-};
 
 struct StepStats {
   int64_t host_params = 0;    // elements stepped by CPU Adam in the last step
@@ -47,7 +39,9 @@ class HybridAdam {
   void set_param_groups(std::vector<int> group_of_param);
   // Sum of squares of every gradient held in G chunks, in fp32 (waits for gradient moves).
   double grad_norm_sq();
-  void step(const std::vector<GroupHyper>& groups, double grad_multiplier);
+  // One AdamHyper per parameter group (its `step` and `grad_scale` fields are ignored: steps are
+  // counted per parameter, and `grad_multiplier` applies to every gradient).
+  void step(const std::vector<AdamHyper>& groups, double grad_multiplier);
   const StepStats& last_step() const { return stats_; }
 
  private:

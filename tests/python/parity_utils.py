@@ -33,6 +33,16 @@ def batch(cfg, step, device, batch_size=4, seq=16):
     return synthetic_batch(cfg, batch_size, seq, step, device)
 
 
+def train_step(model, opt, step, device) -> float:
+    """One step on the batch of `step`: forward, plain backward, step, zero_grad; the loss."""
+    x, y = batch(model.cfg, step, device)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_decay=WD, max_norm=0.0,
                     opt_cls=torch.optim.AdamW, micro_batches=1):
     """Plain PyTorch: fp32 model (or autocast for 16-bit precisions) and torch.optim."""

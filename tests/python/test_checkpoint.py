@@ -8,7 +8,7 @@ import torch
 import gemini_ext as gx
 from conftest import DEVICES
 from gemini_ext.models import GPT
-from parity_utils import LR, SMALL, WD, batch, config, make_models
+from parity_utils import LR, SMALL, WD, batch, config, make_models, train_step
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -18,10 +18,7 @@ def test_state_dict_round_trips_into_a_plain_model(precision):
     with gx.enable(model, config("sim", precision=precision)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR)
         for step in range(3):
-            x, y = batch(model.cfg, step, "cpu")
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, step, "cpu")
         sd = engine.state_dict()
         assert set(sd) == keys
         assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
@@ -38,15 +35,7 @@ def test_state_dict_round_trips_into_a_plain_model(precision):
 
 
 def _train(model, engine, opt, steps, start):
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(model.cfg, step, engine.compute_device)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [train_step(model, opt, step, engine.compute_device) for step in range(start, start + steps)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

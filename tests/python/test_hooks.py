@@ -12,7 +12,7 @@ import gemini_ext as gx
 from conftest import DEVICES
 from gemini_ext.models import GPT, GPTConfig
 from parity_utils import (LR, SMALL, WD, batch, config, make_models, max_relative_difference, torch_device,
-                          train_gemini, train_reference)
+                          train_gemini, train_reference, train_step)
 
 
 class Checkpointed(nn.Module):
@@ -106,14 +106,8 @@ def test_frozen_parameters_stay_in_chunks_without_optimizer_state(device):
             engine._gm.read("exp_avg", idx)
         assert model.tok_emb.weight.device.type == dev.type, "a frozen parameter lives in a chunk too"
         for step in range(6):
-            x, y = batch(model.cfg, step, engine.compute_device)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            rx, ry = batch(reference.cfg, step, dev)
-            reference(rx, ry).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            train_step(model, opt, step, engine.compute_device)
+            train_step(reference, ref_opt, step, dev)
         assert len(opt.state_dict()["state"]) == sum(p.requires_grad for p in model.parameters())
         with pytest.raises(ValueError, match="requires_grad=False"):
             gx.GeminiOptimizer(engine, torch.optim.AdamW, [model.tok_emb.weight])
@@ -177,14 +171,8 @@ def test_no_grad_and_inference_mode_evaluation_between_steps(device):
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
         for step in range(4):
-            x, y = batch(model.cfg, step, engine.compute_device)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            rx, ry = batch(model.cfg, step, dev)
-            reference(rx, ry).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            train_step(model, opt, step, engine.compute_device)
+            train_step(reference, ref_opt, step, dev)
             ex, ey = batch(model.cfg, 100 + step, engine.compute_device)
             with torch.no_grad():
                 eval_loss = model(ex, ey)
@@ -268,10 +256,7 @@ def test_chunks_homed_on_the_host_are_fetched_about_once_per_pass():
         n = engine.stats()["num_param_chunks"]
         steps = 3
         for step in range(steps):
-            x, y = batch(model.cfg, step, "cpu")
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, step, "cpu")
         fetches = engine.stats()["counters"]["fetches"]
     # forward and backward each walk the chunks once; the tied embedding/head chunk and chunks
     # shared by neighbouring modules may come back once more

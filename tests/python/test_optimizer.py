@@ -9,7 +9,7 @@ import torch
 import gemini_ext as gx
 from conftest import DEVICES
 from parity_utils import (LR, WD, batch, config, make_models, max_relative_difference, torch_device, train_gemini,
-                          train_reference)
+                          train_reference, train_step)
 
 
 def test_only_adam_and_adamw_are_supported():
@@ -69,14 +69,9 @@ def test_lr_scheduler_and_param_groups(device):
         opt = engine.optimizer(torch.optim.AdamW, params=groups(model), lr=LR)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         for step in range(8):
-            x, y = batch(model.cfg, step, dev)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, step, dev)
             sched.step()
-            reference(x, y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            train_step(reference, ref_opt, step, dev)
             ref_sched.step()
         assert opt.param_groups[1]["lr"] == pytest.approx(ref_opt.param_groups[1]["lr"])
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
@@ -142,10 +137,7 @@ def test_state_dict_is_torch_adamw_format_both_ways(device):
     with gx.enable(model, config(device)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         for step in range(3):
-            x, y = batch(model.cfg, step, dev)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, step, dev)
         state = opt.state_dict()
         reference.load_state_dict(engine.state_dict())
     # Ours into torch's AdamW, and both continue identically.
@@ -158,11 +150,6 @@ def test_state_dict_is_torch_adamw_format_both_ways(device):
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         opt.load_state_dict(ref_opt.state_dict())  # torch's into ours
         for step in range(3, 6):
-            x, y = batch(fresh.cfg, step, dev)
-            fresh(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            reference(x, y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            train_step(fresh, opt, step, dev)
+            train_step(reference, ref_opt, step, dev)
     assert max(max_relative_difference(fresh, reference).values()) <= 1e-5
