@@ -167,6 +167,7 @@ void ChunkManager::add_copy(Chunk& c, Tier tier) {
 void ChunkManager::drop_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
   if (tier == Tier::kDevice) {
+    if (prefetched_.erase(c.id()) != 0) traffic_.prefetch_wasted += 1;  // evicted before any use
     if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
     if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
   }
@@ -212,7 +213,7 @@ void ChunkManager::move(ChunkId id, Tier to, bool async) {
   start_copy(c, from, to, /*drop_source=*/true, async);
 }
 
-void ChunkManager::start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async) {
+void ChunkManager::start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits) {
   const StreamKind stream = stream_for(from, to);
   // The side stream must see everything compute did to the source (e.g. an optimizer update)
   // and must not overwrite the destination while compute still reads it.
@@ -220,12 +221,25 @@ void ChunkManager::start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bo
   backend_.copy_async(c.shard_ptr(to), c.shard_ptr(from), c.shard_bytes(), stream);
   count_traffic(from, to, c.shard_bytes());
   traffic_.moves += 1;
-  in_flight_[c.id()] = InFlight{backend_.record_event(stream), from, to, drop_source};
-  if (to == Tier::kDevice) {
+  compute_waits = compute_waits && to == Tier::kDevice;
+  in_flight_[c.id()] = InFlight{backend_.record_event(stream), from, to, drop_source, compute_waits};
+  if (compute_waits) {
     // Compute that uses the destination must wait for the copy (an event wait, not a host wait).
     backend_.stream_wait_event(StreamKind::kCompute, in_flight_[c.id()].event);
   }
   if (!async) complete_move(c.id(), /*block=*/true);
+}
+
+void ChunkManager::prefetch(ChunkId id) {
+  check_finalized("prefetch");
+  Chunk& c = mutable_chunk(id);
+  if (c.shard_tiers().contains(Tier::kDevice) || in_flight_.count(id) != 0) return;
+  const Tier from = c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
+  GX_INTERNAL_ASSERT(c.shard_tiers().contains(from), "prefetch of chunk ", id, ", which holds no data on any tier");
+  add_copy(c, Tier::kDevice);  // throws OutOfMemoryError before changing anything
+  traffic_.prefetches += 1;
+  prefetched_.insert(id);
+  start_copy(c, from, Tier::kDevice, /*drop_source=*/false, /*async=*/true, /*compute_waits=*/false);
 }
 
 void ChunkManager::allocate_copy(ChunkId id, Tier tier) {
@@ -293,8 +307,21 @@ void ChunkManager::access(ChunkId id) {
   GX_CHECK(c.world_size() == 1, "access of chunk ", id, ": gathering shards over ", c.world_size(),
            " ranks needs a communicator, which this ChunkManager does not have; use world_size 1.");
   traffic_.accesses += 1;
+  auto flying = in_flight_.find(id);
+  if (flying != in_flight_.end() && flying->second.to == Tier::kDevice && !flying->second.drop_source) {
+    // A prefetch (or refresh) into the device copy: compute waits for it on its stream; the
+    // record stays until poll() or an operation on the source reaps it.
+    if (!flying->second.compute_waits) {
+      backend_.stream_wait_event(StreamKind::kCompute, flying->second.event);
+      flying->second.compute_waits = true;
+    }
+    if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
+    c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
+    return;
+  }
+  if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
   if (c.gathered()) return;
-  complete_move(id, /*block=*/true);  // a prefetch lands, or an eviction finishes before we fetch back
+  complete_move(id, /*block=*/true);  // an eviction finishes before we fetch back
   if (!c.shard_tiers().contains(Tier::kDevice)) {
     traffic_.fetches += 1;
     // Keep the host copy: it stays the chunk's home until a policy moves it.

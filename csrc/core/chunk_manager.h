@@ -8,8 +8,9 @@
 //    home tier, zero-filled, so padding never holds garbage. Slots start FREE; whoever fills a
 //    tensor's payload moves it to HOLD.
 //  * Operations (each validates the chunk's predicates and the tensor states):
-//      access(c)   make c gathered on the device for compute; fetches synchronously if its shard
-//                  is not on the device, waits for an in-flight move otherwise.
+//      access(c)   make c gathered on the device for compute; fetches if its shard is not on the
+//                  device; a prefetch in flight is waited for by the compute stream, not the host.
+//      prefetch(c) start the host-to-device copy of c now, on the copy stream; access(c) later.
 //      release(c)  drop the gathered view after compute (can_release must hold).
 //      move(c, t)  give c's shard exactly tier t (can_move must hold). The copy runs on the side
 //                  stream of its direction; with `async` the call returns at once and the source
@@ -31,6 +32,7 @@
 
 #include <array>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +81,9 @@ struct TrafficStats {
   int64_t fetches = 0;  // accesses that had to bring the shard to the device
   int64_t accesses = 0;
   int64_t reductions = 0;
+  int64_t prefetches = 0;     // prefetch copies started
+  int64_t prefetch_hits = 0;  // accesses that found their chunk prefetched (landed or in flight)
+  int64_t prefetch_wasted = 0;  // prefetched copies dropped before any access
 };
 
 class ChunkManager {
@@ -111,6 +116,10 @@ class ChunkManager {
   void wait(ChunkId id);
   void poll();  // completes finished async moves without blocking
   void reduce(ChunkId id);
+  // Starts copying c's host copy to a new device copy and returns; compute does not wait for it
+  // until access(c). Nothing to do if c is on the device or in flight. OutOfMemoryError (nothing
+  // changed) if the device tier has no room.
+  void prefetch(ChunkId id);
   void allocate_copy(ChunkId id, Tier tier);
   void transfer(ChunkId id, Tier from, Tier to, bool async = false);
   void discard_copy(ChunkId id, Tier tier);
@@ -135,6 +144,7 @@ class ChunkManager {
     Tier from;
     Tier to;
     bool drop_source;  // a move; a transfer keeps both copies
+    bool compute_waits;  // the compute stream already waits for this copy
   };
   Chunk& mutable_chunk(ChunkId id);
   void add_copy(Chunk& c, Tier tier);   // allocates a slot, accounts it
@@ -142,7 +152,7 @@ class ChunkManager {
   void complete_move(ChunkId id, bool block);
   StreamKind stream_for(Tier from, Tier to) const;
   void count_traffic(Tier from, Tier to, size_t bytes);
-  void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async);
+  void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits = true);
   void check_finalized(const char* what) const;
 
   DeviceBackend& backend_;
@@ -153,6 +163,7 @@ class ChunkManager {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::map<std::string, GroupInfo> groups_;
   std::map<ChunkId, InFlight> in_flight_;
+  std::set<ChunkId> prefetched_;  // prefetched, not accessed yet
   std::array<Stat, kNumTiers> tier_bytes_;
   TrafficStats traffic_;
   ResidencyListener* listener_ = nullptr;

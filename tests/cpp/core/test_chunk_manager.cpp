@@ -243,6 +243,43 @@ TEST_F(ChunkManagerTest, GroupsWithOneAlignmentShareTheirLayoutAcrossDtypes) {
     EXPECT_EQ(mgr.chunk(ids16[i]).padded_numel(), mgr.chunk(ids32[i]).padded_numel());
 }
 
+TEST_F(ChunkManagerTest, PrefetchCopiesAheadAndAccessCountsAHit) {
+  auto hs = register_floats({40, 40, 30}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  mgr.prefetch(0);
+  EXPECT_TRUE(mgr.in_flight(0));
+  mgr.prefetch(0);  // already in flight: nothing to do
+  EXPECT_EQ(mgr.traffic().prefetches, 1);
+  mgr.access(0);  // compute waits for the copy; the host copy stays
+  expect_values({hs[0], hs[1]}, Tier::kDevice);
+  EXPECT_TRUE(mgr.chunk(0).shard_tiers().contains(Tier::kPageableHost));
+  EXPECT_EQ(mgr.traffic().prefetch_hits, 1);
+  EXPECT_EQ(mgr.traffic().fetches, 0) << "a prefetched chunk is not a synchronous fetch";
+  mgr.release(0);
+  mgr.prefetch(1);
+  mgr.wait(1);
+  mgr.discard_copy(1, Tier::kDevice);  // evicted before use
+  EXPECT_EQ(mgr.traffic().prefetch_wasted, 1);
+  mgr.access(1);
+  EXPECT_EQ(mgr.traffic().fetches, 1);
+  mgr.release(1);
+}
+
+TEST_F(ChunkManagerTest, PrefetchWithoutRoomChangesNothing) {
+  SimBackend small{SimConfig{1024, 0, 1}};
+  ChunkManager m{small, ChunkManagerConfig{1, 0, 64, true}};
+  m.create_group("p", DType::kFloat32, 200, Tier::kPageableHost);
+  m.register_tensor("p", "a", 200, {200});
+  m.register_tensor("p", "b", 200, {200});
+  m.finalize();
+  m.prefetch(0);  // 832 bytes fit in 1024
+  EXPECT_THROW(m.prefetch(1), OutOfMemoryError);
+  EXPECT_FALSE(m.in_flight(1));
+  EXPECT_FALSE(m.chunk(1).shard_tiers().contains(Tier::kDevice));
+  EXPECT_EQ(m.traffic().prefetches, 1);
+  m.wait(0);
+}
+
 TEST(ChunkManagerSharded, LayoutSplitsIntoShardsAndAccessNeedsACommunicator) {
   SimBackend sim(SimConfig{1 << 20, 0, 0});
   ChunkManager mgr(sim, ChunkManagerConfig{4, 1, 16, true});
