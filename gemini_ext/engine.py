@@ -40,7 +40,7 @@ from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_paramete
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Settings of later stages: accepted and validated, reported once if set, not acted on yet.
-_LATER = {"placement_policy": "static", "max_prefetch": 2, "const_gpu_budget": None, "extra_dp_size": 1}
+_LATER = {"placement_policy": "static", "const_gpu_budget": None, "extra_dp_size": 1}
 
 
 def cuda_available() -> bool:
@@ -164,6 +164,7 @@ class GeminiEngine:
             pspecs.append((chunk, slot, bool(p.requires_grad)))
         self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
         self._gm.set_async_reduce(config.enable_async_reduce)
+        self._gm.set_max_prefetch(config.max_prefetch)
         if config.enable_gradient_accumulation:
             self._gm.set_no_sync(True)  # gradients accumulate on the device until the step
         self._slots = [(c, s) for c, s, _ in pspecs]

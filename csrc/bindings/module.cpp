@@ -299,6 +299,9 @@ PYBIND11_MODULE(_C, m) {
         d["fetches"] = t.fetches;
         d["accesses"] = t.accesses;
         d["reductions"] = t.reductions;
+        d["prefetches"] = t.prefetches;
+        d["prefetch_hits"] = t.prefetch_hits;
+        d["prefetch_wasted"] = t.prefetch_wasted;
         return d;
       });
 
@@ -338,6 +341,25 @@ PYBIND11_MODULE(_C, m) {
       .def("end_backward", &GeminiManager::end_backward, py::call_guard<py::gil_scoped_release>())
       .def("set_no_sync", &GeminiManager::set_no_sync)
       .def("set_async_reduce", &GeminiManager::set_async_reduce)
+      .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
+      .def("end_iteration", &GeminiManager::end_iteration, py::call_guard<py::gil_scoped_release>())
+      .def("trace_info",
+           [](GeminiManager& g) {
+             const AccessTrace& t = g.trace();
+             py::dict d;
+             d["recorded"] = t.recorded();
+             d["iterations"] = t.iterations();
+             d["rerecordings"] = t.rerecordings();
+             d["usable"] = t.usable();
+             return d;
+           })
+      .def("timeline",
+           [](GeminiManager& g) {
+             py::list out;
+             for (const auto& e : g.timeline())
+               out.append(py::make_tuple(e.seconds, std::string(1, e.kind), e.chunk, e.device_bytes));
+             return out;
+           })
       .def("flush_grads", &GeminiManager::flush_grads, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("no_sync", &GeminiManager::no_sync)
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
@@ -379,6 +401,8 @@ PYBIND11_MODULE(_C, m) {
         const auto& c = g.counters();
         py::dict d;
         d["evictions"] = c.evictions;
+        d["sync_fetch_waits"] = c.sync_fetch_waits;
+        d["wait_seconds"] = c.wait_seconds;
         d["evicted_bytes"] = c.evicted_bytes;
         d["fetches"] = c.fetches;
         d["grad_chunks_offloaded"] = c.grad_chunks_offloaded;

@@ -6,6 +6,10 @@ namespace gx {
 
 void AccessTrace::record(ChunkId id) {
   const size_t pos = current_.size();
+  if (pos >= kMaxLength) {
+    diverged_ = true;
+    return;
+  }
   if (!recorded_.empty() && !diverged_ && (pos >= recorded_.size() || recorded_[pos] != id)) diverged_ = true;
   current_.push_back(id);
 }

@@ -22,6 +22,9 @@ namespace gx {
 class AccessTrace {
  public:
   static constexpr size_t kNever = static_cast<size_t>(-1);
+  // An iteration longer than this (e.g. evaluation that never steps) stops being recorded and
+  // counts as diverged.
+  static constexpr size_t kMaxLength = size_t{1} << 20;
 
   void record(ChunkId id);
   // Closes the iteration. Returns true when it matched the recorded one exactly (same length,

@@ -125,6 +125,7 @@ class ChunkManager {
   void discard_copy(ChunkId id, Tier tier);
   void set_listener(ResidencyListener* listener) { listener_ = listener; }
   bool in_flight(ChunkId id) const { return in_flight_.count(id) != 0; }
+  bool prefetched(ChunkId id) const { return prefetched_.count(id) != 0; }  // and not accessed yet
 
   // Introspection.
   const Chunk& chunk(ChunkId id) const;

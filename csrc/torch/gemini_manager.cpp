@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "core/belady_eviction.h"
 #include "core/errors.h"
+#include "core/prefetch_planner.h"
 #include "torch/dtype_map.h"
 
 namespace gx::torch_layer {
@@ -128,7 +130,7 @@ void GeminiManager::with_room_locked(ChunkId id, Fn&& fn) {
         }
       }
       if (waited) continue;
-      auto victim = lru_.choose(evictable_locked(id));
+      auto victim = choose_farthest_next_use(evictable_locked(id), trace_, lru_);
       if (!victim) throw_budget_exceeded(id, mgr_.chunk(id).shard_bytes());
       evict_locked(*victim);
     }
@@ -137,19 +139,71 @@ void GeminiManager::with_room_locked(ChunkId id, Fn&& fn) {
 
 void GeminiManager::ensure_on_device_locked(ChunkId id) {
   const bool had = mgr_.chunk(id).shard_tiers().contains(Tier::kDevice);
-  if (!had) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (id != last_accessed_) {
+    last_accessed_ = id;
     // The access stream moves to another chunk: idle chunks whose home is the host go back now
-    // (evicting them at every module's release would fetch a chunk once per module using it).
+    // (evicting them at every module's release would fetch a chunk once per module using it);
+    // prefetched chunks not used yet stay.
     for (const auto& set : sets_) {
       const Chunk& p = mgr_.chunk(set.spec.param);
       if (set.spec.param_home_on_host && set.spec.param != id && p.shard_tiers().contains(Tier::kDevice) &&
-          p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param))
+          p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param) &&
+          !mgr_.prefetched(set.spec.param))
         evict_locked(set.spec.param);
     }
   }
   with_room_locked(id, [&] { mgr_.access(id); });
-  if (!had) counters_.fetches += 1;
+  if (!had) {
+    counters_.fetches += 1;
+    counters_.sync_fetch_waits += 1;
+    counters_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    note_locked('F', id);
+  }
   lru_.touch(id);
+}
+
+void GeminiManager::note_locked(char kind, ChunkId id) {
+  constexpr size_t kMaxEvents = size_t{1} << 16;
+  TimelineEvent e{std::chrono::duration<double>(std::chrono::steady_clock::now() - created_).count(), kind, id,
+                  mgr_.tier_bytes(Tier::kDevice).current};
+  if (timeline_.size() < kMaxEvents) {
+    timeline_.push_back(e);
+  } else {
+    timeline_[timeline_next_] = e;
+    timeline_next_ = (timeline_next_ + 1) % kMaxEvents;
+  }
+}
+
+std::vector<TimelineEvent> GeminiManager::timeline() const {
+  std::vector<TimelineEvent> out(timeline_.begin() + static_cast<std::ptrdiff_t>(timeline_next_), timeline_.end());
+  out.insert(out.end(), timeline_.begin(), timeline_.begin() + static_cast<std::ptrdiff_t>(timeline_next_));
+  return out;
+}
+
+void GeminiManager::prefetch_locked() {
+  if (max_prefetch_ <= 0 || !trace_.usable()) return;
+  PrefetchQuery q;
+  q.max_prefetch = max_prefetch_;
+  q.free_bytes = static_cast<int64_t>(ctx_->backend().device_capacity_bytes()) - mgr_.tier_bytes(Tier::kDevice).current;
+  q.needs_fetch = [&](ChunkId c) {
+    return set_of_chunk(c) >= 0 && !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
+  };
+  q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).shard_bytes()); };
+  for (ChunkId c : plan_prefetch(trace_, q)) {
+    try {
+      mgr_.prefetch(c);
+    } catch (const OutOfMemoryError&) {
+      break;  // the pools' rounding left less room than the plan assumed: fetch it when needed
+    }
+    note_locked('P', c);
+  }
+}
+
+bool GeminiManager::end_iteration() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  note_locked('S', -1);
+  return trace_.end_iteration();
 }
 
 void GeminiManager::allocate_on_device_locked(ChunkId id) {
@@ -160,11 +214,13 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
   std::vector<ChunkId> out;
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
-    if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move())
+    if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
+        pinned_.count(set.spec.param) == 0)
       out.push_back(set.spec.param);
     // A gradient chunk on the device that no backward is still writing into (its parameter
     // chunk has no tensor waiting for reduction) can wait for the step on the host.
     if (set.trainable && set.spec.grad != requester && set.grad_place == GradPlace::kDevice &&
+        pinned_.count(set.spec.grad) == 0 &&
         !mgr_.in_flight(set.spec.grad) && p.count_in(S::kReadyForReduce) == 0 &&
         mgr_.chunk(set.spec.grad).shard_tiers().contains(Tier::kDevice))
       out.push_back(set.spec.grad);
@@ -175,6 +231,16 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
 void GeminiManager::evict_locked(ChunkId id) {
   const Chunk& c = mgr_.chunk(id);
   if (!c.shard_tiers().contains(Tier::kDevice)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Done {  // counts the time and notes the event however the eviction below returns
+    GeminiManager& m;
+    ChunkId id;
+    std::chrono::steady_clock::time_point t0;
+    ~Done() {
+      m.counters_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      m.note_locked('E', id);
+    }
+  } done{*this, id, t0};
   if (set_of_chunk(id) < 0) {  // a gradient chunk (see evictable_locked)
     for (auto& set : sets_) {
       if (set.spec.grad != id) continue;
@@ -256,7 +322,9 @@ void to_compute(ChunkManager& mgr, const ParamSpec& p) {
 
 void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
   ctx_->sync_compute_stream();
+  mgr_.poll();  // reap copies that finished (prefetches stay "in flight" until reaped)
   for (ChunkId c : m.chunks) {
+    trace_.record(c);
     ensure_on_device_locked(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
     for (int p : m.params) {
@@ -268,6 +336,7 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
         backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
+  prefetch_locked();
 }
 
 void GeminiManager::pre_forward(int module) {

@@ -38,11 +38,14 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "core/access_trace.h"
 #include "core/chunk_manager.h"
 #include "core/lru_eviction.h"
 #include "torch/chunk_views.h"
@@ -79,12 +82,23 @@ struct ChunkSet {
 };
 
 struct EngineCounters {
+  int64_t sync_fetch_waits = 0;
+  double wait_seconds = 0.0;  // host time spent in synchronous fetches and evictions
   int64_t evictions = 0;
   int64_t evicted_bytes = 0;
   int64_t fetches = 0;
   int64_t grad_chunks_offloaded = 0;
   int64_t flushed_chunks = 0;
   int64_t backward_passes = 0;
+};
+
+// One scheduling event, for memory_timeline(): kind is 'F' (fetch for compute), 'P' (prefetch
+// started), 'E' (eviction), 'S' (iteration end).
+struct TimelineEvent {
+  double seconds = 0.0;  // since the manager was created
+  char kind = 'F';
+  ChunkId chunk = -1;
+  int64_t device_bytes = 0;  // chunk bytes on the device after the event
 };
 
 class GeminiManager {
@@ -114,13 +128,22 @@ class GeminiManager {
   // Sends gradients still on the device (accumulated under no_sync) to the optimizer's tier.
   void flush_grads();
   void wait_grads();
-  void set_async_reduce(bool async) { async_reduce_ = async; }  // every G move finished
+  void set_async_reduce(bool async) { async_reduce_ = async; }
+  void set_max_prefetch(int max_prefetch) { max_prefetch_ = max_prefetch; }
+  // Ends a training iteration (the optimizer step): closes the access trace (re-recorded if the
+  // order changed). Returns true when the iteration repeated the recorded order.
+  bool end_iteration();
+  const AccessTrace& trace() const { return trace_; }
+  std::vector<TimelineEvent> timeline() const;  // every G move finished
   std::vector<ChunkSet>& sets() { return sets_; }
   const std::vector<ParamSpec>& params() const { return params_; }
   ChunkManager& chunks() { return mgr_; }
   DeviceContext& context() { return *ctx_; }
   std::mutex& mutex() { return mutex_; }
   void ensure_on_device_locked(ChunkId id);
+  // Chunks the optimizer is working on: never chosen for eviction while pinned.
+  void pin_locked(ChunkId id) { pinned_.insert(id); }
+  void unpin_all_locked() { pinned_.clear(); }
   void allocate_on_device_locked(ChunkId id);
   int set_of_chunk(ChunkId p_chunk) const;
 
@@ -147,6 +170,8 @@ class GeminiManager {
   void fetch_for_compute_locked(const Module& m, bool forward);
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
+  void prefetch_locked();
+  void note_locked(char kind, ChunkId id);
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least
   // recently used evictable parameter chunk and retries, until fn succeeds or nothing is left.
@@ -169,6 +194,13 @@ class GeminiManager {
   std::vector<Module> modules_;
   std::unique_ptr<ParamStorages> storages_;
   LruEviction lru_;
+  AccessTrace trace_;
+  int max_prefetch_ = 0;
+  ChunkId last_accessed_ = -1;
+  std::set<ChunkId> pinned_;
+  std::vector<TimelineEvent> timeline_;
+  size_t timeline_next_ = 0;  // ring buffer position once full
+  std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
   std::string policy_name_;
   EngineCounters counters_;
   bool no_sync_ = false;

@@ -62,6 +62,7 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   // CPU Adam writes P's host copies: every H2D copy still reading them must be done.
   ctx.backend().synchronize(StreamKind::kHostToDevice);
   stats_ = StepStats{};
+  m_.unpin_all_locked();
   const Tier host = mgr.host_tier();
 
   for (ChunkSet& set : m_.sets()) {
@@ -88,8 +89,10 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
       GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
                          ": gradients not on the host for a host optimizer step");
     } else {
+      m_.pin_locked(set.spec.grad);
       m_.ensure_on_device_locked(set.spec.param);
-      if (set.grad_place == GradPlace::kHost) {  // a second backward's gradients went to the host copy
+      m_.pin_locked(set.spec.param);
+      if (set.grad_place == GradPlace::kHost) {  // gradients waited on the host (evicted, or a second backward)
         m_.allocate_on_device_locked(set.spec.grad);
         mgr.transfer(set.spec.grad, host, Tier::kDevice);
         set.grad_place = GradPlace::kDevice;
@@ -146,6 +149,7 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
     } else {
       for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
         if (pc.shard_tiers().contains(t)) mgr.discard_copy(p, t);
+      m_.unpin_all_locked();
       stats_.device_seconds += seconds_since(t0);
     }
   }
