@@ -342,6 +342,9 @@ PYBIND11_MODULE(_C, m) {
       .def("set_no_sync", &GeminiManager::set_no_sync)
       .def("set_async_reduce", &GeminiManager::set_async_reduce)
       .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
+      .def("set_device_budget", &GeminiManager::set_device_budget, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("device_budget", &GeminiManager::device_budget)
+      .def("set_optim_on_host", &GeminiManager::set_optim_on_host, py::call_guard<py::gil_scoped_release>())
       .def("end_iteration", &GeminiManager::end_iteration, py::call_guard<py::gil_scoped_release>())
       .def("trace_info",
            [](GeminiManager& g) {

@@ -105,7 +105,7 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
   }
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
-      "' policy: the device budget is ", ctx_->backend().device_capacity_bytes(), " bytes and chunks hold ",
+      "' policy: the device budget is ", device_budget_locked(), " bytes and chunks hold ",
       mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
       " parameter chunks in use by compute (", busy_bytes, " bytes), gradient chunks still collecting gradients (",
       grad_bytes, " bytes), optimizer state kept on the device (", optim_bytes,
@@ -116,25 +116,89 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
 
 template <typename Fn>
 void GeminiManager::with_room_locked(ChunkId id, Fn&& fn) {
+  const Chunk& c = mgr_.chunk(id);
   for (;;) {
-    try {
-      fn();
-      return;
-    } catch (const OutOfMemoryError&) {
-      // First, device copies that finished moving to the host give their slots back.
-      bool waited = false;
-      for (const auto& set : sets_) {
-        if (set.trainable && mgr_.in_flight(set.spec.grad)) {
-          mgr_.wait(set.spec.grad);
-          waited = true;
-        }
+    // The planning budget first (it may be below what the backend could allocate), then the
+    // backend's own limit (OutOfMemoryError from the pool).
+    const bool over_budget = !c.shard_tiers().contains(Tier::kDevice) &&
+                             mgr_.tier_bytes(Tier::kDevice).current + static_cast<int64_t>(c.shard_bytes()) >
+                                 device_budget_locked();
+    if (!over_budget) {
+      try {
+        fn();
+        return;
+      } catch (const OutOfMemoryError&) {
       }
-      if (waited) continue;
-      auto victim = choose_farthest_next_use(evictable_locked(id), trace_, lru_);
-      if (!victim) throw_budget_exceeded(id, mgr_.chunk(id).shard_bytes());
-      evict_locked(*victim);
+    }
+    if (!make_room_locked(id)) throw_budget_exceeded(id, c.shard_bytes());
+  }
+}
+
+bool GeminiManager::make_room_locked(ChunkId requester) {
+  // First, device copies that finished moving to the host give their slots back.
+  bool waited = false;
+  for (const auto& set : sets_) {
+    if (set.trainable && mgr_.in_flight(set.spec.grad)) {
+      mgr_.wait(set.spec.grad);
+      waited = true;
     }
   }
+  if (waited) return true;
+  auto victim = choose_farthest_next_use(evictable_locked(requester), trace_, lru_);
+  if (!victim) return false;
+  evict_locked(*victim);
+  return true;
+}
+
+int64_t GeminiManager::device_budget_locked() const {
+  const auto capacity = static_cast<int64_t>(ctx_->backend().device_capacity_bytes());
+  return budget_bytes_ > 0 ? std::min(budget_bytes_, capacity) : capacity;
+}
+
+void GeminiManager::set_device_budget(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  GX_CHECK(bytes >= 0, "device budget: expected >= 0 bytes (0: the whole device), got ", bytes, ".");
+  budget_bytes_ = bytes;
+  while (mgr_.tier_bytes(Tier::kDevice).current > device_budget_locked()) {
+    if (!make_room_locked(-1)) break;  // what cannot go now goes at the next fetch, or fails there
+  }
+}
+
+int64_t GeminiManager::device_budget() const {
+  return device_budget_locked();
+}
+
+void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  GX_CHECK(set_index >= 0 && static_cast<size_t>(set_index) < sets_.size(), "chunk set index: expected in [0, ",
+           sets_.size(), "), got ", set_index, ".");
+  GX_CHECK(!in_backward_, "set_optim_on_host during backward: change placement between steps.");
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  GX_CHECK(set.trainable, "chunk set ", set_index, " holds frozen parameters: it has no optimizer state to place.");
+  if (set.spec.optim_on_host == on_host) return;
+  ctx_->sync_compute_stream();
+  const Tier host = mgr_.host_tier();
+  const Tier to = on_host ? host : Tier::kDevice;
+  for (ChunkId id : {set.spec.master, set.spec.exp_avg, set.spec.exp_avg_sq}) {
+    if (id < 0) continue;
+    if (to == Tier::kDevice) {
+      with_room_locked(id, [&] { mgr_.move(id, to); });
+    } else {
+      mgr_.move(id, to);
+    }
+  }
+  const ChunkId p = set.spec.param;
+  if (on_host) {
+    // CPU Adam needs P's permanent host copy: bring the truth there (keeping the device copy).
+    mgr_.wait(p);
+    const Chunk& pc = mgr_.chunk(p);
+    if (!pc.shard_tiers().contains(host)) {
+      mgr_.allocate_copy(p, host);
+      mgr_.transfer(p, Tier::kDevice, host);
+    }
+    if (!mgr_.chunk(set.spec.grad).shard_tiers().contains(host)) mgr_.allocate_copy(set.spec.grad, host);
+  }
+  set.spec.optim_on_host = on_host;
 }
 
 void GeminiManager::ensure_on_device_locked(ChunkId id) {
@@ -185,7 +249,7 @@ void GeminiManager::prefetch_locked() {
   if (max_prefetch_ <= 0 || !trace_.usable()) return;
   PrefetchQuery q;
   q.max_prefetch = max_prefetch_;
-  q.free_bytes = static_cast<int64_t>(ctx_->backend().device_capacity_bytes()) - mgr_.tier_bytes(Tier::kDevice).current;
+  q.free_bytes = device_budget_locked() - mgr_.tier_bytes(Tier::kDevice).current;
   q.needs_fetch = [&](ChunkId c) {
     return set_of_chunk(c) >= 0 && !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
   };

@@ -130,6 +130,12 @@ class GeminiManager {
   void wait_grads();
   void set_async_reduce(bool async) { async_reduce_ = async; }
   void set_max_prefetch(int max_prefetch) { max_prefetch_ = max_prefetch; }
+  // The device bytes chunks may hold (0: the backend's capacity); lowering it evicts now.
+  void set_device_budget(int64_t bytes);
+  int64_t device_budget() const;
+  // Moves one set's optimizer state (master, m, v) between the host (CPU Adam) and the device
+  // (fused GPU Adam), between steps. The policy decides; this carries it out.
+  void set_optim_on_host(int set_index, bool on_host);
   // Ends a training iteration (the optimizer step): closes the access trace (re-recorded if the
   // order changed). Returns true when the iteration repeated the recorded order.
   bool end_iteration();
@@ -170,6 +176,8 @@ class GeminiManager {
   void fetch_for_compute_locked(const Module& m, bool forward);
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
+  bool make_room_locked(ChunkId requester);  // frees device bytes once; false if nothing can go
+  int64_t device_budget_locked() const;
   void prefetch_locked();
   void note_locked(char kind, ChunkId id);
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
@@ -196,6 +204,7 @@ class GeminiManager {
   LruEviction lru_;
   AccessTrace trace_;
   int max_prefetch_ = 0;
+  int64_t budget_bytes_ = 0;
   ChunkId last_accessed_ = -1;
   std::set<ChunkId> pinned_;
   std::vector<TimelineEvent> timeline_;
