@@ -35,12 +35,13 @@ from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
+from .policy import make_policy
 from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Settings of later stages: accepted and validated, reported once if set, not acted on yet.
-_LATER = {"placement_policy": "static", "const_gpu_budget": None, "extra_dp_size": 1}
+_LATER = {"extra_dp_size": 1}
 
 
 def cuda_available() -> bool:
@@ -85,16 +86,21 @@ class GeminiEngine:
         if not config.master_weights and config.precision != "fp32":
             raise NotImplementedError(f"master_weights=False with precision={config.precision!r}: stepping 16-bit "
                                       "parameters without fp32 masters is not supported; use master_weights=True.")
+        if world_size % config.extra_dp_size != 0:
+            raise ValueError(f"extra_dp_size={config.extra_dp_size}: it must divide the world size ({world_size}); "
+                             "the ZeRO group is world_size / extra_dp_size ranks.")
         later = _unhonoured_fields(config)
         if later:
-            warnings.warn("gemini_ext: these settings belong to later stages (scheduler policies, multi-rank) and "
-                          "are validated but not acted on yet; the static policy is used: " + ", ".join(later),
-                          stacklevel=3)
+            warnings.warn("gemini_ext: these settings belong to a later stage (multi-rank) and are validated but "
+                          "not acted on yet: " + ", ".join(later), stacklevel=3)
         self.model = model
         self.config = config
         self.device_kind = resolve_device(config)
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
+        self.policy = make_policy(config)
+        self._steps_log = []  # per iteration: traffic and scheduling deltas
+        self._last_totals = None
         self._closed = False
         self._optimizer = None
         self._optimizers = []
@@ -163,6 +169,7 @@ class GeminiEngine:
             chunk, slot = handles[("param", i) if p.requires_grad else ("frozen", i)]
             pspecs.append((chunk, slot, bool(p.requires_grad)))
         self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
+        self._gm.set_device_budget(self.policy.device_budget(self))
         self._gm.set_async_reduce(config.enable_async_reduce)
         self._gm.set_max_prefetch(config.max_prefetch)
         if config.enable_gradient_accumulation:
@@ -233,7 +240,8 @@ class GeminiEngine:
                     raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): group {k} "
                                            f"has {len(v)} chunks, the parameter group {len(p_ids)}")
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in p_ids]
-            plan = _C.static_placement(sizes, config.offload_param_frac, config.offload_optim_frac)
+            param_frac, optim_frac = self.policy.fractions()
+            plan = _C.static_placement(sizes, param_frac, optim_frac)
             for k, c in enumerate(p_ids):
                 sets.append({"param": c, "grad": ids["grad"][k], "master": ids["master"][k],
                              "exp_avg": ids["exp_avg"][k], "exp_avg_sq": ids["exp_avg_sq"][k],
@@ -244,7 +252,7 @@ class GeminiEngine:
             f_ids = []
         if f_ids:
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in f_ids]
-            plan = _C.static_placement(sizes, config.offload_param_frac, 0.0)
+            plan = _C.static_placement(sizes, self.policy.fractions()[0], 0.0)
             for k, c in enumerate(f_ids):
                 sets.append({"param": c, "grad": -1, "master": -1, "exp_avg": -1, "exp_avg_sq": -1,
                              "param_home_on_host": plan[k][0], "optim_on_host": False})
@@ -313,6 +321,41 @@ class GeminiEngine:
             return None
         return self._gm.read_grad(idx)
 
+    def _end_iteration(self) -> None:
+        """Called by the optimizer step: closes the access trace, logs the iteration's scheduling
+        figures and lets the policy act on what it measured."""
+        self._gm.end_iteration()
+        totals = self._totals()
+        last = self._last_totals or {k: 0 for k in totals}
+        entry = {k: totals[k] - last[k] for k in totals}
+        entry["device_bytes_peak"] = self._iteration_device_peak()
+        self._steps_log.append(entry)
+        self._last_totals = totals
+        self.policy.after_iteration(self)
+
+    def _totals(self) -> dict:
+        t, c = self._mgr.traffic(), self._gm.counters()
+        return {"h2d_bytes": t["h2d_bytes"], "d2h_bytes": t["d2h_bytes"], "evictions": c["evictions"],
+                "prefetches": t["prefetches"], "prefetch_hits": t["prefetch_hits"],
+                "prefetch_wasted": t["prefetch_wasted"], "sync_fetches": c["sync_fetch_waits"],
+                "wait_seconds": c["wait_seconds"]}
+
+    def _iteration_device_peak(self) -> int:
+        events = self._gm.timeline()
+        peak = 0
+        for t, kind, chunk, device_bytes in reversed(events[:-1]):  # back to the previous iteration end
+            if kind == "S":
+                break
+            peak = max(peak, device_bytes)
+        return peak
+
+    def memory_timeline(self) -> dict:
+        """Scheduling events (fetch 'F', prefetch 'P', evict 'E', iteration end 'S') with the chunk
+        bytes on the device after each, and the per-iteration figures of stats()["steps"]."""
+        self._check_open("memory_timeline")
+        events = [{"t": t, "kind": kind, "chunk": chunk, "device_bytes": b} for t, kind, chunk, b in self._gm.timeline()]
+        return {"events": events, "steps": list(self._steps_log), "device_budget_bytes": self._gm.device_budget}
+
     def _check_no_stray_grads(self) -> None:
         for name, p in zip(self._names, self._params):
             if p.grad is not None:
@@ -343,8 +386,12 @@ class GeminiEngine:
             "optimizer_steps": self._optimizer_steps,
             "skipped_steps": self._skipped_steps,
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
+            "steps": list(self._steps_log[-100:]),
+            "device_budget_bytes": gm.device_budget,
+            "trace": {k: v for k, v in gm.trace_info().items() if k != "recorded"},
             "placement": {
-                "policy": "static",
+                "policy": self.policy.name,
+                "decision": dict(self.policy.decision),
                 "param_chunks_home_host": sum(p["param_home_on_host"] for p in placements),
                 "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
                 "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),

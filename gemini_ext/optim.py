@@ -137,7 +137,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         engine._check_open("optimizer.step")
         engine._check_no_stray_grads()
         gm = engine._gm
-        gm.end_iteration()  # the access trace of forward + backward is complete
+        engine._end_iteration()  # the access trace of forward + backward is complete
         gm.flush_grads()
         scaler = engine.scaler
         scale = scaler.scale if scaler is not None else 1.0

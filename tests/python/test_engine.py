@@ -94,10 +94,9 @@ def test_unsupported_optimizers_and_options_raise():
             gx.enable(model, _cfg("sim"))
 
 
-def test_settings_not_yet_acted_on_are_reported_not_ignored():
-    with pytest.warns(UserWarning, match="placement_policy='auto'"):
-        with gx.enable(torch.nn.Linear(4, 4), _cfg("sim", placement_policy="auto")):
-            pass
+def test_replica_groups_must_divide_the_world_size():
+    with pytest.raises(ValueError, match="extra_dp_size=2.*divide the world size"):
+        gx.enable(torch.nn.Linear(4, 4), _cfg("sim", extra_dp_size=2))
 
 
 def test_overrides_and_bad_arguments():

@@ -1,8 +1,8 @@
 """Numerical parity with plain PyTorch: a small GPT trained for 20 steps.
 
 fp32: every parameter within 1e-5 relative of torch.optim.AdamW after 20 steps, under every
-placement the static policy can produce and under a device budget so small that chunks are
-evicted and fetched every step. bf16 and fp16: the loss curve within bf16/fp16 tolerance of
+policy (static placements, const, auto) and under device budgets so small that chunks are
+evicted and fetched every step, with and without prefetching. bf16 and fp16: the loss curve within bf16/fp16 tolerance of
 plain PyTorch under autocast (fp32 master weights on both sides). Runs on `sim` in CI and on
 cuda on the GPU machine.
 """
@@ -26,6 +26,10 @@ PLACEMENTS = {
     "params_home_on_host": {"offload_param_frac": 1.0},
     "tiny_budget": {"budget_chunks": 5},
     "tiny_budget_optim_on_device_half": {"budget_chunks": 20, "offload_optim_frac": 0.5},
+    "const_tiny_budget": {"placement_policy": "const", "const_gpu_budget": 5 * CHUNK_BYTES_FP32},
+    "auto": {"placement_policy": "auto"},
+    "auto_small_device": {"placement_policy": "auto", "budget_chunks": 40},
+    "no_prefetch_tiny_budget": {"budget_chunks": 5, "max_prefetch": 0},
 }
 
 
@@ -50,11 +54,12 @@ def test_fp32_parameters_match_torch_adamw(device, case):
     assert diffs[worst] <= 1e-5, f"{worst}: {diffs[worst]:.3g} relative"
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert stats["optimizer_steps"] == STEPS
-    if "budget" in case or "home_on_host" in case:
+    if ("budget" in case and "auto" not in case) or "home_on_host" in case:
         assert stats["counters"]["evictions"] >= STEPS, "chunks must be evicted every step"
         assert stats["counters"]["fetches"] >= STEPS
     if "budget" in case:
-        limit = _overrides(device, case).get("sim_capacity") or _overrides(device, case)["gpu_memory_limit"]
+        o = _overrides(device, case)
+        limit = o.get("const_gpu_budget") or o.get("sim_capacity") or o["gpu_memory_limit"]
         assert stats["tier_bytes"]["device"]["peak"] <= limit
 
 

@@ -1,0 +1,131 @@
+"""Placement policies (SPEC §2): each decides, the C++ GeminiManager carries it out.
+
+[Note: the three policies]
+- `static`: fixed fractions in exact bytes of chunks (core/static_placement.*):
+  `offload_optim_frac` selects chunks from the *back* of the execution order (their gradients
+  are complete first in backward, so CPU Adam on them has the most time), `offload_param_frac`
+  from the *front* (used first in forward, needed last in backward: the longest time a host copy
+  is enough). The device budget is the whole `gpu_memory_limit` (or the device).
+- `const`: the static fractions, with chunks capped at `const_gpu_budget` bytes on the device;
+  what does not fit is evicted (farthest next use once a trace exists, LRU before).
+- `auto`: the first iteration is a warm-up with every optimizer state on the host and the whole
+  device as budget; at its end (the first optimizer step) it measures the peak non-model memory
+  (activations and temporaries: the peak of torch's CUDA allocator since enable(), which also
+  counts any other tensors the process holds on that GPU; nothing on sim, where activations live
+  on the host), sets the chunk budget to the device minus that peak minus
+  a 1/16 margin, keeps the parameter chunks on the device (evicting under the budget when they do
+  not all fit), and then moves the optimizer state of as many chunk sets as fit, from the front
+  of the execution order, to the device so that fused GPU Adam takes that part of the step. It
+  reports what it chose in `engine.stats()["placement"]`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ._env import logger
+from ._units import format_bytes
+
+POLICIES = ("static", "auto", "const")
+
+
+class PlacementPolicy:
+    name = "static"
+
+    def __init__(self, config):
+        self.config = config
+        self.decision: dict = {}
+
+    def fractions(self) -> tuple[float, float]:
+        """(offload_param_frac, offload_optim_frac) of the initial placement."""
+        return self.config.offload_param_frac, self.config.offload_optim_frac
+
+    def device_budget(self, engine) -> int:
+        return 0  # the backend's capacity
+
+    def after_iteration(self, engine) -> None:
+        pass
+
+
+class StaticPolicy(PlacementPolicy):
+    name = "static"
+
+
+class ConstPolicy(PlacementPolicy):
+    name = "const"
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.const_gpu_budget is None:
+            raise ValueError("placement_policy='const' needs const_gpu_budget (bytes or a string such as '8GiB'): "
+                             "the constant device budget for chunks.")
+
+    def device_budget(self, engine) -> int:
+        return int(self.config.const_gpu_budget)
+
+
+class AutoPolicy(PlacementPolicy):
+    name = "auto"
+    MARGIN = 1 / 16
+
+    def fractions(self):
+        return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
+
+    def device_budget(self, engine) -> int:
+        if engine.device_kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(engine.compute_device)
+        return 0
+
+    def after_iteration(self, engine) -> None:
+        if self.decision:
+            return
+        gm, mgr = engine._gm, engine._mgr
+        capacity = engine._ctx.capacity_bytes
+        if engine.device_kind == "cuda":
+            total = torch.cuda.mem_get_info(engine.compute_device)[1]
+            capacity = min(capacity, total) if capacity else total
+            non_model = torch.cuda.max_memory_allocated(engine.compute_device)
+        else:
+            non_model = 0
+        budget = int(capacity - non_model - capacity * self.MARGIN)
+        placements = gm.set_placements()
+        shard = {}
+        for p in placements:
+            shard[p["param_chunk"]] = mgr.chunk_info(p["param_chunk"])["shard_numel"]
+        p_bytes = sum(shard[p["param_chunk"]] * engine.compute_dtype.itemsize for p in placements)
+        largest = max(shard.values()) * engine.compute_dtype.itemsize
+        remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
+        moved = []
+        master = 4 if engine.compute_dtype != torch.float32 else 0
+        for index, p in enumerate(placements):
+            if not p["trainable"]:
+                continue
+            numel = shard[p["param_chunk"]]
+            cost = numel * (master + 4 + 4 + engine.compute_dtype.itemsize)  # master, m, v, gradient
+            if cost > remaining:
+                break
+            remaining -= cost
+            moved.append(index)
+        floor = 3 * largest  # one chunk in compute, one gradient chunk, one being fetched
+        if budget < floor:
+            warnings.warn(f"gemini_ext auto placement: the device has {format_bytes(capacity)} and the warm-up "
+                          f"peaked at {format_bytes(non_model)} of non-model memory, leaving less than three chunks "
+                          f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, "
+                          "use activation checkpointing or smaller chunks.", stacklevel=2)
+            budget = floor
+        gm.set_device_budget(budget)
+        for index in moved:
+            gm.set_optim_on_host(index, False)
+        self.decision = {"device_capacity_bytes": int(capacity), "non_model_peak_bytes": int(non_model),
+                         "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
+                         "optim_sets_moved_to_device": len(moved),
+                         "params_fit": p_bytes + 2 * largest <= budget}
+        logger.info("auto placement: capacity %s, non-model peak %s, chunk budget %s, parameter chunks %s, "
+                    "%d chunk sets' optimizer state moved to the device", format_bytes(capacity),
+                    format_bytes(non_model), format_bytes(max(budget, 0)), format_bytes(p_bytes), len(moved))
+
+
+def make_policy(config) -> PlacementPolicy:
+    return {"static": StaticPolicy, "const": ConstPolicy, "auto": AutoPolicy}[config.placement_policy](config)

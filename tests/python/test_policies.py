@@ -1,0 +1,135 @@
+"""The scheduler and the placement policies on the sim device (the same tests run on cuda)."""
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import (SMALL, config, make_models, max_relative_difference, torch_device, train_gemini,
+                          train_reference)
+
+CHUNK_BYTES = 4096 * 4
+
+
+def _four_layers(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])  # one chunk each
+
+
+def _iterations(timeline):
+    out, cur = [], []
+    for e in timeline["events"]:
+        if e["kind"] == "S":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(f"{e['kind']}{e['chunk']}")
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
+    """Four one-chunk layers (parameter chunks 0, 4, 8, 12; each set is P, G, m, v), optimizer
+    state on the host, chunks capped at three. After the warm-up (LRU), eviction follows the
+    recorded trace (farthest next use): fetching 12 in forward evicts 0 (needed last), the
+    gradient chunk of layer 3 evicts 4 (needed after 8), fetching 4 in backward evicts 12 (never
+    needed again), and fetching 0 evicts 8 (tie: no further use, least recently used)."""
+    model = _four_layers()
+    cfg = config(device, placement_policy="const", const_gpu_budget=3 * CHUNK_BYTES, max_prefetch=0)
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        assert [p["param_chunk"] for p in engine._gm.set_placements()] == [0, 4, 8, 12]
+        for _ in range(3):
+            x = torch.randn(8, 64, device=engine.compute_device)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        timeline = engine.memory_timeline()
+        stats = engine.stats()
+    iterations = _iterations(timeline)
+    steady = ["F8", "E0", "F12", "E4", "F4", "E12", "F0", "E8"]
+    assert iterations[1] == steady and iterations[2] == steady
+    # enable() places 0, 4, 8 and evicts 0 for 12 (LRU); the warm-up iteration has no trace, so
+    # LRU evicts in forward order (each fetch evicts the chunk used longest ago) and in backward
+    assert iterations[0] == ["F0", "F4", "F8", "E0", "F12",                       # enable()
+                             "E4", "F0", "E8", "F4", "E12", "F8", "E0", "F12",    # forward
+                             "E4", "F4", "E12", "F0", "E8"]                       # backward
+    assert all(e["device_bytes"] <= 3 * CHUNK_BYTES for e in timeline["events"])
+    assert all(s["device_bytes_peak"] <= 3 * CHUNK_BYTES for s in stats["steps"])
+    assert stats["steps"][-1]["evictions"] == 4 and stats["steps"][-1]["sync_fetches"] == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_fetches_ahead_within_the_budget(device):
+    model = _four_layers()
+    cfg = config(device, placement_policy="const", const_gpu_budget=4 * CHUNK_BYTES, max_prefetch=2,
+                 offload_param_frac=1.0)
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        for _ in range(4):
+            x = torch.randn(8, 64, device=engine.compute_device)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        steps = engine.stats()["steps"]
+        timeline = engine.memory_timeline()
+    assert steps[0]["prefetches"] == 0, "no trace during the warm-up, no prefetch"
+    last = steps[-1]
+    assert last["prefetches"] > 0 and last["prefetch_hits"] == last["prefetches"] - last["prefetch_wasted"]
+    assert last["sync_fetches"] < steps[0]["sync_fetches"], "prefetch replaces synchronous fetches"
+    assert all(e["device_bytes"] <= 4 * CHUNK_BYTES for e in timeline["events"])
+
+
+def test_a_changed_trace_is_re_recorded():
+    from test_hooks import TwoBranches
+    torch.manual_seed(0)
+    model = TwoBranches()
+    with gx.enable(model, config("sim", chunk_config_dict={"chunk_size": 256})) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+        for use_b in (True, True, False, False, True):
+            model(torch.randn(4, 16), use_b).backward()
+            opt.step()
+            opt.zero_grad()
+        trace = engine.stats()["trace"]
+    assert trace["iterations"] == 5
+    assert trace["rerecordings"] == 2, "True->False and False->True changed the order; repeats did not"
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
+def test_static_fractions_select_the_documented_chunks(frac):
+    model = _four_layers()
+    with gx.enable(model, config("sim", offload_param_frac=frac, offload_optim_frac=frac)) as engine:
+        placements = engine._gm.set_placements()
+        stats = engine.stats()["placement"]
+    n = round(4 * frac)
+    assert [p["param_home_on_host"] for p in placements] == [True] * n + [False] * (4 - n), "params: from the front"
+    assert [p["optim_on_host"] for p in placements] == [False] * (4 - n) + [True] * n, "optimizer: from the back"
+    assert stats["optim_chunks_on_host"] == n and stats["param_chunks_home_host"] == n
+
+
+def test_const_needs_its_budget():
+    with pytest.raises(ValueError, match="const_gpu_budget"):
+        gx.enable(_four_layers(), config("sim", placement_policy="const"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_moves_optimizer_state_to_the_device_when_it_fits(device):
+    model, reference = make_models()
+    train_reference(reference, 6, torch_device(device))
+    _, stats = train_gemini(model, 6, config(device, placement_policy="auto"))
+    decision = stats["placement"]["decision"]
+    assert decision["params_fit"] and decision["optim_sets_moved_to_device"] == stats["num_param_chunks"]
+    assert stats["placement"]["optim_chunks_on_device"] == stats["num_param_chunks"]
+    assert stats["steps"][-1]["d2h_bytes"] == 0, "after the warm-up nothing goes to the host"
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_auto_keeps_what_does_not_fit_on_the_host():
+    model, reference = make_models()
+    train_reference(reference, 6, torch.device("cpu"))
+    # room for the parameters and a few chunk sets' optimizer state, not all
+    _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES))
+    moved = stats["placement"]["decision"]["optim_sets_moved_to_device"]
+    assert 0 < moved < stats["num_param_chunks"]
+    assert stats["placement"]["optim_chunks_on_device"] == moved
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
