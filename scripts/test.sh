@@ -7,6 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_torch
 ensure_python_module tqdm tqdm
 ensure_python_module pytest pytest
+ensure_python_module matplotlib matplotlib
 ensure_cpp_toolchain
 ensure_extension
 cd "$REPO"

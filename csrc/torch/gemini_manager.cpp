@@ -89,12 +89,14 @@ at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
 // --- residency -------------------------------------------------------------------------------
 
 void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
-  int64_t busy = 0, busy_bytes = 0, grad_bytes = 0, optim_bytes = 0;
+  int64_t busy = 0, busy_bytes = 0, waiting_bytes = 0, grad_bytes = 0, optim_bytes = 0;
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
     if (p.shard_tiers().contains(Tier::kDevice) && !p.can_move()) {
       busy += 1;
       busy_bytes += static_cast<int64_t>(p.shard_bytes());
+    } else if (p.shard_tiers().contains(Tier::kDevice) && p.count_in(S::kReadyForReduce) > 0) {
+      waiting_bytes += static_cast<int64_t>(p.shard_bytes());
     }
     if (!set.trainable) continue;
     const Chunk& g = mgr_.chunk(set.spec.grad);
@@ -107,7 +109,8 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
       "' policy: the device budget is ", device_budget_locked(), " bytes and chunks hold ",
       mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
-      " parameter chunks in use by compute (", busy_bytes, " bytes), gradient chunks still collecting gradients (",
+      " parameter chunks in use by compute (", busy_bytes, " bytes), parameter chunks waiting for the rest of their "
+      "gradients (", waiting_bytes, " bytes), gradient chunks still collecting gradients (",
       grad_bytes, " bytes), optimizer state kept on the device (", optim_bytes,
       " bytes). Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
       "(chunk_config_dict / min_chunk_size_m)",
@@ -278,8 +281,10 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
   std::vector<ChunkId> out;
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
+    // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
+    // waiting for reduction (SPEC: all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
-        pinned_.count(set.spec.param) == 0)
+        p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0)
       out.push_back(set.spec.param);
     // A gradient chunk on the device that no backward is still writing into (its parameter
     // chunk has no tensor waiting for reduction) can wait for the step on the host.

@@ -30,3 +30,15 @@ def test_train_gpt_example_with_a_tiny_budget_and_checkpointing(tmp_path):
     summary = json.loads(out_json.read_text())
     assert summary["counters"]["evictions"] > 0
     assert summary["peak_chunk_device_bytes"] <= 270 * 1024
+
+
+def test_memory_timeline_example_writes_a_plot(tmp_path):
+    png, js = tmp_path / "timeline.png", tmp_path / "timeline.json"
+    out = run_python("examples/plot_memory_timeline.py", "--device", "sim", "--preset", "tiny", "--out", str(png),
+                     "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(js.read_text())
+    kinds = {e["kind"] for e in data["timeline"]["events"]}
+    assert {"F", "E", "S"} <= kinds and data["events_in_last_iteration"] > 0
+    assert all(e["device_bytes"] <= data["device_budget_bytes"] for e in data["timeline"]["events"])
