@@ -60,6 +60,34 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
+    """The same model under two chunks: one parameter chunk in compute plus one gradient chunk is
+    all that fits. Each event 'E' is followed by the fetch ('F') or gradient allocation that
+    needed the room. Steady state, from {0} on the device after the previous iteration:
+      forward   F4 (fits) | E0 F8 (0 is used last) | E4 F12 (4 after 8 in backward)
+      backward  E8 (room for layer 3's gradient chunk; 12 is in compute, 8 the only candidate)
+                F8 (fits once that gradient went to the host) | E12 (never used again) for the
+                next gradient chunk | F4 | E8 | F0 | E4 (room for the last gradient chunk)."""
+    model = _four_layers()
+    cfg = config(device, placement_policy="const", const_gpu_budget=2 * CHUNK_BYTES, max_prefetch=0)
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        for _ in range(3):
+            x = torch.randn(8, 64, device=engine.compute_device)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        timeline = engine.memory_timeline()
+    iterations = _iterations(timeline)
+    assert iterations[0] == ["F0", "F4", "E0", "F8", "E4", "F12",                 # enable()
+                             "E8", "F0", "E12", "F4", "E0", "F8", "E4", "F12",    # warm-up forward (LRU)
+                             "E8", "F8", "E12", "F4", "E8", "F0", "E4"]           # warm-up backward
+    steady = ["F4", "E0", "F8", "E4", "F12", "E8", "F8", "E12", "F4", "E8", "F0", "E4"]
+    assert iterations[1] == steady and iterations[2] == steady
+    assert max(e["device_bytes"] for e in timeline["events"]) <= 2 * CHUNK_BYTES
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_fetches_ahead_within_the_budget(device):
     model = _four_layers()
     cfg = config(device, placement_policy="const", const_gpu_budget=4 * CHUNK_BYTES, max_prefetch=2,
