@@ -120,6 +120,9 @@ class GeminiEngine:
             found = search_chunk_configuration(model, config.search_range_m, config.min_chunk_size_m,
                                                precision=config.precision)
             chunk_size = found["chunk_size"]
+            # A model smaller than the minimum chunk size needs no chunk larger than itself.
+            aligned_total = sum(-(-p.numel() // ALIGNMENT_NUMEL) * ALIGNMENT_NUMEL for _, p in named)
+            chunk_size = min(chunk_size, aligned_total)
         else:
             chunk_size = chunk_cfg["chunk_size"]
         self.chunk_size = chunk_size

@@ -120,3 +120,11 @@ def test_cuda_requested_without_cuda_is_refused():
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="device='sim'"):
         gx.enable(torch.nn.Linear(4, 4), _cfg("cuda"))
+
+
+def test_a_model_smaller_than_the_minimum_chunk_gets_one_chunk_of_its_size():
+    model = torch.nn.Linear(100, 100)  # 10,100 elements, far below min_chunk_size_m=32 (32 Mi elements)
+    with gx.enable(model, device="sim") as engine:
+        stats = engine.stats()
+    assert stats["num_param_chunks"] == 1
+    assert engine.chunk_size < 11_000, "no 32 Mi-element chunks for a 10 k-element model"
