@@ -16,7 +16,9 @@
   a 1/16 margin, keeps the parameter chunks on the device (evicting under the budget when they do
   not all fit), and then moves the optimizer state of as many chunk sets as fit, from the front
   of the execution order, to the device so that fused GPU Adam takes that part of the step. It
-  reports what it chose in `engine.stats()["placement"]`.
+  reports what it chose in `engine.stats()["placement"]`. When the access trace changes (it is
+  re-recorded), it measures the next iteration's non-model peak again and re-places, moving
+  optimizer state back to the host if it no longer fits.
 """
 
 from __future__ import annotations
@@ -79,8 +81,21 @@ class AutoPolicy(PlacementPolicy):
         return 0
 
     def after_iteration(self, engine) -> None:
-        if self.decision:
+        rerecordings = engine._gm.trace_info()["rerecordings"]
+        if self.decision and rerecordings == self.decision["trace_rerecordings"]:
+            self._reset_peak(engine)
             return
+        # The warm-up just ended, or the access trace changed (other control flow, sequence
+        # length, eval vs train): measure again and re-place.
+        self._decide(engine, rerecordings)
+        self._reset_peak(engine)
+
+    @staticmethod
+    def _reset_peak(engine) -> None:
+        if engine.device_kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(engine.compute_device)
+
+    def _decide(self, engine, rerecordings: int) -> None:
         gm, mgr = engine._gm, engine._mgr
         capacity = engine._ctx.capacity_bytes
         if engine.device_kind == "cuda":
@@ -91,40 +106,45 @@ class AutoPolicy(PlacementPolicy):
             non_model = 0
         budget = int(capacity - non_model - capacity * self.MARGIN)
         placements = gm.set_placements()
-        shard = {}
-        for p in placements:
-            shard[p["param_chunk"]] = mgr.chunk_info(p["param_chunk"])["shard_numel"]
-        p_bytes = sum(shard[p["param_chunk"]] * engine.compute_dtype.itemsize for p in placements)
-        largest = max(shard.values()) * engine.compute_dtype.itemsize
-        remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
-        moved = []
-        master = 4 if engine.compute_dtype != torch.float32 else 0
-        for index, p in enumerate(placements):
-            if not p["trainable"]:
-                continue
-            numel = shard[p["param_chunk"]]
-            cost = numel * (master + 4 + 4 + engine.compute_dtype.itemsize)  # master, m, v, gradient
-            if cost > remaining:
-                break
-            remaining -= cost
-            moved.append(index)
+        shard = {p["param_chunk"]: mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in placements}
+        item = engine.compute_dtype.itemsize
+        p_bytes = sum(shard[p["param_chunk"]] * item for p in placements)
+        largest = max(shard.values()) * item
         floor = 3 * largest  # one chunk in compute, one gradient chunk, one being fetched
         if budget < floor:
-            warnings.warn(f"gemini_ext auto placement: the device has {format_bytes(capacity)} and the warm-up "
+            warnings.warn(f"gemini_ext auto placement: the device has {format_bytes(capacity)} and an iteration "
                           f"peaked at {format_bytes(non_model)} of non-model memory, leaving less than three chunks "
                           f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, "
                           "use activation checkpointing or smaller chunks.", stacklevel=2)
             budget = floor
+        remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
+        master = 4 if engine.compute_dtype != torch.float32 else 0
+        on_device = set()
+        for index, p in enumerate(placements):  # from the front of the execution order
+            if not p["trainable"]:
+                continue
+            cost = shard[p["param_chunk"]] * (master + 4 + 4 + item)  # master, m, v, gradient
+            if cost > remaining:
+                break
+            remaining -= cost
+            on_device.add(index)
+        # Shrink first (states going to the host free device bytes), then grow.
+        for index, p in enumerate(placements):
+            if p["trainable"] and not p["optim_on_host"] and index not in on_device:
+                gm.set_optim_on_host(index, True)
         gm.set_device_budget(budget)
-        for index in moved:
-            gm.set_optim_on_host(index, False)
+        for index in sorted(on_device):
+            if placements[index]["optim_on_host"]:
+                gm.set_optim_on_host(index, False)
         self.decision = {"device_capacity_bytes": int(capacity), "non_model_peak_bytes": int(non_model),
                          "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
-                         "optim_sets_moved_to_device": len(moved),
-                         "params_fit": p_bytes + 2 * largest <= budget}
-        logger.info("auto placement: capacity %s, non-model peak %s, chunk budget %s, parameter chunks %s, "
-                    "%d chunk sets' optimizer state moved to the device", format_bytes(capacity),
-                    format_bytes(non_model), format_bytes(max(budget, 0)), format_bytes(p_bytes), len(moved))
+                         "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
+                         "trace_rerecordings": rerecordings,
+                         "decisions": self.decision.get("decisions", 0) + 1}
+        logger.info("auto placement (decision %d): capacity %s, non-model peak %s, chunk budget %s, parameter chunks "
+                    "%s, optimizer state of %d chunk sets on the device", self.decision["decisions"],
+                    format_bytes(capacity), format_bytes(non_model), format_bytes(budget), format_bytes(p_bytes),
+                    len(on_device))
 
 
 def make_policy(config) -> PlacementPolicy:

@@ -161,3 +161,37 @@ def test_auto_keeps_what_does_not_fit_on_the_host():
     assert 0 < moved < stats["num_param_chunks"]
     assert stats["placement"]["optim_chunks_on_device"] == moved
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_auto_re_places_when_the_trace_changes(monkeypatch):
+    from gemini_ext import policy
+    model, _ = make_models()
+    calls = []
+    real = policy.AutoPolicy._decide
+
+    def spy(self, engine, rerecordings):
+        calls.append(rerecordings)
+        return real(self, engine, rerecordings)
+
+    monkeypatch.setattr(policy.AutoPolicy, "_decide", spy)
+    with gx.enable(model, config("sim", placement_policy="auto")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        for step, seq in enumerate((16, 16, 16, 8, 8)):  # a shorter sequence changes nothing in the
+            x, y = batch_of(model, step, seq)             # order of chunks: no re-placement
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert calls == [0], "decided once, after the warm-up"
+        with torch.no_grad():  # evaluation between steps re-records the trace: a forward only
+            model(*batch_of(model, 9, 16))
+        x, y = batch_of(model, 10, 16)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert calls == [0, 1], "the changed trace was measured again and re-placed"
+        assert engine.stats()["placement"]["decision"]["decisions"] == 2
+
+
+def batch_of(model, step, seq):
+    from parity_utils import batch
+    return batch(model.cfg, step, "cpu", seq=seq)
