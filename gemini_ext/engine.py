@@ -337,11 +337,13 @@ class GeminiEngine:
         self.policy.after_iteration(self)
 
     def _totals(self) -> dict:
+        self._mgr.poll()  # collects the copy waits measured so far
         t, c = self._mgr.traffic(), self._gm.counters()
         return {"h2d_bytes": t["h2d_bytes"], "d2h_bytes": t["d2h_bytes"], "evictions": c["evictions"],
                 "prefetches": t["prefetches"], "prefetch_hits": t["prefetch_hits"],
                 "prefetch_wasted": t["prefetch_wasted"], "sync_fetches": c["sync_fetch_waits"],
-                "wait_seconds": c["wait_seconds"]}
+                "wait_seconds": c["wait_seconds"], "copy_wait_seconds": t["copy_wait_seconds"],
+                "copy_waits": t["copy_waits"]}
 
     def _iteration_device_peak(self) -> int:
         events = self._gm.timeline()

@@ -245,7 +245,7 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("chunk_id"), py::arg("tier"), py::arg("async_") = false)
       .def("wait", [](PyChunkManager& p, ChunkId id) { p.mgr->wait(id); }, py::call_guard<py::gil_scoped_release>())
-      .def("poll", [](PyChunkManager& p) { p.mgr->poll(); })
+      .def("poll", [](PyChunkManager& p) { p.mgr->poll(); }, py::call_guard<py::gil_scoped_release>())
       .def("reduce", [](PyChunkManager& p, ChunkId id) { p.mgr->reduce(id); })
       .def("in_flight", [](PyChunkManager& p, ChunkId id) { return p.mgr->in_flight(id); })
       .def("transition", [](PyChunkManager& p, py::tuple h, TensorState to) { p.mgr->transition(handle_of(h), to); })
@@ -302,6 +302,8 @@ PYBIND11_MODULE(_C, m) {
         d["prefetches"] = t.prefetches;
         d["prefetch_hits"] = t.prefetch_hits;
         d["prefetch_wasted"] = t.prefetch_wasted;
+        d["copy_wait_seconds"] = t.copy_wait_seconds;
+        d["copy_waits"] = t.copy_waits;
         return d;
       });
 

@@ -295,7 +295,29 @@ void ChunkManager::wait(ChunkId id) {
   complete_move(id, /*block=*/true);
 }
 
+void ChunkManager::compute_waits_for(const std::shared_ptr<Event>& copy_done) {
+  pending_waits_.push_back(PendingWait{backend_.record_event(StreamKind::kCompute), copy_done});
+  backend_.stream_wait_event(StreamKind::kCompute, copy_done);
+}
+
+void ChunkManager::collect_waits() {
+  std::vector<PendingWait> still;
+  for (auto& w : pending_waits_) {
+    if (!w.compute_reached->query() || !w.copy_done->query()) {
+      still.push_back(std::move(w));
+      continue;
+    }
+    const double s = w.copy_done->seconds_after(*w.compute_reached);
+    if (s > 0) {
+      traffic_.copy_wait_seconds += s;
+      traffic_.copy_waits += 1;
+    }
+  }
+  pending_waits_.swap(still);
+}
+
 void ChunkManager::poll() {
+  collect_waits();
   std::vector<ChunkId> ids;
   for (const auto& [id, f] : in_flight_) ids.push_back(id);
   for (ChunkId id : ids) complete_move(id, /*block=*/false);
@@ -312,7 +334,7 @@ void ChunkManager::access(ChunkId id) {
     // A prefetch (or refresh) into the device copy: compute waits for it on its stream; the
     // record stays until poll() or an operation on the source reaps it.
     if (!flying->second.compute_waits) {
-      backend_.stream_wait_event(StreamKind::kCompute, flying->second.event);
+      compute_waits_for(flying->second.event);
       flying->second.compute_waits = true;
     }
     if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
@@ -332,7 +354,7 @@ void ChunkManager::access(ChunkId id) {
     backend_.stream_wait_event(StreamKind::kHostToDevice, backend_.record_event(StreamKind::kCompute));
     backend_.copy_async(c.shard_ptr(Tier::kDevice), c.shard_ptr(from), c.shard_bytes(), StreamKind::kHostToDevice);
     count_traffic(from, Tier::kDevice, c.shard_bytes());
-    backend_.stream_wait_event(StreamKind::kCompute, backend_.record_event(StreamKind::kHostToDevice));
+    compute_waits_for(backend_.record_event(StreamKind::kHostToDevice));
   }
   c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
 }

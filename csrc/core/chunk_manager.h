@@ -84,6 +84,11 @@ struct TrafficStats {
   int64_t prefetches = 0;     // prefetch copies started
   int64_t prefetch_hits = 0;  // accesses that found their chunk prefetched (landed or in flight)
   int64_t prefetch_wasted = 0;  // prefetched copies dropped before any access
+  // Compute stalls on copies it needed (a fetch, or a prefetch not yet landed): per access, the
+  // time from compute reaching it to the copy's completion, when positive. Measured with events
+  // (device time on cuda), collected by poll().
+  double copy_wait_seconds = 0.0;
+  int64_t copy_waits = 0;  // accesses whose copy was still running when compute reached them
 };
 
 class ChunkManager {
@@ -165,6 +170,13 @@ class ChunkManager {
   std::map<std::string, GroupInfo> groups_;
   std::map<ChunkId, InFlight> in_flight_;
   std::set<ChunkId> prefetched_;  // prefetched, not accessed yet
+  struct PendingWait {
+    std::shared_ptr<Event> compute_reached;
+    std::shared_ptr<Event> copy_done;
+  };
+  std::vector<PendingWait> pending_waits_;
+  void compute_waits_for(const std::shared_ptr<Event>& copy_done);
+  void collect_waits();
   std::array<Stat, kNumTiers> tier_bytes_;
   TrafficStats traffic_;
   ResidencyListener* listener_ = nullptr;

@@ -39,6 +39,9 @@ class Event {
   virtual ~Event() = default;
   virtual bool query() const = 0;  // true once complete; never blocks
   virtual void synchronize() = 0;  // blocks the caller until complete
+  // Seconds from `earlier`'s completion to this event's completion (negative if this one
+  // completed first). Both must be complete (query() true); events of one backend only.
+  virtual double seconds_after(const Event& earlier) const = 0;
 };
 
 class DeviceBackend {

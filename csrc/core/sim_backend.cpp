@@ -26,10 +26,20 @@ void SimEvent::synchronize() {
   done_cv_.wait(lock, [this] { return done_; });
 }
 
+double SimEvent::seconds_after(const Event& earlier) const {
+  const auto* other = dynamic_cast<const SimEvent*>(&earlier);
+  GX_INTERNAL_ASSERT(other != nullptr, "seconds_after between events of different backends");
+  GX_INTERNAL_ASSERT(query() && other->query(), "seconds_after on an event that is not complete");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock_other(other->mutex_);
+  return std::chrono::duration<double>(done_at_ - other->done_at_).count();
+}
+
 void SimEvent::complete() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     done_ = true;
+    done_at_ = std::chrono::steady_clock::now();
   }
   done_cv_.notify_all();
 }

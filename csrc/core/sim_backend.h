@@ -10,6 +10,7 @@
 // waiting on an event from it blocks the caller, just as compute on the CPU must.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -33,12 +34,14 @@ class SimEvent final : public Event {
  public:
   bool query() const override;
   void synchronize() override;
+  double seconds_after(const Event& earlier) const override;
   void complete();
 
  private:
   mutable std::mutex mutex_;
   std::condition_variable done_cv_;
   bool done_ = false;
+  std::chrono::steady_clock::time_point done_at_;
 };
 
 // One worker thread running tasks in submission order.

@@ -76,7 +76,8 @@ void PinnedHostMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) { GX_C
 
 CudaEvent::CudaEvent(int device, cudaStream_t stream) {
   DeviceGuard guard(device);
-  GX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  // Timing enabled: the manager measures how long compute waited for a copy (seconds_after).
+  GX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDefault));
   GX_CUDA_CHECK(cudaEventRecord(event_, stream));
 }
 
@@ -92,6 +93,14 @@ bool CudaEvent::query() const {
 }
 
 void CudaEvent::synchronize() { GX_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+double CudaEvent::seconds_after(const Event& earlier) const {
+  const auto* other = dynamic_cast<const CudaEvent*>(&earlier);
+  GX_INTERNAL_ASSERT(other != nullptr, "seconds_after between events of different backends");
+  float ms = 0.0f;
+  GX_CUDA_CHECK(cudaEventElapsedTime(&ms, other->event_, event_));
+  return static_cast<double>(ms) / 1e3;
+}
 
 CudaBackend::CudaBackend(CudaConfig config) : config_(config), device_raw_(config.device) {
   const int count = cuda_device_count();

@@ -64,6 +64,7 @@ class CudaEvent final : public Event {
   ~CudaEvent() override;
   bool query() const override;
   void synchronize() override;
+  double seconds_after(const Event& earlier) const override;
   cudaEvent_t raw() const { return event_; }
 
  private:

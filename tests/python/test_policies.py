@@ -85,6 +85,9 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
     steady = ["F4", "E0", "F8", "E4", "F12", "E8", "F8", "E12", "F4", "E8", "F0", "E4"]
     assert iterations[1] == steady and iterations[2] == steady
     assert max(e["device_bytes"] for e in timeline["events"]) <= 2 * CHUNK_BYTES
+    last = timeline["steps"][-1]
+    assert last["sync_fetches"] == 6
+    assert last["copy_waits"] == 6 and last["copy_wait_seconds"] > 0, "without prefetch, compute waits for every fetch"
 
 
 @pytest.mark.parametrize("device", DEVICES)

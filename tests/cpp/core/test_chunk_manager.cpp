@@ -280,6 +280,22 @@ TEST_F(ChunkManagerTest, PrefetchWithoutRoomChangesNothing) {
   m.wait(0);
 }
 
+TEST_F(ChunkManagerTest, ComputeStallsOnCopiesAreMeasured) {
+  auto hs = register_floats({40, 40, 30}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  mgr.access(0);  // a synchronous fetch: compute waits for the whole copy
+  mgr.release(0);
+  mgr.poll();
+  EXPECT_EQ(mgr.traffic().copy_waits, 1);
+  EXPECT_GT(mgr.traffic().copy_wait_seconds, 0.0);
+  mgr.prefetch(1);
+  mgr.wait(1);  // landed before compute needs it: no stall
+  mgr.access(1);
+  mgr.release(1);
+  mgr.poll();
+  EXPECT_EQ(mgr.traffic().copy_waits, 1);
+}
+
 TEST(ChunkManagerSharded, LayoutSplitsIntoShardsAndAccessNeedsACommunicator) {
   SimBackend sim(SimConfig{1 << 20, 0, 0});
   ChunkManager mgr(sim, ChunkManagerConfig{4, 1, 16, true});
