@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--offload-optim-frac", type=float, default=1.0)
     p.add_argument("--offload-param-frac", type=float, default=0.0)
     p.add_argument("--gpu-limit", default=None, help="device budget for chunks, e.g. 2GiB (sim: the sim capacity)")
+    p.add_argument("--policy", choices=["static", "auto", "const"], default="static")
+    p.add_argument("--const-budget", default=None, help="const_gpu_budget for --policy const, e.g. 8GiB")
+    p.add_argument("--max-prefetch", type=int, default=2)
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +74,10 @@ def main(argv=None) -> dict:
     budget = {}
     if args.gpu_limit:
         budget["gpu_memory_limit" if device_kind == "cuda" else "sim_capacity"] = args.gpu_limit
-    cfg = gx.GeminiConfig(device=args.device, precision=args.precision, offload_optim_frac=args.offload_optim_frac,
+    if args.policy == "const":
+        budget["const_gpu_budget"] = args.const_budget or args.gpu_limit
+    cfg = gx.GeminiConfig(device=args.device, precision=args.precision, placement_policy=args.policy,
+                          max_prefetch=args.max_prefetch, offload_optim_frac=args.offload_optim_frac,
                           offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
                           min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4), **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
@@ -119,6 +125,8 @@ def main(argv=None) -> dict:
         "placement": stats["placement"],
         "last_optimizer_step": stats.get("last_step"),
         "skipped_steps": stats["skipped_steps"],
+        "policy": args.policy,
+        "per_step": stats["steps"],
     }
     t = summary["chunk_traffic"]
     print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "

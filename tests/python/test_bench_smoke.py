@@ -27,3 +27,17 @@ def test_cpu_adam_bench_smoke(tmp_path):
                                            "gemini_ext, fp32 grad", "gemini_ext, bf16 grad + bf16 copy"]
     assert all(r["ms"] > 0 and r["Gparams_per_s"] > 0 for r in rows)
     assert rows[0]["vs_torch_fp32"] == 1.0 and rows[1]["vs_torch_mixed"] == 1.0
+
+
+def test_scheduler_bench_smoke(tmp_path):
+    out_json = tmp_path / "scheduler.json"
+    out = run_python("bench/scheduler.py", "--smoke", "--json-out", str(out_json), timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["static, params on device", "static, params homed on host",
+                                         "static, no prefetch, params on host", "const", "auto"]
+    assert all("error" not in r for r in rows), rows
+    assert all(r["step_ms"] > 0 and r["peak_chunk_MiB"] <= 300 / 1024 for r in rows)
+    no_prefetch = rows[2]
+    assert no_prefetch["prefetch_hits"] == 0 and no_prefetch["sync_fetches"] > rows[1]["sync_fetches"]
+    assert "| configuration |" in out.stdout
