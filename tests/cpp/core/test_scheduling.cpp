@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
+#include <string>
 
 #include "core/access_trace.h"
 #include "core/belady_eviction.h"
@@ -100,6 +102,93 @@ TEST(PrefetchPlanner, NextMissingChunksWithinCountAndFreeBytes) {
   AccessTrace warm;
   q.max_prefetch = 2;
   EXPECT_TRUE(plan_prefetch(warm, q).empty()) << "no trace, no prefetch";
+}
+
+}  // namespace
+}  // namespace gx
+
+namespace gx {
+namespace {
+
+// A device of `budget` equal-size chunk slots driven by a trace, the way the manager uses the
+// policies: before each access, prefetch (if enabled) what fits; on a miss, evict by farthest
+// next use until the chunk fits. `in_compute` is the chunk being used (never evicted).
+struct Replay {
+  std::vector<std::string> events;  // "F<id>" fetch on miss, "P<id>" prefetch, "E<id>" evict, "H<id>" hit
+  size_t max_resident = 0;
+};
+
+Replay replay(const std::vector<ChunkId>& warmup, const std::vector<ChunkId>& order, size_t budget, int max_prefetch) {
+  AccessTrace trace;
+  for (ChunkId id : warmup) trace.record(id);
+  trace.end_iteration();
+  LruEviction lru;
+  std::set<ChunkId> resident;
+  Replay r;
+  auto make_room = [&](ChunkId keep) {
+    while (resident.size() >= budget) {
+      std::vector<ChunkId> candidates;
+      for (ChunkId c : resident)
+        if (c != keep) candidates.push_back(c);
+      auto victim = choose_farthest_next_use(candidates, trace, lru);
+      EXPECT_TRUE(victim.has_value());
+      resident.erase(*victim);
+      r.events.push_back("E" + std::to_string(*victim));
+    }
+  };
+  for (ChunkId id : order) {
+    trace.record(id);
+    if (resident.count(id)) {
+      r.events.push_back("H" + std::to_string(id));
+    } else {
+      make_room(id);
+      resident.insert(id);
+      r.events.push_back("F" + std::to_string(id));
+    }
+    lru.touch(id);
+    r.max_resident = std::max(r.max_resident, resident.size());
+    PrefetchQuery q;
+    q.max_prefetch = max_prefetch;
+    q.free_bytes = static_cast<int64_t>(budget - resident.size());
+    q.needs_fetch = [&](ChunkId c) { return resident.count(c) == 0; };
+    q.chunk_bytes = [](ChunkId) { return int64_t{1}; };
+    for (ChunkId p : plan_prefetch(trace, q)) {
+      resident.insert(p);
+      r.events.push_back("P" + std::to_string(p));
+    }
+    r.max_resident = std::max(r.max_resident, resident.size());
+  }
+  return r;
+}
+
+TEST(SchedulerReplay, ForwardThenBackwardUnderTwoSlotsEvictsFarthestNextUse) {
+  const std::vector<ChunkId> iter{0, 1, 2, 3, 3, 2, 1, 0};
+  Replay r = replay(iter, iter, /*budget=*/2, /*max_prefetch=*/0);
+  EXPECT_EQ(r.events, (std::vector<std::string>{"F0", "F1", "E0", "F2", "E1", "F3", "H3", "H2", "E3", "F1", "E2",
+                                                "F0"}))
+      << "0 is needed last, so it goes first; 3 is never needed again after its backward";
+  EXPECT_LE(r.max_resident, 2u);
+}
+
+TEST(SchedulerReplay, PrefetchFillsOnlyFreeSlotsAndNeverExceedsTheBudget) {
+  const std::vector<ChunkId> iter{0, 1, 2, 3, 3, 2, 1, 0};
+  Replay r = replay(iter, iter, /*budget=*/3, /*max_prefetch=*/2);
+  EXPECT_EQ(r.events, (std::vector<std::string>{"F0", "P1", "P2", "H1", "H2", "E0", "F3", "H3", "H2", "H1", "E3",
+                                                "F0"}));
+  EXPECT_LE(r.max_resident, 3u);
+  Replay again = replay(iter, iter, 3, 2);
+  EXPECT_EQ(again.events, r.events) << "deterministic";
+}
+
+TEST(SchedulerReplay, ADivergedIterationFallsBackToLruAndStopsPrefetching) {
+  const std::vector<ChunkId> recorded{0, 1, 2, 3, 3, 2, 1, 0};
+  const std::vector<ChunkId> other{0, 2, 1, 3};  // different control flow
+  Replay r = replay(recorded, other, /*budget=*/2, /*max_prefetch=*/2);
+  // 0 fetched, then prefetch is still on the recorded path (1); at 2 the order diverges: from
+  // there LRU decides and nothing more is prefetched. The speculative 1 was never used, so it
+  // is the least recently used and goes first; then 0, then 2.
+  EXPECT_EQ(r.events, (std::vector<std::string>{"F0", "P1", "E1", "F2", "E0", "F1", "E2", "F3"}));
+  EXPECT_LE(r.max_resident, 2u);
 }
 
 }  // namespace
