@@ -105,9 +105,11 @@ def main(argv=None) -> dict:
             step_seconds.append(time.perf_counter() - start)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
-        torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # since the last step
 
     stats = engine.stats()  # as of the close
+    if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them
+        torch_peak = max([torch_peak] + [s.get("non_model_peak_bytes", 0) for s in stats["steps"]])
     timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
     tokens_per_s = args.batch * seq * len(timed) / sum(timed)
     summary = {

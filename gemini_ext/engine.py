@@ -173,6 +173,8 @@ class GeminiEngine:
             pspecs.append((chunk, slot, bool(p.requires_grad)))
         self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
         self._gm.set_device_budget(self.policy.device_budget(self))
+        if self.device_kind == "cuda":  # per-iteration non-model peaks start here (see _end_iteration)
+            torch.cuda.reset_peak_memory_stats(self.compute_device)
         self._gm.set_async_reduce(config.enable_async_reduce)
         self._gm.set_max_prefetch(config.max_prefetch)
         if config.enable_gradient_accumulation:
@@ -331,7 +333,15 @@ class GeminiEngine:
         totals = self._totals()
         last = self._last_totals or {k: 0 for k in totals}
         entry = {k: totals[k] - last[k] for k in totals}
-        entry["device_bytes_peak"] = self._iteration_device_peak()
+        entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
+        entry["host_bytes"] = sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
+        if self.device_kind == "cuda":
+            # non-model data: torch's allocator (activations, temporaries) over this iteration; the
+            # allocator's peak statistic is reset at every iteration end for this measurement
+            entry["non_model_peak_bytes"] = torch.cuda.max_memory_allocated(self.compute_device)
+            torch.cuda.reset_peak_memory_stats(self.compute_device)
+        else:
+            entry["non_model_peak_bytes"] = 0  # on sim, activations live in host memory
         self._steps_log.append(entry)
         self._last_totals = totals
         self.policy.after_iteration(self)

@@ -76,24 +76,15 @@ class AutoPolicy(PlacementPolicy):
         return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
 
     def device_budget(self, engine) -> int:
-        if engine.device_kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(engine.compute_device)
-        return 0
+        return 0  # the warm-up runs with the whole device
 
     def after_iteration(self, engine) -> None:
         rerecordings = engine._gm.trace_info()["rerecordings"]
         if self.decision and rerecordings == self.decision["trace_rerecordings"]:
-            self._reset_peak(engine)
             return
         # The warm-up just ended, or the access trace changed (other control flow, sequence
-        # length, eval vs train): measure again and re-place.
+        # length, eval vs train): place again from the iteration just measured.
         self._decide(engine, rerecordings)
-        self._reset_peak(engine)
-
-    @staticmethod
-    def _reset_peak(engine) -> None:
-        if engine.device_kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(engine.compute_device)
 
     def _decide(self, engine, rerecordings: int) -> None:
         gm, mgr = engine._gm, engine._mgr
@@ -101,9 +92,7 @@ class AutoPolicy(PlacementPolicy):
         if engine.device_kind == "cuda":
             total = torch.cuda.mem_get_info(engine.compute_device)[1]
             capacity = min(capacity, total) if capacity else total
-            non_model = torch.cuda.max_memory_allocated(engine.compute_device)
-        else:
-            non_model = 0
+        non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
         budget = int(capacity - non_model - capacity * self.MARGIN)
         placements = gm.set_placements()
         shard = {p["param_chunk"]: mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in placements}
