@@ -295,8 +295,9 @@ void ChunkManager::wait(ChunkId id) {
   complete_move(id, /*block=*/true);
 }
 
-void ChunkManager::compute_waits_for(const std::shared_ptr<Event>& copy_done) {
-  pending_waits_.push_back(PendingWait{backend_.record_event(StreamKind::kCompute), copy_done});
+void ChunkManager::compute_waits_for(const std::shared_ptr<Event>& copy_done, std::shared_ptr<Event> compute_reached) {
+  if (!compute_reached) compute_reached = backend_.record_event(StreamKind::kCompute);
+  pending_waits_.push_back(PendingWait{std::move(compute_reached), copy_done});
   backend_.stream_wait_event(StreamKind::kCompute, copy_done);
 }
 
@@ -350,11 +351,13 @@ void ChunkManager::access(ChunkId id) {
     const Tier from = c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
     GX_INTERNAL_ASSERT(c.shard_tiers().contains(from), "chunk ", id, " holds no data on any tier");
     add_copy(c, Tier::kDevice);
-    // The slot may have been freed a moment ago while compute still read it: copy after that.
-    backend_.stream_wait_event(StreamKind::kHostToDevice, backend_.record_event(StreamKind::kCompute));
+    // Compute needs the chunk from here: the stall is measured from this point. The slot may
+    // have been freed a moment ago while compute still read it: the copy starts after that.
+    auto compute_reached = backend_.record_event(StreamKind::kCompute);
+    backend_.stream_wait_event(StreamKind::kHostToDevice, compute_reached);
     backend_.copy_async(c.shard_ptr(Tier::kDevice), c.shard_ptr(from), c.shard_bytes(), StreamKind::kHostToDevice);
     count_traffic(from, Tier::kDevice, c.shard_bytes());
-    compute_waits_for(backend_.record_event(StreamKind::kHostToDevice));
+    compute_waits_for(backend_.record_event(StreamKind::kHostToDevice), compute_reached);
   }
   c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
 }

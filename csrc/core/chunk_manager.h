@@ -175,7 +175,9 @@ class ChunkManager {
     std::shared_ptr<Event> copy_done;
   };
   std::vector<PendingWait> pending_waits_;
-  void compute_waits_for(const std::shared_ptr<Event>& copy_done);
+  // Makes compute wait for `copy_done` and records the stall from `compute_reached` (recorded
+  // now on the compute stream when null) to the copy's completion.
+  void compute_waits_for(const std::shared_ptr<Event>& copy_done, std::shared_ptr<Event> compute_reached = nullptr);
   void collect_waits();
   std::array<Stat, kNumTiers> tier_bytes_;
   TrafficStats traffic_;
