@@ -343,6 +343,8 @@ class GeminiEngine:
         else:
             entry["non_model_peak_bytes"] = 0  # on sim, activations live in host memory
         self._steps_log.append(entry)
+        if len(self._steps_log) > 10_000:  # a bounded history: the last 10,000 iterations
+            del self._steps_log[:-10_000]
         self._last_totals = totals
         self.policy.after_iteration(self)
 
