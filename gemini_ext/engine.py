@@ -333,6 +333,7 @@ class GeminiEngine:
         totals = self._totals()
         last = self._last_totals or {k: 0 for k in totals}
         entry = {k: totals[k] - last[k] for k in totals}
+        entry["prefetch_misses"] = entry["sync_fetches"]  # a chunk compute needed that was not fetched ahead
         entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
         entry["host_bytes"] = sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
         if self.device_kind == "cuda":
