@@ -199,3 +199,34 @@ def test_auto_re_places_when_the_trace_changes(monkeypatch):
 def batch_of(model, step, seq):
     from parity_utils import batch
     return batch(model.cfg, step, "cpu", seq=seq)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moving_optimizer_state_between_steps_keeps_parity(device):
+    """What auto does when it re-places: optimizer state moves host -> device -> host between
+    steps; training must not notice."""
+    from parity_utils import LR, WD, train_step
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    with gx.enable(model, config(device)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        n = engine.stats()["num_param_chunks"]
+        step = 0
+        for phase in ("host", "half on device", "back on host"):
+            if phase == "half on device":
+                for i in range(0, n, 2):
+                    engine._gm.set_optim_on_host(i, False)
+                assert engine.stats()["placement"]["optim_chunks_on_device"] == len(range(0, n, 2))
+            elif phase == "back on host":
+                for i in range(n):
+                    engine._gm.set_optim_on_host(i, True)
+                assert engine.stats()["placement"]["optim_chunks_on_device"] == 0
+            for _ in range(3):
+                train_step(model, opt, step, engine.compute_device)
+                train_step(reference, ref_opt, step, dev)
+                step += 1
+        with pytest.raises(ValueError, match="chunk set index"):
+            engine._gm.set_optim_on_host(n + 5, True)
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
