@@ -78,9 +78,11 @@ def test_lr_scheduler_and_param_groups(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp16_overflow_skips_the_step_and_backs_off(device):
+@pytest.mark.parametrize("offload_optim_frac", [1.0, 0.0])
+def test_fp16_overflow_skips_the_step_and_backs_off(device, offload_optim_frac):
     model, _ = make_models()
-    cfg = config(device, precision="fp16", initial_scale=2.0**24, max_scale=2.0**32, hysteresis=1)
+    cfg = config(device, precision="fp16", initial_scale=2.0**24, max_scale=2.0**32, hysteresis=1,
+                 offload_optim_frac=offload_optim_frac)
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR)
         before = engine.state_dict()
