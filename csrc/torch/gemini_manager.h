@@ -39,6 +39,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -183,8 +184,7 @@ class GeminiManager {
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least
   // recently used evictable parameter chunk and retries, until fn succeeds or nothing is left.
-  template <typename Fn>
-  void with_room_locked(ChunkId id, Fn&& fn);
+  void with_room_locked(ChunkId id, const std::function<void()>& fn);
   void release_if_idle_locked(ChunkId id);
   void reduce_locked(ChunkSet& set);
   void offload_grads_locked(ChunkSet& set);
