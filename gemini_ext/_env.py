@@ -4,6 +4,8 @@ GEMINI_EXT_ALLOCATOR  default | chunk     which allocator backs chunk memory
 GEMINI_EXT_GPU_LIMIT  bytes or "16GiB"    cap on device bytes the engine plans for
 GEMINI_EXT_DEVICE     auto | cuda | sim   default for GeminiConfig.device
 GEMINI_EXT_LOG        warning | info | debug
+GEMINI_EXT_SIM_COPY_DELAY_US  integer     (testing) each copy of the sim device sleeps a random
+                                          0..N microseconds, to shake out ordering bugs
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class EnvSettings:
     gpu_limit_bytes: int | None
     device: str
     log_level: str
+    sim_copy_delay_us: int = 0
 
 
 def _read() -> EnvSettings:
@@ -40,7 +43,10 @@ def _read() -> EnvSettings:
     log_level = os.environ.get("GEMINI_EXT_LOG", "warning").strip().lower() or "warning"
     if log_level not in LOG_LEVELS:
         raise ValueError(f"GEMINI_EXT_LOG: expected one of {LOG_LEVELS}, got {log_level!r}.")
-    return EnvSettings(allocator, gpu_limit_bytes, device, log_level)
+    delay = os.environ.get("GEMINI_EXT_SIM_COPY_DELAY_US", "0").strip() or "0"
+    if not delay.isdigit():
+        raise ValueError(f"GEMINI_EXT_SIM_COPY_DELAY_US: expected a non-negative integer (microseconds), got {delay!r}.")
+    return EnvSettings(allocator, gpu_limit_bytes, device, log_level, int(delay))
 
 
 SETTINGS = _read()

@@ -225,7 +225,8 @@ class GeminiEngine:
             self.compute_device = torch.device("cuda", index)
         else:
             capacity = config.sim_capacity or SETTINGS.gpu_limit_bytes or DEFAULT_SIM_CAPACITY_BYTES
-            self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity)
+            self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity,
+                                         sim_max_copy_delay_us=SETTINGS.sim_copy_delay_us, sim_seed=1)
             self.compute_device = torch.device("cpu")
         self._mgr = _C.ChunkManager(self._ctx, pin_memory=self.config.pin_memory)
 

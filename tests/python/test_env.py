@@ -24,6 +24,12 @@ def test_bad_gpu_limit_fails_at_import():
     assert out.returncode != 0 and "GEMINI_EXT_GPU_LIMIT" in out.stderr
 
 
+def test_bad_sim_copy_delay_fails_at_import():
+    out = _import_with({"GEMINI_EXT_SIM_COPY_DELAY_US": "-5"})
+    assert out.returncode != 0
+    assert "GEMINI_EXT_SIM_COPY_DELAY_US" in out.stderr and "non-negative integer" in out.stderr
+
+
 def test_chunk_allocator_mode_is_refused_by_the_engine_with_the_fix():
     code = ("import torch, gemini_ext as gx\n"
             "try:\n"
