@@ -25,6 +25,7 @@ from . import _C
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 _IGNORED_FLAGS = ("foreach", "fused", "capturable")  # implementation choices; ours are fixed
+_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")  # accepted only as False
 
 
 def check_optimizer_class(cls) -> bool:
@@ -64,7 +65,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             raise TypeError("GeminiOptimizer: expected (engine, optimizer class) or (torch optimizer, model), got "
                             f"{type(optimizer_or_engine).__name__}.")
         self._adamw = check_optimizer_class(opt_cls)
-        for flag in ("amsgrad", "maximize", "differentiable"):
+        for flag in _REFUSED_FLAGS:
             if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
                 raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported; pass {flag}=False.")
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2 if self._adamw else 0.0,
@@ -72,7 +73,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for key, value in kwargs.items():
             if key in defaults:
                 defaults[key] = value
-            elif key not in _IGNORED_FLAGS + ("amsgrad", "maximize", "differentiable"):
+            elif key not in _IGNORED_FLAGS + _REFUSED_FLAGS:
                 raise TypeError(f"gemini_ext optimizer: unexpected argument {key!r} for {opt_cls.__name__}; "
                                 "accepted: lr, betas, eps, weight_decay.")
         self._check_hyper(defaults, "defaults")
@@ -87,7 +88,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             self._check_hyper(g, f"param_groups[{i}]")
             if shared_groups is None:
-                for flag in ("amsgrad", "maximize", "differentiable") + _IGNORED_FLAGS:
+                for flag in _REFUSED_FLAGS + _IGNORED_FLAGS:
                     g.pop(flag, None)
         group_of = [-1] * engine.num_parameters
         for gi, g in enumerate(self.param_groups):
@@ -224,5 +225,5 @@ class GeminiOptimizer(torch.optim.Optimizer):
             gm.write("exp_avg_sq", idx, entry["exp_avg_sq"].detach().float().cpu())
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
-                if k not in ("params", "amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"):
+                if k not in ("params",) + _REFUSED_FLAGS + _IGNORED_FLAGS:
                     mine[k] = v

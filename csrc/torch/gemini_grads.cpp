@@ -9,6 +9,13 @@ namespace gx::torch_layer {
 
 using S = TensorState;
 
+namespace {
+// An fp32 copy on the CPU (the form state dicts and checkpoints use); blocks until it is there.
+at::Tensor cpu_fp32_copy(const at::Tensor& view) {
+  return view.to(at::TensorOptions().dtype(at::kFloat).device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
+}
+}  // namespace
+
 void GeminiManager::reduce_locked(ChunkSet& set) {
   const ChunkId p = set.spec.param;
   mgr_.reduce(p);  // one rank: nothing to communicate; READY_FOR_REDUCE -> HOLD
@@ -77,7 +84,7 @@ at::Tensor GeminiManager::read(const std::string& kind, int param) {
   mgr_.wait(id);
   at::Tensor v = slot_view(id, ps.slot, where_current(id));
   ctx_->sync_compute_stream();
-  return v.to(at::TensorOptions().dtype(at::kFloat).device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
+  return cpu_fp32_copy(v);
 }
 
 void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
@@ -111,8 +118,7 @@ at::Tensor GeminiManager::read_grad(int param) {
   mgr_.wait(set.spec.grad);
   const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr_.host_tier();
   ctx_->sync_compute_stream();
-  return slot_view(set.spec.grad, ps.slot, tier)
-      .to(at::TensorOptions().dtype(at::kFloat).device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
+  return cpu_fp32_copy(slot_view(set.spec.grad, ps.slot, tier));
 }
 
 int64_t GeminiManager::step_of(int param) const {

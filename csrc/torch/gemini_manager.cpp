@@ -236,8 +236,9 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
     tier = mgr_.host_tier();
   }
   at::Tensor slot = slot_view(g, ps.slot, tier);
-  GX_CHECK(grad.sizes() == slot.sizes(), "gradient of parameter ", param, ": shape ", grad.sizes().vec().size(),
-           "-d does not match the parameter's; a hook replaced it with a tensor of another shape.");
+  GX_CHECK(grad.sizes() == slot.sizes(), "gradient of parameter ", param, ": ", grad.numel(), " elements in ",
+           grad.dim(), " dims, the parameter has ", slot.numel(), " in ", slot.dim(),
+           "; a hook replaced the gradient with a tensor of another shape.");
   if (set.has_grad[ps.slot]) {
     slot.add_(grad.to(slot.device(), slot.scalar_type()));
   } else {

@@ -16,6 +16,14 @@ def _four_layers(seed=0):
     return torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])  # one chunk each
 
 
+def _train_four_layers(model, engine, opt, steps):
+    for _ in range(steps):
+        x = torch.randn(8, 64, device=engine.compute_device)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _iterations(timeline):
     out, cur = [], []
     for e in timeline["events"]:
@@ -39,11 +47,7 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         assert [p["param_chunk"] for p in engine._gm.set_placements()] == [0, 4, 8, 12]
-        for _ in range(3):
-            x = torch.randn(8, 64, device=engine.compute_device)
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
         stats = engine.stats()
     iterations = _iterations(timeline)
@@ -72,11 +76,7 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
     cfg = config(device, placement_policy="const", const_gpu_budget=2 * CHUNK_BYTES, max_prefetch=0)
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        for _ in range(3):
-            x = torch.randn(8, 64, device=engine.compute_device)
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
         engine._gm.synchronize()  # every copy and compute event complete: all waits collected
         engine._mgr.poll()
@@ -101,11 +101,7 @@ def test_prefetch_fetches_ahead_within_the_budget(device):
                  offload_param_frac=1.0)
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        for _ in range(4):
-            x = torch.randn(8, 64, device=engine.compute_device)
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_four_layers(model, engine, opt, 4)
         steps = engine.stats()["steps"]
         timeline = engine.memory_timeline()
     assert steps[0]["prefetches"] == 0, "no trace during the warm-up, no prefetch"
