@@ -3,8 +3,8 @@
 Each configuration runs examples/train_gpt.py in a fresh process on the same model, batch and
 device budget, and the table reports the median step, tokens/s, and per step (averaged over the
 steps after the warm-up): time compute waited on copies (measured with events: device time on
-cuda), synchronous fetches, prefetches that were used, evictions, H2D/D2H bytes and the peak
-chunk bytes on the device.
+cuda), synchronous fetches, prefetches that were used, evictions, H2D/D2H bytes, the peak
+chunk bytes on the device, and chunks plus torch's allocations (the figure `gpu_memory_limit` caps).
 
     python bench/scheduler.py --preset 1.3b --budget 16GiB --steps 8     # on the H200
     python bench/scheduler.py --smoke                                     # tiny, on sim (tests)
@@ -53,7 +53,12 @@ def run(name: str, extra: list[str], common: list[str]) -> dict:
             "copy_wait_ms": mean("copy_wait_seconds") * 1e3, "sync_fetches": mean("sync_fetches"),
             "prefetch_hits": mean("prefetch_hits"), "evictions": mean("evictions"),
             "h2d_MiB": mean("h2d_bytes") / 2**20, "d2h_MiB": mean("d2h_bytes") / 2**20,
-            "peak_chunk_MiB": s["peak_chunk_device_bytes"] / 2**20, "last_loss": s["last_loss"]}
+            "peak_chunk_MiB": s["peak_chunk_device_bytes"] / 2**20,
+            # chunks plus torch's allocations (activations), each at its own peak within the
+            # iteration: an upper bound of the device memory used, the figure a limit must cover
+            "peak_total_MiB": max(x["device_bytes_peak"] + x["non_model_peak_bytes"] for x in steps) / 2**20
+            if steps else 0.0,
+            "last_loss": s["last_loss"]}
 
 
 def main(argv=None) -> list[dict]:
@@ -79,15 +84,15 @@ def main(argv=None) -> list[dict]:
     print(f"gpt-{args.preset}, {args.batch} x {args.seq or 'preset'} tokens, budget {args.budget}, {args.steps} steps "
           "(per-step figures after the warm-up step)\n")
     print("| configuration | tokens/s | step ms | waited on copies ms | sync fetches | prefetch hits | evictions "
-          "| H2D MiB | D2H MiB | peak chunk MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| H2D MiB | D2H MiB | peak chunk MiB | peak chunks + torch MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error'][:80]} |||||||||")
+            print(f"| {r['name']} | failed: {r['error'][:80]} ||||||||||")
             continue
         print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['copy_wait_ms']:.2f} | "
               f"{r['sync_fetches']:.1f} | {r['prefetch_hits']:.1f} | {r['evictions']:.1f} | {r['h2d_MiB']:.1f} | "
-              f"{r['d2h_MiB']:.1f} | {r['peak_chunk_MiB']:.1f} |")
+              f"{r['d2h_MiB']:.1f} | {r['peak_chunk_MiB']:.1f} | {r['peak_total_MiB']:.1f} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

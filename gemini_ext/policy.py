@@ -5,7 +5,12 @@
   `offload_optim_frac` selects chunks from the *back* of the execution order (their gradients
   are complete first in backward, so CPU Adam on them has the most time), `offload_param_frac`
   from the *front* (used first in forward, needed last in backward: the longest time a host copy
-  is enough). The device budget is the whole `gpu_memory_limit` (or the device).
+  is enough). `gpu_memory_limit` (or the whole device) caps chunks *and* torch's allocations
+  together: the first iteration runs with the whole limit as chunk budget; at its end, on cuda,
+  the chunk budget becomes the limit minus the iteration's peak non-model memory minus a 1/16
+  margin (never below three of the largest chunks), so activations are planned for as under
+  `auto`. The fractions are not changed by it: what does not fit is evicted as under `const`.
+  On sim, activations live on the host and the budget stays the whole capacity.
 - `const`: the static fractions, with chunks capped at `const_gpu_budget` bytes on the device;
   what does not fit is evicted (farthest next use once a trace exists, LRU before).
 - `auto`: the first iteration is a warm-up with every optimizer state on the host and the whole
@@ -48,11 +53,63 @@ class PlacementPolicy:
         return 0  # the backend's capacity
 
     def after_iteration(self, engine) -> None:
-        pass
+        """Decides again after the first iteration and whenever the access trace was re-recorded
+        (other control flow, sequence length, eval vs train), from the iteration just measured."""
+        if not self.plans_from_measurements(engine):
+            return
+        rerecordings = engine._gm.trace_info()["rerecordings"]
+        if self.decision and rerecordings == self.decision["trace_rerecordings"]:
+            return
+        self._decide(engine, rerecordings)
+
+    def plans_from_measurements(self, engine) -> bool:
+        return False
+
+    def _decide(self, engine, rerecordings: int) -> None:
+        raise NotImplementedError
+
+
+def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
+    """(device capacity, peak non-model bytes of the last iteration, chunk budget): the capacity
+    (`gpu_memory_limit`, or the device) minus what torch's allocator peaked at minus a margin,
+    never below three of the largest chunks (one in compute, one gradient chunk, one being
+    fetched); it warns when it had to raise the budget to that floor."""
+    capacity = engine._ctx.capacity_bytes
+    if engine.device_kind == "cuda":
+        total = torch.cuda.mem_get_info(engine.compute_device)[1]
+        capacity = min(capacity, total) if capacity else total
+    non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
+    budget = int(capacity - non_model - capacity * margin)
+    floor = 3 * largest_chunk_bytes(engine)
+    if budget < floor:
+        warnings.warn(f"gemini_ext {engine.policy.name} placement: the device has {format_bytes(capacity)} and an "
+                      f"iteration peaked at {format_bytes(non_model)} of non-model memory, leaving less than three "
+                      f"chunks ({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, "
+                      "use activation checkpointing or smaller chunks.", stacklevel=3)
+        budget = floor
+    return int(capacity), int(non_model), budget
+
+
+def largest_chunk_bytes(engine) -> int:
+    mgr = engine._mgr
+    item = engine.compute_dtype.itemsize
+    return max(mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in engine._gm.set_placements()) * item
 
 
 class StaticPolicy(PlacementPolicy):
     name = "static"
+    MARGIN = 1 / 16
+
+    def plans_from_measurements(self, engine) -> bool:
+        return engine.device_kind == "cuda"  # on sim, activations live on the host
+
+    def _decide(self, engine, rerecordings: int) -> None:
+        # Plan for the activations just measured: the fractions stay, what does not fit is evicted.
+        capacity, non_model, budget = measured_chunk_budget(engine, self.MARGIN)
+        engine._gm.set_device_budget(budget)
+        self.decision = {"device_capacity_bytes": capacity, "non_model_peak_bytes": non_model,
+                         "chunk_budget_bytes": budget, "trace_rerecordings": rerecordings,
+                         "decisions": self.decision.get("decisions", 0) + 1}
 
 
 class ConstPolicy(PlacementPolicy):
@@ -78,34 +135,17 @@ class AutoPolicy(PlacementPolicy):
     def device_budget(self, engine) -> int:
         return 0  # the warm-up runs with the whole device
 
-    def after_iteration(self, engine) -> None:
-        rerecordings = engine._gm.trace_info()["rerecordings"]
-        if self.decision and rerecordings == self.decision["trace_rerecordings"]:
-            return
-        # The warm-up just ended, or the access trace changed (other control flow, sequence
-        # length, eval vs train): place again from the iteration just measured.
-        self._decide(engine, rerecordings)
+    def plans_from_measurements(self, engine) -> bool:
+        return True
 
     def _decide(self, engine, rerecordings: int) -> None:
         gm, mgr = engine._gm, engine._mgr
-        capacity = engine._ctx.capacity_bytes
-        if engine.device_kind == "cuda":
-            total = torch.cuda.mem_get_info(engine.compute_device)[1]
-            capacity = min(capacity, total) if capacity else total
-        non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
-        budget = int(capacity - non_model - capacity * self.MARGIN)
+        capacity, non_model, budget = measured_chunk_budget(engine, self.MARGIN)
         placements = gm.set_placements()
         shard = {p["param_chunk"]: mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in placements}
         item = engine.compute_dtype.itemsize
         p_bytes = sum(shard[p["param_chunk"]] * item for p in placements)
         largest = max(shard.values()) * item
-        floor = 3 * largest  # one chunk in compute, one gradient chunk, one being fetched
-        if budget < floor:
-            warnings.warn(f"gemini_ext auto placement: the device has {format_bytes(capacity)} and an iteration "
-                          f"peaked at {format_bytes(non_model)} of non-model memory, leaving less than three chunks "
-                          f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, "
-                          "use activation checkpointing or smaller chunks.", stacklevel=2)
-            budget = floor
         remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
         master = 4 if engine.compute_dtype != torch.float32 else 0
         on_device = set()
@@ -125,7 +165,7 @@ class AutoPolicy(PlacementPolicy):
         for index in sorted(on_device):
             if placements[index]["optim_on_host"]:
                 gm.set_optim_on_host(index, False)
-        self.decision = {"device_capacity_bytes": int(capacity), "non_model_peak_bytes": int(non_model),
+        self.decision = {"device_capacity_bytes": capacity, "non_model_peak_bytes": non_model,
                          "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
                          "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
                          "trace_rerecordings": rerecordings,

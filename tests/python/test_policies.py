@@ -138,6 +138,39 @@ def test_static_fractions_select_the_documented_chunks(frac):
     assert stats["optim_chunks_on_host"] == n and stats["param_chunks_home_host"] == n
 
 
+@pytest.mark.cuda
+def test_static_plans_the_limit_for_chunks_and_activations():
+    """Under static, gpu_memory_limit caps chunks and torch's allocations together: after the
+    first iteration the chunk budget is the limit minus the measured non-model peak minus 1/16."""
+    from gemini_ext.policy import StaticPolicy
+    model = _four_layers()
+    limit = 64 << 20
+    with gx.enable(model, config("cuda", gpu_memory_limit=limit)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        assert engine.stats()["device_budget_bytes"] == limit, "the first iteration runs with the whole limit"
+        for _ in range(2):
+            x = torch.randn(16384, 64, device=engine.compute_device)  # 4 MiB activations per layer
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.stats()
+    first = stats["steps"][0]["non_model_peak_bytes"]
+    assert first >= 4 * (4 << 20), "four layers' activations were measured"
+    decision = stats["placement"]["decision"]
+    assert decision["decisions"] == 1 and decision["non_model_peak_bytes"] == first
+    assert stats["device_budget_bytes"] == int(limit - first - limit * StaticPolicy.MARGIN)
+    assert stats["steps"][-1]["device_bytes_peak"] <= stats["device_budget_bytes"]
+
+
+def test_static_keeps_the_whole_capacity_on_sim():
+    model = _four_layers()
+    with gx.enable(model, config("sim", sim_capacity=1 << 20)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        _train_four_layers(model, engine, opt, 2)
+        stats = engine.stats()
+    assert stats["device_budget_bytes"] == 1 << 20 and stats["placement"]["decision"] == {}
+
+
 def test_const_needs_its_budget():
     with pytest.raises(ValueError, match="const_gpu_budget"):
         gx.enable(_four_layers(), config("sim", placement_policy="const"))
