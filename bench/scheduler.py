@@ -80,19 +80,21 @@ def main(argv=None) -> list[dict]:
         common += ["--seq", str(args.seq)]
     if args.checkpoint:
         common.append("--checkpoint")
-    rows = [run(name, extra, common) for name, extra in configurations(args.budget)]
     print(f"gpt-{args.preset}, {args.batch} x {args.seq or 'preset'} tokens, budget {args.budget}, {args.steps} steps "
           "(per-step figures after the warm-up step)\n")
     print("| configuration | tokens/s | step ms | waited on copies ms | sync fetches | prefetch hits | evictions "
           "| H2D MiB | D2H MiB | peak chunk MiB | peak chunks + torch MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for name, extra in configurations(args.budget):  # each row as soon as it ran: long runs may be cut short
+        r = run(name, extra, common)
+        rows.append(r)
         if "error" in r:
-            print(f"| {r['name']} | failed: {r['error'][:80]} ||||||||||")
+            print(f"| {r['name']} | failed: {r['error'][:80]} ||||||||||", flush=True)
             continue
         print(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['copy_wait_ms']:.2f} | "
               f"{r['sync_fetches']:.1f} | {r['prefetch_hits']:.1f} | {r['evictions']:.1f} | {r['h2d_MiB']:.1f} | "
-              f"{r['d2h_MiB']:.1f} | {r['peak_chunk_MiB']:.1f} | {r['peak_total_MiB']:.1f} |")
+              f"{r['d2h_MiB']:.1f} | {r['peak_chunk_MiB']:.1f} | {r['peak_total_MiB']:.1f} |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -29,6 +29,14 @@ def config(device, **kw):
     return gx.GeminiConfig(device=device, **kw)
 
 
+def chunk_cap(device: str, nbytes: int) -> dict:
+    """Config fields that cap the chunk bytes on the device at `nbytes`: the sim device's capacity
+    on sim; on cuda the const policy's budget (gpu_memory_limit there covers activations too)."""
+    if device == "cuda":
+        return {"placement_policy": "const", "const_gpu_budget": nbytes}
+    return {"sim_capacity": nbytes}
+
+
 def batch(cfg, step, device, batch_size=4, seq=16):
     return synthetic_batch(cfg, batch_size, seq, step, device)
 

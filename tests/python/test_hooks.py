@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import gemini_ext as gx
 from conftest import DEVICES
 from gemini_ext.models import GPT, GPTConfig
-from parity_utils import (LR, SMALL, WD, batch, config, make_models, max_relative_difference, torch_device,
+from parity_utils import (LR, SMALL, WD, batch, chunk_cap, config, make_models, max_relative_difference, torch_device,
                           train_gemini, train_reference, train_step)
 
 
@@ -40,7 +40,7 @@ def test_non_reentrant_checkpointing_matches_plain_pytorch(device, budget_chunks
     train_reference(reference, 8, torch_device(device))
     kw = {}
     if budget_chunks:
-        kw["gpu_memory_limit" if device == "cuda" else "sim_capacity"] = budget_chunks * 4096 * 4
+        kw.update(chunk_cap(device, budget_chunks * 4096 * 4))
     _, stats = train_gemini(model, 8, config(device, **kw))
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
     if budget_chunks:
@@ -166,7 +166,7 @@ def test_no_grad_and_inference_mode_evaluation_between_steps(device):
     model, reference = make_models()
     dev = torch_device(device)
     reference.to(dev)
-    budget = {"gpu_memory_limit" if device == "cuda" else "sim_capacity": 5 * 4096 * 4}
+    budget = chunk_cap(device, 5 * 4096 * 4)
     with gx.enable(model, config(device, **budget)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
@@ -192,7 +192,7 @@ def test_two_forwards_before_one_backward(device):
     dev = torch_device(device)
     reference.to(dev)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
-    budget = {"gpu_memory_limit" if device == "cuda" else "sim_capacity": 5 * 4096 * 4}
+    budget = chunk_cap(device, 5 * 4096 * 4)
     with gx.enable(model, config(device, **budget)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         for step in range(4):

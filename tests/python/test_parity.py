@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from parity_utils import (SMALL, config, make_models, max_relative_difference, torch_device, train_gemini,
+from parity_utils import (SMALL, chunk_cap, config, make_models, max_relative_difference, torch_device, train_gemini,
                           train_reference)
 
 STEPS = 20
@@ -37,8 +37,10 @@ def _overrides(device, case):
     kw = dict(PLACEMENTS[case])
     chunks = kw.pop("budget_chunks", None)
     if chunks is not None:
-        key = "gpu_memory_limit" if device == "cuda" else "sim_capacity"
-        kw[key] = chunks * CHUNK_BYTES_FP32
+        if kw.get("placement_policy") == "auto":  # the limit covers chunks and activations
+            kw["gpu_memory_limit" if device == "cuda" else "sim_capacity"] = chunks * CHUNK_BYTES_FP32
+        else:
+            kw.update(chunk_cap(device, chunks * CHUNK_BYTES_FP32))
     return kw
 
 

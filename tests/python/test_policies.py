@@ -144,7 +144,7 @@ def test_static_plans_the_limit_for_chunks_and_activations():
     first iteration the chunk budget is the limit minus the measured non-model peak minus 1/16."""
     from gemini_ext.policy import StaticPolicy
     model = _four_layers()
-    limit = 64 << 20
+    limit = 1 << 30
     with gx.enable(model, config("cuda", gpu_memory_limit=limit)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         assert engine.stats()["device_budget_bytes"] == limit, "the first iteration runs with the whole limit"
