@@ -25,6 +25,7 @@ ChunkManager::~ChunkManager() {
   try {
     backend_.synchronize_all();
     for (auto& c : chunks_) {
+      if (sharded() && c->gathered()) drop_gathered(*c);
       for (int t = 0; t < kNumTiers; ++t) {
         if (c->shard_tiers().contains(static_cast<Tier>(t))) drop_copy(*c, static_cast<Tier>(t));
       }
@@ -102,6 +103,21 @@ void ChunkManager::finalize() {
   finalized_ = true;
 }
 
+void ChunkManager::set_communicator(Communicator* communicator) {
+  GX_CHECK(!finalized_, "set_communicator: the ChunkManager is finalized; attach the communicator before finalize().");
+  GX_CHECK(communicator != nullptr, "set_communicator: expected a communicator, got null.");
+  GX_CHECK(communicator->world_size() == config_.world_size && communicator->rank() == config_.rank,
+           "set_communicator: the communicator is rank ", communicator->rank(), " of ", communicator->world_size(),
+           " but the ChunkManager was configured as rank ", config_.rank, " of ", config_.world_size,
+           "; build the ChunkManager with the communicator's world size and rank.");
+  communicator_ = communicator;
+}
+
+void ChunkManager::check_can_communicate(const char* what, ChunkId id) const {
+  GX_CHECK(config_.world_size == 1 || sharded(), what, " of chunk ", id, ": the chunks are split over ",
+           config_.world_size, " ranks, which needs a communicator; call set_communicator() before finalize().");
+}
+
 void ChunkManager::check_finalized(const char* what) const {
   GX_CHECK(finalized_, what, ": the ChunkManager is not finalized; call finalize() after registering tensors.");
 }
@@ -161,15 +177,38 @@ void ChunkManager::add_copy(Chunk& c, Tier tier) {
   c.set_shard_ptr(tier, ptr);
   c.shard_tiers().add(tier);
   tier_bytes_[static_cast<int>(tier)].increase(static_cast<int64_t>(c.shard_bytes()));
-  if (tier == Tier::kDevice && listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
+  if (tier == Tier::kDevice && !sharded() && listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
+}
+
+void ChunkManager::add_gathered(Chunk& c) {
+  GX_INTERNAL_ASSERT(sharded() && !c.gathered(), "add_gathered of chunk ", c.id(), " (sharded ", sharded(),
+                     ", gathered ", c.gathered(), ")");
+  void* ptr = allocator_.allocate(Tier::kDevice, c.chunk_bytes());  // OutOfMemoryError: nothing changed
+  c.set_gathered_ptr(ptr);
+  tier_bytes_[static_cast<int>(Tier::kDevice)].increase(static_cast<int64_t>(c.chunk_bytes()));
+  gathered_bytes_.increase(static_cast<int64_t>(c.chunk_bytes()));
+  if (listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
+}
+
+void ChunkManager::drop_gathered(Chunk& c) {
+  GX_INTERNAL_ASSERT(sharded() && c.gathered(), "drop_gathered of chunk ", c.id(), ", which is not gathered");
+  if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
+  // Queued compute may still read the buffer: every later writer of the slot is ordered after it
+  // (collectives and compute are stream-ordered after compute, copies wait on a compute event).
+  allocator_.deallocate(Tier::kDevice, c.gathered_ptr(), c.chunk_bytes());
+  c.set_gathered_ptr(nullptr);
+  tier_bytes_[static_cast<int>(Tier::kDevice)].decrease(static_cast<int64_t>(c.chunk_bytes()));
+  gathered_bytes_.decrease(static_cast<int64_t>(c.chunk_bytes()));
 }
 
 void ChunkManager::drop_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
   if (tier == Tier::kDevice) {
     if (prefetched_.erase(c.id()) != 0) traffic_.prefetch_wasted += 1;  // evicted before any use
-    if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
-    if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
+    if (!sharded()) {
+      if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
+      if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
+    }
   }
   allocator_.deallocate(tier, c.shard_ptr(tier), c.shard_bytes());
   c.set_shard_ptr(tier, nullptr);
@@ -196,7 +235,7 @@ void ChunkManager::move(ChunkId id, Tier to, bool async) {
   complete_move(id, /*block=*/true);  // at most one move in flight per chunk
   GX_INTERNAL_ASSERT(c.can_move(), "move of chunk ", id, " while ", c.count_in(TensorState::kCompute),
                      " of its tensors are in COMPUTE");
-  GX_CHECK(!c.gathered() || to == Tier::kDevice, "move of chunk ", id, " to ", to_string(to),
+  GX_CHECK(sharded() || !c.gathered() || to == Tier::kDevice, "move of chunk ", id, " to ", to_string(to),
            " while it is gathered for compute; release it first.");
   if (c.shard_tiers().contains(to)) {
     // Already there: drop the other copies.
@@ -327,9 +366,26 @@ void ChunkManager::poll() {
 void ChunkManager::access(ChunkId id) {
   check_finalized("access");
   Chunk& c = mutable_chunk(id);
-  GX_CHECK(c.world_size() == 1, "access of chunk ", id, ": gathering shards over ", c.world_size(),
-           " ranks needs a communicator, which this ChunkManager does not have; use world_size 1.");
+  check_can_communicate("access", id);
   traffic_.accesses += 1;
+  if (sharded() && c.gathered()) {
+    if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
+    return;  // kept gathered since an earlier access
+  }
+  bring_shard_to_device(c);
+  if (!sharded()) {
+    c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
+    return;
+  }
+  add_gathered(c);
+  // On the compute stream, after the shard's copy (compute already waits for it).
+  communicator_->all_gather(c.shard_ptr(Tier::kDevice), c.gathered_ptr(), c.shard_numel(), c.dtype(),
+                            StreamKind::kCompute);
+  traffic_.all_gathers += 1;
+}
+
+void ChunkManager::bring_shard_to_device(Chunk& c) {
+  const ChunkId id = c.id();
   auto flying = in_flight_.find(id);
   if (flying != in_flight_.end() && flying->second.to == Tier::kDevice && !flying->second.drop_source) {
     // A prefetch (or refresh) into the device copy: compute waits for it on its stream; the
@@ -339,11 +395,10 @@ void ChunkManager::access(ChunkId id) {
       flying->second.compute_waits = true;
     }
     if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
-    c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
     return;
   }
   if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
-  if (c.gathered()) return;
+  if (!sharded() && c.gathered()) return;
   complete_move(id, /*block=*/true);  // an eviction finishes before we fetch back
   if (!c.shard_tiers().contains(Tier::kDevice)) {
     traffic_.fetches += 1;
@@ -359,15 +414,35 @@ void ChunkManager::access(ChunkId id) {
     count_traffic(from, Tier::kDevice, c.shard_bytes());
     compute_waits_for(backend_.record_event(StreamKind::kHostToDevice), compute_reached);
   }
-  c.set_gathered_ptr(c.shard_ptr(Tier::kDevice));
 }
 
-void ChunkManager::release(ChunkId id) {
+void ChunkManager::release(ChunkId id, bool reshard) {
   check_finalized("release");
   Chunk& c = mutable_chunk(id);
   GX_INTERNAL_ASSERT(c.can_release(), "release of chunk ", id, " with ", c.count_in(TensorState::kCompute),
                      " tensors in COMPUTE and ", c.count_in(TensorState::kReadyForReduce), " READY_FOR_REDUCE");
-  c.set_gathered_ptr(nullptr);
+  if (!sharded()) {
+    c.set_gathered_ptr(nullptr);
+  } else if (reshard && c.gathered()) {
+    drop_gathered(c);
+  }
+}
+
+void ChunkManager::ungather(ChunkId id) {
+  check_finalized("ungather");
+  Chunk& c = mutable_chunk(id);
+  GX_CHECK(sharded(), "ungather of chunk ", id, ": the ChunkManager is not sharded; use release().");
+  GX_INTERNAL_ASSERT(c.can_move(), "ungather of chunk ", id, " while ", c.count_in(TensorState::kCompute),
+                     " of its tensors are in COMPUTE");
+  if (c.gathered()) drop_gathered(c);
+}
+
+void ChunkManager::allocate_gathered(ChunkId id) {
+  check_finalized("allocate_gathered");
+  Chunk& c = mutable_chunk(id);
+  GX_CHECK(sharded(), "allocate_gathered of chunk ", id, ": the ChunkManager is not sharded; use allocate_copy().");
+  GX_CHECK(!c.gathered(), "allocate_gathered of chunk ", id, ": it is gathered already.");
+  add_gathered(c);
 }
 
 void ChunkManager::reduce(ChunkId id) {
@@ -375,8 +450,18 @@ void ChunkManager::reduce(ChunkId id) {
   Chunk& c = mutable_chunk(id);
   GX_INTERNAL_ASSERT(c.can_reduce(), "reduce of chunk ", id, " with only ", c.count_in(TensorState::kReadyForReduce),
                      " of ", c.num_slots(), " tensors READY_FOR_REDUCE");
-  GX_CHECK(c.world_size() == 1, "reduce of chunk ", id, " over ", c.world_size(),
-           " ranks needs a communicator, which this ChunkManager does not have.");
+  check_can_communicate("reduce", id);
+  if (sharded()) {
+    GX_CHECK(c.gathered(), "reduce of chunk ", id, ": sharded, the gradients to reduce are in the gathered buffer; "
+             "allocate_gathered(", id, ") and fill it first.");
+    complete_move(id, /*block=*/true);
+    if (!c.shard_tiers().contains(Tier::kDevice)) add_copy(c, Tier::kDevice);
+    // The reduced shard overwrites the device copy; the caller keeps other copies coherent.
+    communicator_->reduce_scatter(c.gathered_ptr(), c.shard_ptr(Tier::kDevice), c.shard_numel(), c.dtype(),
+                                  ReduceOp::kSum, StreamKind::kCompute);
+    traffic_.reduce_scatters += 1;
+    drop_gathered(c);
+  }
   for (size_t i = 0; i < c.num_slots(); ++i) c.transition(i, TensorState::kHold);
   traffic_.reductions += 1;
 }

@@ -15,16 +15,24 @@
 //      move(c, t)  give c's shard exactly tier t (can_move must hold). The copy runs on the side
 //                  stream of its direction; with `async` the call returns at once and the source
 //                  slot is freed when the copy is known complete (wait(c), access(c), poll()).
-//      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold). With world size 1
-//                  there is nothing to communicate; more ranks need a communicator (not yet).
+//      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold). Unsharded there is
+//                  nothing to communicate; sharded it reduce-scatters the gathered buffer into
+//                  the device copy of this rank's shard and drops the gathered buffer.
 //      allocate_copy(c, t)      give c a slot on t without copying (the caller fills it).
 //      transfer(c, from, to)    copy between two existing copies (refresh a stale one).
 //      discard_copy(c, t)       drop t's copy without copying it anywhere (a clean cache copy, or
 //                               content nobody needs any more).
 //    Coherence is the caller's contract: every copy in shard_tiers is meant to hold the same
 //    bytes; whoever writes one copy refreshes or discards the others.
-//  * Residency listener. The torch layer binds parameter storages to the device copy; the
-//    manager tells it whenever a chunk's device copy appears or goes away.
+//  * Sharded mode (set_communicator, see communicator.h). Every tier's copy holds this rank's
+//    shard only; access(c) brings the shard to the device as above and then all-gathers it
+//    into a gathered buffer of the whole chunk (device tier, counted in its bytes and in
+//    gathered_bytes()); release(c, reshard) or ungather(c) frees it. allocate_gathered(c) gives
+//    a gathered buffer without gathering (gradients are written there, then reduce(c)).
+//    Unsharded (no communicator), the gathered view is the device copy itself.
+//  * Residency listener. The torch layer binds parameter storages to the whole chunk's device
+//    memory; the manager tells it whenever that appears or goes away: the device copy
+//    unsharded, the gathered buffer sharded.
 //  * Accounting. One Stat per tier counts the shard bytes chunks hold there, updated only in
 //    add_copy/drop_copy; traffic counters count bytes moved per direction. Stats never go
 //    negative (Stat asserts it). Policies read these numbers; they never call move themselves.
@@ -39,6 +47,7 @@
 
 #include "chunk.h"
 #include "chunk_allocator.h"
+#include "communicator.h"
 #include "device_backend.h"
 #include "stat.h"
 
@@ -81,6 +90,8 @@ struct TrafficStats {
   int64_t fetches = 0;  // accesses that had to bring the shard to the device
   int64_t accesses = 0;
   int64_t reductions = 0;
+  int64_t all_gathers = 0;     // sharded: gathers of a chunk for compute
+  int64_t reduce_scatters = 0;  // sharded: reductions that communicated
   int64_t prefetches = 0;     // prefetch copies started
   int64_t prefetch_hits = 0;  // accesses that found their chunk prefetched (landed or in flight)
   int64_t prefetch_wasted = 0;  // prefetched copies dropped before any access
@@ -107,6 +118,11 @@ class ChunkManager {
                                const std::vector<int64_t>& shape);
   void finalize();
   bool finalized() const { return finalized_; }
+  // Makes the manager sharded (before finalize): its world size and rank must be the
+  // config's. The communicator must outlive the manager.
+  void set_communicator(Communicator* communicator);
+  bool sharded() const { return communicator_ != nullptr; }
+  Communicator* communicator() const { return communicator_; }
 
   // Payload access (valid once finalized).
   void* tensor_ptr(const TensorHandle& handle, Tier tier) const;  // pointer into the tier's copy
@@ -116,7 +132,13 @@ class ChunkManager {
 
   // Operations.
   void access(ChunkId id);
-  void release(ChunkId id);
+  // Compute is done with c for now. Sharded, `reshard` frees the gathered buffer (false keeps it
+  // for a later access, e.g. through backward).
+  void release(ChunkId id, bool reshard = true);
+  // Sharded: frees c's gathered buffer if it has one (no tensor of c may be in COMPUTE).
+  void ungather(ChunkId id);
+  // Sharded: a gathered buffer for c without gathering (the caller fills it).
+  void allocate_gathered(ChunkId id);
   void move(ChunkId id, Tier to, bool async = false);
   void wait(ChunkId id);
   void poll();  // completes finished async moves without blocking
@@ -138,6 +160,7 @@ class ChunkManager {
   const GroupInfo& group(const std::string& name) const;
   std::vector<std::string> group_names() const;
   Stat tier_bytes(Tier tier) const { return tier_bytes_[static_cast<int>(tier)]; }
+  Stat gathered_bytes() const { return gathered_bytes_; }  // part of the device tier's bytes
   const TrafficStats& traffic() const { return traffic_; }
   int64_t wasted_bytes() const;
   Tier host_tier() const { return host_tier_; }
@@ -153,6 +176,9 @@ class ChunkManager {
     bool compute_waits;  // the compute stream already waits for this copy
   };
   Chunk& mutable_chunk(ChunkId id);
+  void bring_shard_to_device(Chunk& c);  // access's fetch (or wait for the prefetch)
+  void add_gathered(Chunk& c);            // allocates the gathered buffer, accounts it
+  void drop_gathered(Chunk& c);
   void add_copy(Chunk& c, Tier tier);   // allocates a slot, accounts it
   void drop_copy(Chunk& c, Tier tier);  // frees the slot, un-accounts it
   void complete_move(ChunkId id, bool block);
@@ -160,6 +186,7 @@ class ChunkManager {
   void count_traffic(Tier from, Tier to, size_t bytes);
   void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits = true);
   void check_finalized(const char* what) const;
+  void check_can_communicate(const char* what, ChunkId id) const;
 
   DeviceBackend& backend_;
   ChunkManagerConfig config_;
@@ -180,6 +207,8 @@ class ChunkManager {
   void compute_waits_for(const std::shared_ptr<Event>& copy_done, std::shared_ptr<Event> compute_reached = nullptr);
   void collect_waits();
   std::array<Stat, kNumTiers> tier_bytes_;
+  Stat gathered_bytes_;
+  Communicator* communicator_ = nullptr;
   TrafficStats traffic_;
   ResidencyListener* listener_ = nullptr;
   bool finalized_ = false;
