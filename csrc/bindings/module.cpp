@@ -15,6 +15,7 @@
 #include "torch/dtype_map.h"
 #include "torch/gemini_manager.h"
 #include "torch/hybrid_adam.h"
+#include "torch/pg_communicator.h"
 
 #ifdef GX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -53,6 +54,7 @@ py::dict stat_dict(const Stat& s) {
 // A ChunkManager together with the DeviceContext it runs on (the context must outlive it).
 struct PyChunkManager {
   std::shared_ptr<DeviceContext> ctx;
+  std::shared_ptr<Communicator> comm;  // declared before mgr: outlives it
   std::unique_ptr<ChunkManager> mgr;
 };
 
@@ -192,6 +194,15 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", [](DeviceContext& c) { c.backend().synchronize_all(); },
            py::call_guard<py::gil_scoped_release>());
 
+  py::class_<torch_layer::ProcessGroupCommunicator, std::shared_ptr<torch_layer::ProcessGroupCommunicator>>(
+      m, "ProcessGroupCommunicator")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, std::shared_ptr<DeviceContext>>(),
+           py::arg("process_group"), py::arg("context"))
+      .def_property_readonly("world_size", &torch_layer::ProcessGroupCommunicator::world_size)
+      .def_property_readonly("rank", &torch_layer::ProcessGroupCommunicator::rank)
+      .def_property_readonly("name", &torch_layer::ProcessGroupCommunicator::name)
+      .def_property_readonly("calls", &torch_layer::ProcessGroupCommunicator::calls);
+
   py::class_<PyChunkManager>(m, "ChunkManager")
       .def(py::init([](std::shared_ptr<DeviceContext> ctx, int world_size, int rank, size_t alignment_bytes,
                        bool pin_memory) {
@@ -235,7 +246,17 @@ PYBIND11_MODULE(_C, m) {
       .def("finalize", [](PyChunkManager& p) { p.mgr->finalize(); })
       .def("access", [](PyChunkManager& p, ChunkId id) { p.ctx->sync_compute_stream(); p.mgr->access(id); },
            py::call_guard<py::gil_scoped_release>())
-      .def("release", [](PyChunkManager& p, ChunkId id) { p.mgr->release(id); })
+      .def("release", [](PyChunkManager& p, ChunkId id, bool reshard) { p.mgr->release(id, reshard); },
+           py::arg("chunk_id"), py::arg("reshard") = true)
+      .def("ungather", [](PyChunkManager& p, ChunkId id) { p.mgr->ungather(id); })
+      .def("allocate_gathered", [](PyChunkManager& p, ChunkId id) { p.mgr->allocate_gathered(id); })
+      .def("set_communicator",
+           [](PyChunkManager& p, std::shared_ptr<torch_layer::ProcessGroupCommunicator> comm) {
+             p.mgr->set_communicator(comm.get());
+             p.comm = comm;
+           })
+      .def_property_readonly("sharded", [](PyChunkManager& p) { return p.mgr->sharded(); })
+      .def("gathered_bytes", [](PyChunkManager& p) { return stat_dict(p.mgr->gathered_bytes()); })
       .def("move",
            [](PyChunkManager& p, ChunkId id, const std::string& tier, bool async) {
              const Tier t = parse_tier(tier);
@@ -246,7 +267,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_id"), py::arg("tier"), py::arg("async_") = false)
       .def("wait", [](PyChunkManager& p, ChunkId id) { p.mgr->wait(id); }, py::call_guard<py::gil_scoped_release>())
       .def("poll", [](PyChunkManager& p) { p.mgr->poll(); }, py::call_guard<py::gil_scoped_release>())
-      .def("reduce", [](PyChunkManager& p, ChunkId id) { p.mgr->reduce(id); })
+      .def("reduce", [](PyChunkManager& p, ChunkId id) { p.ctx->sync_compute_stream(); p.mgr->reduce(id); },
+           py::call_guard<py::gil_scoped_release>())
       .def("in_flight", [](PyChunkManager& p, ChunkId id) { return p.mgr->in_flight(id); })
       .def("transition", [](PyChunkManager& p, py::tuple h, TensorState to) { p.mgr->transition(handle_of(h), to); })
       .def("state", [](PyChunkManager& p, py::tuple h) { return p.mgr->state(handle_of(h)); })
@@ -256,6 +278,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("gathered_view",
            [](PyChunkManager& p, py::tuple h) { return torch_layer::gathered_view(*p.ctx, *p.mgr, handle_of(h)); })
+      .def("gathered_chunk_view",
+           [](PyChunkManager& p, ChunkId id) { return torch_layer::gathered_chunk_view(*p.ctx, *p.mgr, id); })
       .def("shard_view",
            [](PyChunkManager& p, ChunkId id, const std::string& tier) {
              return torch_layer::shard_view(*p.ctx, *p.mgr, id, parse_tier(tier));
@@ -298,6 +322,8 @@ PYBIND11_MODULE(_C, m) {
         d["moves"] = t.moves;
         d["fetches"] = t.fetches;
         d["accesses"] = t.accesses;
+        d["all_gathers"] = t.all_gathers;
+        d["reduce_scatters"] = t.reduce_scatters;
         d["reductions"] = t.reductions;
         d["prefetches"] = t.prefetches;
         d["prefetch_hits"] = t.prefetch_hits;

@@ -78,4 +78,10 @@ at::Tensor gathered_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHand
   return view_at(ctx, c, mgr.gathered_tensor_ptr(handle), Tier::kDevice, 0, s.numel, s.shape);
 }
 
+at::Tensor gathered_chunk_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id) {
+  const Chunk& c = mgr.chunk(id);
+  GX_CHECK(c.gathered(), "chunk ", id, " is not gathered on the device; access it (or allocate_gathered) first.");
+  return view_at(ctx, c, c.gathered_ptr(), Tier::kDevice, 0, c.padded_numel(), {c.padded_numel()});
+}
+
 }  // namespace gx::torch_layer

@@ -51,4 +51,7 @@ at::Tensor tensor_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle
 // One tensor's slot in the gathered copy (after access()), in its registered shape.
 at::Tensor gathered_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle);
 
+// The whole gathered chunk (all shards, padding included), as a 1-D tensor on the device.
+at::Tensor gathered_chunk_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id);
+
 }  // namespace gx::torch_layer
