@@ -61,6 +61,21 @@ def resolve_device(config: GeminiConfig) -> str:
     return device
 
 
+def resolve_process_group(process_group):
+    """The ZeRO group: the one passed, else the default group when torch.distributed is
+    initialised with more than one rank; None (one unsharded process) otherwise. Passing a
+    group of one rank explicitly runs the sharded path over it (its collectives included)."""
+    if process_group is not None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise RuntimeError("enable(process_group=...): torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group() first (torchrun sets up its environment).")
+        return process_group
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return torch.distributed.group.WORLD
+    return None
+
+
 def _unhonoured_fields(config: GeminiConfig) -> list[str]:
     return [f"{k}={getattr(config, k)!r}" for k, default in _LATER.items() if getattr(config, k) != default]
 
@@ -74,12 +89,10 @@ class GeminiEngine:
         if getattr(model, "_gemini_engine", None) is not None:
             raise RuntimeError(f"enable(): this {type(model).__name__} is already managed by an open engine; "
                                "close it (leave its `with` block) first.")
-        world_size = 1
-        if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            world_size = torch.distributed.get_world_size(process_group)
-        if world_size != 1:
-            raise NotImplementedError(f"enable(): world size {world_size}: sharding chunks across ranks is not "
-                                      "implemented in this release; run one process, or wait for the ZeRO-3 stage.")
+        self.process_group = resolve_process_group(process_group)
+        world_size = torch.distributed.get_world_size(self.process_group) if self.process_group is not None else 1
+        self.world_size = world_size
+        self.rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else 0
         if SETTINGS.allocator == "chunk":
             raise NotImplementedError("GEMINI_EXT_ALLOCATOR=chunk: the process-wide chunk allocator is not in this "
                                       "release; unset GEMINI_EXT_ALLOCATOR or set it to 'default'.")
@@ -156,14 +169,15 @@ class GeminiEngine:
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 value = p.detach()
+                # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
                 if p.requires_grad:
-                    mgr.tensor_view(handles[("param", i)], host).copy_(value)
+                    mgr.write_slot(handles[("param", i)], host, value)
                     if has_master:
-                        mgr.tensor_view(handles[("master", i)], host).copy_(value)
+                        mgr.write_slot(handles[("master", i)], host, value)
                     for kind in kinds:
                         mgr.transition(handles[(kind, i)], _C.TensorState.HOLD)
                 else:
-                    mgr.tensor_view(handles[("frozen", i)], host).copy_(value)
+                    mgr.write_slot(handles[("frozen", i)], host, value)
                     mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
 
         sets = self._plan_sets(mgr, has_master)
@@ -228,7 +242,14 @@ class GeminiEngine:
             self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity,
                                          sim_max_copy_delay_us=SETTINGS.sim_copy_delay_us, sim_seed=1)
             self.compute_device = torch.device("cpu")
-        self._mgr = _C.ChunkManager(self._ctx, pin_memory=self.config.pin_memory)
+        self._mgr = _C.ChunkManager(self._ctx, world_size=self.world_size, rank=self.rank,
+                                    pin_memory=self.config.pin_memory)
+        if self.process_group is not None:
+            if self.device_kind == "cuda" and torch.distributed.get_backend(self.process_group) != "nccl":
+                warnings.warn("gemini_ext: chunks on cuda with a non-NCCL process group; collectives on device "
+                              "memory need a backend that supports CUDA tensors (nccl).", stacklevel=4)
+            self._comm = _C.ProcessGroupCommunicator(self.process_group, self._ctx)
+            self._mgr.set_communicator(self._comm)
 
     def _plan_sets(self, mgr, has_master: bool) -> list[dict]:
         """One dict per parameter chunk: its companions and the static policy's placement."""
@@ -248,10 +269,12 @@ class GeminiEngine:
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in p_ids]
             param_frac, optim_frac = self.policy.fractions()
             plan = _C.static_placement(sizes, param_frac, optim_frac)
+            reshard = self._reshard_plan(sizes)
             for k, c in enumerate(p_ids):
                 sets.append({"param": c, "grad": ids["grad"][k], "master": ids["master"][k],
                              "exp_avg": ids["exp_avg"][k], "exp_avg_sq": ids["exp_avg_sq"][k],
-                             "param_home_on_host": plan[k][0], "optim_on_host": plan[k][1]})
+                             "param_home_on_host": plan[k][0], "optim_on_host": plan[k][1],
+                             "keep_gathered": not reshard[k]})
         try:
             f_ids = mgr.group_chunk_ids("frozen")
         except ValueError:
@@ -259,10 +282,21 @@ class GeminiEngine:
         if f_ids:
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in f_ids]
             plan = _C.static_placement(sizes, self.policy.fractions()[0], 0.0)
+            reshard = self._reshard_plan(sizes)
             for k, c in enumerate(f_ids):
                 sets.append({"param": c, "grad": -1, "master": -1, "exp_avg": -1, "exp_avg_sq": -1,
-                             "param_home_on_host": plan[k][0], "optim_on_host": False})
+                             "param_home_on_host": plan[k][0], "optim_on_host": False,
+                             "keep_gathered": not reshard[k]})
         return sets
+
+    def _reshard_plan(self, sizes: list[int]) -> list[bool]:
+        """shard_param_frac (sharded only): which parameter chunks are re-sharded after each use,
+        in exact bytes from the front of the execution order: the chunks used first in forward
+        are needed last in backward, so keeping them gathered would hold their memory longest.
+        The others stay gathered from forward until their gradients are reduced."""
+        if self.process_group is None:
+            return [True] * len(sizes)
+        return [home for home, _ in _C.static_placement(sizes, self.config.shard_param_frac, 0.0)]
 
     # --- parameters --------------------------------------------------------------------------
     @property

@@ -267,8 +267,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_id"), py::arg("tier"), py::arg("async_") = false)
       .def("wait", [](PyChunkManager& p, ChunkId id) { p.mgr->wait(id); }, py::call_guard<py::gil_scoped_release>())
       .def("poll", [](PyChunkManager& p) { p.mgr->poll(); }, py::call_guard<py::gil_scoped_release>())
-      .def("reduce", [](PyChunkManager& p, ChunkId id) { p.ctx->sync_compute_stream(); p.mgr->reduce(id); },
+      .def("reduce", [](PyChunkManager& p, ChunkId id) { p.mgr->reduce(id); })
+      .def("reduce_scatter",
+           [](PyChunkManager& p, ChunkId id) { p.ctx->sync_compute_stream(); p.mgr->reduce_scatter(id); },
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", [](PyChunkManager& p) { return p.mgr->rank(); })
+      .def_property_readonly("world_size", [](PyChunkManager& p) { return p.mgr->world_size(); })
       .def("in_flight", [](PyChunkManager& p, ChunkId id) { return p.mgr->in_flight(id); })
       .def("transition", [](PyChunkManager& p, py::tuple h, TensorState to) { p.mgr->transition(handle_of(h), to); })
       .def("state", [](PyChunkManager& p, py::tuple h) { return p.mgr->state(handle_of(h)); })
@@ -278,6 +282,10 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("gathered_view",
            [](PyChunkManager& p, py::tuple h) { return torch_layer::gathered_view(*p.ctx, *p.mgr, handle_of(h)); })
+      .def("write_slot",
+           [](PyChunkManager& p, py::tuple h, const std::string& tier, const at::Tensor& value) {
+             torch_layer::write_slot_part(*p.ctx, *p.mgr, handle_of(h), parse_tier(tier), value);
+           })
       .def("gathered_chunk_view",
            [](PyChunkManager& p, ChunkId id) { return torch_layer::gathered_chunk_view(*p.ctx, *p.mgr, id); })
       .def("shard_view",
@@ -346,6 +354,7 @@ PYBIND11_MODULE(_C, m) {
                s.exp_avg_sq = d["exp_avg_sq"].cast<ChunkId>();
                s.optim_on_host = d["optim_on_host"].cast<bool>();
                s.param_home_on_host = d["param_home_on_host"].cast<bool>();
+               if (d.contains("keep_gathered")) s.keep_gathered = d["keep_gathered"].cast<bool>();
                specs.push_back(s);
              }
              std::vector<torch_layer::ParamSpec> ps;
@@ -424,6 +433,7 @@ PYBIND11_MODULE(_C, m) {
                d["trainable"] = s.trainable;
                d["optim_on_host"] = s.spec.optim_on_host;
                d["param_home_on_host"] = s.spec.param_home_on_host;
+               d["keep_gathered"] = s.spec.keep_gathered;
                out.append(d);
              }
              return out;

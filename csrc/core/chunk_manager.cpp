@@ -451,19 +451,24 @@ void ChunkManager::reduce(ChunkId id) {
   GX_INTERNAL_ASSERT(c.can_reduce(), "reduce of chunk ", id, " with only ", c.count_in(TensorState::kReadyForReduce),
                      " of ", c.num_slots(), " tensors READY_FOR_REDUCE");
   check_can_communicate("reduce", id);
-  if (sharded()) {
-    GX_CHECK(c.gathered(), "reduce of chunk ", id, ": sharded, the gradients to reduce are in the gathered buffer; "
-             "allocate_gathered(", id, ") and fill it first.");
-    complete_move(id, /*block=*/true);
-    if (!c.shard_tiers().contains(Tier::kDevice)) add_copy(c, Tier::kDevice);
-    // The reduced shard overwrites the device copy; the caller keeps other copies coherent.
-    communicator_->reduce_scatter(c.gathered_ptr(), c.shard_ptr(Tier::kDevice), c.shard_numel(), c.dtype(),
-                                  ReduceOp::kSum, StreamKind::kCompute);
-    traffic_.reduce_scatters += 1;
-    drop_gathered(c);
-  }
   for (size_t i = 0; i < c.num_slots(); ++i) c.transition(i, TensorState::kHold);
   traffic_.reductions += 1;
+}
+
+void ChunkManager::reduce_scatter(ChunkId id) {
+  check_finalized("reduce_scatter");
+  Chunk& c = mutable_chunk(id);
+  GX_CHECK(sharded(), "reduce_scatter of chunk ", id, ": the ChunkManager is not sharded; use reduce().");
+  GX_CHECK(c.gathered(), "reduce_scatter of chunk ", id, ": the values to reduce are in the gathered buffer; "
+           "allocate_gathered(", id, ") and fill it first.");
+  complete_move(id, /*block=*/true);
+  if (!c.shard_tiers().contains(Tier::kDevice)) add_copy(c, Tier::kDevice);
+  // The sum over ranks of this rank's part overwrites the device copy of the shard; the caller
+  // keeps the other copies coherent.
+  communicator_->reduce_scatter(c.gathered_ptr(), c.shard_ptr(Tier::kDevice), c.shard_numel(), c.dtype(),
+                                ReduceOp::kSum, StreamKind::kCompute);
+  traffic_.reduce_scatters += 1;
+  drop_gathered(c);
 }
 
 int64_t ChunkManager::wasted_bytes() const {

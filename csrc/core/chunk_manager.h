@@ -15,9 +15,10 @@
 //      move(c, t)  give c's shard exactly tier t (can_move must hold). The copy runs on the side
 //                  stream of its direction; with `async` the call returns at once and the source
 //                  slot is freed when the copy is known complete (wait(c), access(c), poll()).
-//      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold). Unsharded there is
-//                  nothing to communicate; sharded it reduce-scatters the gathered buffer into
-//                  the device copy of this rank's shard and drops the gathered buffer.
+//      reduce(c)   all tensors READY_FOR_REDUCE -> HOLD (can_reduce must hold): the bookkeeping of
+//                  a reduction. Unsharded there is nothing to communicate.
+//      reduce_scatter(g)  sharded: sums g's gathered buffer over ranks into the device copy of
+//                  this rank's shard and drops the buffer (the gradient chunk's communication).
 //      allocate_copy(c, t)      give c a slot on t without copying (the caller fills it).
 //      transfer(c, from, to)    copy between two existing copies (refresh a stale one).
 //      discard_copy(c, t)       drop t's copy without copying it anywhere (a clean cache copy, or
@@ -143,6 +144,7 @@ class ChunkManager {
   void wait(ChunkId id);
   void poll();  // completes finished async moves without blocking
   void reduce(ChunkId id);
+  void reduce_scatter(ChunkId id);
   // Starts copying c's host copy to a new device copy and returns; compute does not wait for it
   // until access(c). Nothing to do if c is on the device or in flight. OutOfMemoryError (nothing
   // changed) if the device tier has no room.
@@ -164,6 +166,8 @@ class ChunkManager {
   const TrafficStats& traffic() const { return traffic_; }
   int64_t wasted_bytes() const;
   Tier host_tier() const { return host_tier_; }
+  int world_size() const { return config_.world_size; }
+  int rank() const { return config_.rank; }
   DeviceBackend& backend() { return backend_; }
   const ChunkAllocator& allocator() const { return allocator_; }
 

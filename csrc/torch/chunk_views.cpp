@@ -1,5 +1,7 @@
 #include "torch/chunk_views.h"
 
+#include <algorithm>
+
 #include "core/errors.h"
 #include "core/sim_backend.h"
 #include "torch/dtype_map.h"
@@ -76,6 +78,29 @@ at::Tensor gathered_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHand
   const Chunk& c = mgr.chunk(handle.chunk_id);
   const TensorSlot& s = c.slot(handle.slot_index);
   return view_at(ctx, c, mgr.gathered_tensor_ptr(handle), Tier::kDevice, 0, s.numel, s.shape);
+}
+
+SlotPart slot_part_in_shard(const ChunkManager& mgr, const TensorHandle& handle) {
+  const Chunk& c = mgr.chunk(handle.chunk_id);
+  const TensorSlot& s = c.slot(handle.slot_index);
+  const ShardRange shard = c.shard_range(mgr.rank());
+  const int64_t lo = std::max(s.offset_numel, shard.begin_numel);
+  const int64_t hi = std::min(s.offset_numel + s.numel, shard.end_numel);
+  if (lo >= hi) return SlotPart{};
+  return SlotPart{lo - s.offset_numel, hi - s.offset_numel, lo - shard.begin_numel};
+}
+
+void write_slot_part(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle, Tier tier,
+                     const at::Tensor& value) {
+  const Chunk& c = mgr.chunk(handle.chunk_id);
+  const TensorSlot& s = c.slot(handle.slot_index);
+  GX_CHECK(value.numel() == s.numel, "value for tensor '", s.name, "': expected ", s.numel, " elements, got ",
+           value.numel(), ".");
+  const SlotPart part = slot_part_in_shard(mgr, handle);
+  if (part.begin == part.end) return;
+  at::Tensor shard = shard_view(ctx, mgr, handle.chunk_id, tier);
+  shard.narrow(0, part.shard_offset, part.end - part.begin)
+      .copy_(value.reshape({-1}).narrow(0, part.begin, part.end - part.begin));
 }
 
 at::Tensor gathered_chunk_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id) {

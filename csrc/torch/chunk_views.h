@@ -51,6 +51,19 @@ at::Tensor tensor_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle
 // One tensor's slot in the gathered copy (after access()), in its registered shape.
 at::Tensor gathered_view(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle);
 
+// The part of slot `handle` that lies in this rank's shard, as [begin, end) offsets into the
+// slot's elements and the matching offset into the shard (empty when begin == end).
+struct SlotPart {
+  int64_t begin = 0;        // first element of the slot inside the shard
+  int64_t end = 0;          // one past the last
+  int64_t shard_offset = 0;  // where `begin` lies in the shard
+};
+SlotPart slot_part_in_shard(const ChunkManager& mgr, const TensorHandle& handle);
+// Writes the part of `value` (the whole tensor of the slot, any device and dtype) that lies in
+// this rank's shard into the shard's copy on `tier`. Unsharded that is the whole slot.
+void write_slot_part(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& handle, Tier tier,
+                     const at::Tensor& value);
+
 // The whole gathered chunk (all shards, padding included), as a 1-D tensor on the device.
 at::Tensor gathered_chunk_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id);
 

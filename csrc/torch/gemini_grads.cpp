@@ -18,10 +18,39 @@ at::Tensor cpu_fp32_copy(const at::Tensor& view) {
 
 void GeminiManager::reduce_locked(ChunkSet& set) {
   const ChunkId p = set.spec.param;
-  mgr_.reduce(p);  // one rank: nothing to communicate; READY_FOR_REDUCE -> HOLD
+  if (sharded()) communicate_grads_locked(set);
+  mgr_.reduce(p);  // READY_FOR_REDUCE -> HOLD
   set.reduced = true;
   offload_grads_locked(set);
   release_if_idle_locked(p);
+  ungather_kept_locked(set);  // its backward is over: the gradients of every tensor are in
+}
+
+void GeminiManager::communicate_grads_locked(ChunkSet& set) {
+  if (!set.grad_collecting) return;
+  const ChunkId g = set.spec.grad;
+  whole_cache_id_ = -1;
+  const int world = mgr_.world_size();
+  // Pre-division: the sum over ranks is then the mean, and 16-bit sums stay in range.
+  if (world > 1) gathered_chunk_view(*ctx_, mgr_, g).div_(static_cast<double>(world));
+  // Gradients reduced in an earlier backward of this step (no zero_grad in between) are added.
+  at::Tensor earlier;
+  if (set.grad_place == GradPlace::kDevice) {
+    earlier = shard_view(*ctx_, mgr_, g, Tier::kDevice).clone();
+  }
+  with_room_locked(g, [&] { mgr_.reduce_scatter(g); });
+  set.grad_collecting = false;
+  at::Tensor reduced = shard_view(*ctx_, mgr_, g, Tier::kDevice);
+  if (earlier.defined()) {
+    reduced.add_(earlier);
+  } else if (set.grad_place == GradPlace::kHost) {
+    mgr_.wait(g);
+    at::Tensor host = shard_view(*ctx_, mgr_, g, mgr_.host_tier());
+    host.add_(reduced.to(host.device()));
+    mgr_.discard_copy(g, Tier::kDevice);
+    return;  // the sum is on the host, where it was
+  }
+  set.grad_place = GradPlace::kDevice;
 }
 
 void GeminiManager::offload_grads_locked(ChunkSet& set) {
@@ -36,16 +65,26 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
 void GeminiManager::flush_grads() {
   std::lock_guard<std::mutex> lock(mutex_);
   ctx_->sync_compute_stream();
-  for (auto& set : sets_)
-    if (set.trainable) offload_grads_locked(set);
+  for (auto& set : sets_) {
+    if (!set.trainable) continue;
+    if (sharded()) communicate_grads_locked(set);  // accumulated under no_sync
+    offload_grads_locked(set);
+  }
 }
 
 void GeminiManager::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
+  whole_cache_id_ = -1;
   for (auto& set : sets_) {
-    if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
-    std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
+    if (!set.trainable) continue;
     const ChunkId g = set.spec.grad;
+    if (set.grad_collecting) {
+      mgr_.ungather(g);
+      set.grad_collecting = false;
+      std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
+    }
+    if (set.grad_place == GradPlace::kNone) continue;
+    std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
     mgr_.wait(g);
     if (mgr_.chunk(g).shard_tiers().contains(Tier::kDevice)) mgr_.discard_copy(g, Tier::kDevice);
     set.grad_place = GradPlace::kNone;
@@ -82,9 +121,26 @@ at::Tensor GeminiManager::read(const std::string& kind, int param) {
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   const ChunkId id = chunk_of_kind(set, kind, param);
   mgr_.wait(id);
-  at::Tensor v = slot_view(id, ps.slot, where_current(id));
   ctx_->sync_compute_stream();
-  return cpu_fp32_copy(v);
+  if (sharded()) return whole_slot_locked(id, ps.slot, where_current(id));
+  return cpu_fp32_copy(slot_view(id, ps.slot, where_current(id)));
+}
+
+at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) {
+  if (whole_cache_id_ != id) {
+    // All ranks read the same chunks in the same order (state dicts, checkpoints, close), so
+    // this all-gather is collective like the hooks' ones.
+    const Chunk& c = mgr_.chunk(id);
+    const at::Device device = ctx_->device_for(Tier::kDevice);
+    at::Tensor shard = shard_view(*ctx_, mgr_, id, tier).to(device, /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor whole = at::empty({c.padded_numel()}, shard.options());
+    mgr_.communicator()->all_gather(shard.data_ptr(), whole.data_ptr(), c.shard_numel(), c.dtype(),
+                                    StreamKind::kCompute);
+    whole_cache_ = cpu_fp32_copy(whole);
+    whole_cache_id_ = id;
+  }
+  const TensorSlot& s = mgr_.chunk(id).slot(slot);
+  return whole_cache_.narrow(0, s.offset_numel, s.numel).view(s.shape).clone();
 }
 
 void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
@@ -95,15 +151,17 @@ void GeminiManager::write(const std::string& kind, int param, const at::Tensor& 
   std::vector<ChunkId> targets{chunk_of_kind(set, kind, param)};
   if (kind == "param" && set.spec.master >= 0) targets.push_back(set.spec.param);  // and its 16-bit copy
   ctx_->sync_compute_stream();
+  whole_cache_id_ = -1;
+  const int64_t numel = mgr_.chunk(ps.chunk).slot(ps.slot).numel;
+  GX_CHECK(value.numel() == numel, "write of '", kind, "' of parameter ", param, ": expected ", numel,
+           " elements, got ", value.numel(), ".");
   for (ChunkId id : targets) {
     mgr_.wait(id);
     const Chunk& c = mgr_.chunk(id);
+    if (sharded() && c.gathered() && c.can_move()) mgr_.ungather(id);  // gathered again, with the new value
     for (Tier t : {Tier::kDevice, Tier::kPinnedHost, Tier::kPageableHost}) {
       if (!c.shard_tiers().contains(t)) continue;  // every copy, so that they stay coherent
-      at::Tensor slot = slot_view(id, ps.slot, t);
-      GX_CHECK(value.numel() == slot.numel(), "write of '", kind, "' of parameter ", param, ": expected ",
-               slot.numel(), " elements, got ", value.numel(), ".");
-      slot.copy_(value.reshape(slot.sizes()));
+      write_slot_part(*ctx_, mgr_, TensorHandle{id, ps.slot}, t, value);  // this rank's part of it
     }
   }
 }
@@ -116,8 +174,11 @@ at::Tensor GeminiManager::read_grad(int param) {
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   if (!set.has_grad[ps.slot]) return at::Tensor();
   mgr_.wait(set.spec.grad);
-  const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr_.host_tier();
   ctx_->sync_compute_stream();
+  if (sharded() && set.grad_collecting)  // not reduced yet (no_sync): this rank's own gradient
+    return cpu_fp32_copy(gathered_view(*ctx_, mgr_, TensorHandle{set.spec.grad, ps.slot}));
+  const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr_.host_tier();
+  if (sharded()) return whole_slot_locked(set.spec.grad, ps.slot, tier);
   return cpu_fp32_copy(slot_view(set.spec.grad, ps.slot, tier));
 }
 
@@ -133,6 +194,13 @@ void GeminiManager::set_step(int param, int64_t step) {
   GX_CHECK(step >= 0, "step of parameter ", param, ": expected >= 0, got ", step, ".");
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   sets_[static_cast<size_t>(set_of_chunk(ps.chunk))].step[ps.slot] = step;
+}
+
+double GeminiManager::all_reduce_sum(double local) {
+  if (!sharded()) return local;
+  at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(ctx_->device_for(Tier::kDevice)));
+  mgr_.communicator()->all_reduce(t.data_ptr(), 1, DType::kFloat64, ReduceOp::kSum, StreamKind::kCompute);
+  return t.item<double>();
 }
 
 void GeminiManager::synchronize() {

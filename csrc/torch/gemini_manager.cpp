@@ -111,6 +111,8 @@ void GeminiManager::apply_placement() {
       // A frozen chunk or one stepped on the device: its device copy is the truth.
       with_room_locked(spec.param, [&] { mgr_.move(spec.param, Tier::kDevice); });
       lru_.touch(spec.param);
+    } else if (sharded()) {
+      ensure_shard_on_device_locked(spec.param);  // a cache of the permanent host copy
     } else {
       ensure_on_device_locked(spec.param);  // a cache of the permanent host copy
       mgr_.release(spec.param);
@@ -225,21 +227,35 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   GX_INTERNAL_ASSERT(ps.trainable, "a gradient arrived for frozen parameter ", param);
   ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   const ChunkId g = set.spec.grad;
-  if (set.grad_place == GradPlace::kNone) {
-    allocate_on_device_locked(g);
-    shard_view(*ctx_, mgr_, g, Tier::kDevice).zero_();  // slots without a gradient read as 0
-    set.grad_place = GradPlace::kDevice;
+  whole_cache_id_ = -1;
+  at::Tensor slot;
+  bool accumulate = set.has_grad[ps.slot] != 0;
+  if (sharded()) {
+    // Every rank holds whole gradients until the chunk is reduced: a gathered G buffer.
+    if (!set.grad_collecting) {
+      with_room_locked(g, [&] { mgr_.allocate_gathered(g); }, static_cast<int64_t>(mgr_.chunk(g).chunk_bytes()));
+      gathered_chunk_view(*ctx_, mgr_, g).zero_();  // slots without a gradient, padding and gaps read as 0
+      set.grad_collecting = true;
+      accumulate = false;  // gradients reduced earlier are added when this buffer is reduced
+    }
+    slot = gathered_view(*ctx_, mgr_, TensorHandle{g, ps.slot});
+  } else {
+    if (set.grad_place == GradPlace::kNone) {
+      allocate_on_device_locked(g);
+      shard_view(*ctx_, mgr_, g, Tier::kDevice).zero_();  // slots without a gradient read as 0
+      set.grad_place = GradPlace::kDevice;
+    }
+    Tier tier = Tier::kDevice;
+    if (set.grad_place == GradPlace::kHost) {
+      mgr_.wait(g);  // a second backward before the step: add to the copy on the host
+      tier = mgr_.host_tier();
+    }
+    slot = slot_view(g, ps.slot, tier);
   }
-  Tier tier = Tier::kDevice;
-  if (set.grad_place == GradPlace::kHost) {
-    mgr_.wait(g);  // a second backward before the step: add to the copy on the host
-    tier = mgr_.host_tier();
-  }
-  at::Tensor slot = slot_view(g, ps.slot, tier);
   GX_CHECK(grad.sizes() == slot.sizes(), "gradient of parameter ", param, ": ", grad.numel(), " elements in ",
            grad.dim(), " dims, the parameter has ", slot.numel(), " in ", slot.dim(),
            "; a hook replaced the gradient with a tensor of another shape.");
-  if (set.has_grad[ps.slot]) {
+  if (accumulate) {
     slot.add_(grad.to(slot.device(), slot.scalar_type()));
   } else {
     slot.copy_(grad);
@@ -256,13 +272,15 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
 void GeminiManager::end_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   ctx_->sync_compute_stream();
+  whole_cache_id_ = -1;
   for (auto& set : sets_) {
     const ChunkId p = set.spec.param;
     const Chunk& c = mgr_.chunk(p);
     for (size_t k = 0; k < c.num_slots(); ++k)
       if (c.slot(k).state == S::kCompute) mgr_.transition(TensorHandle{p, k}, S::kHoldAfterBwd);
     const bool any_grad = std::any_of(set.has_grad.begin(), set.has_grad.end(), [](uint8_t b) { return b != 0; });
-    if (set.trainable && !no_sync_ && !set.reduced && any_grad && set.grad_place == GradPlace::kDevice) {
+    const bool unreduced = sharded() ? set.grad_collecting : set.grad_place == GradPlace::kDevice;
+    if (set.trainable && !no_sync_ && !set.reduced && any_grad && unreduced) {
       // Some tensors got no gradient in this backward (unused parameters): flush the chunk with
       // the gradients it has; the optimizer skips the slots without one.
       for (size_t k = 0; k < c.num_slots(); ++k)
@@ -276,6 +294,7 @@ void GeminiManager::end_backward() {
     }
     set.reduced = false;
     release_if_idle_locked(p);
+    ungather_kept_locked(set);  // kept gathered through backward, which is over
   }
   std::fill(forward_refs_.begin(), forward_refs_.end(), 0);
   std::fill(backward_claimed_.begin(), backward_claimed_.end(), 0);

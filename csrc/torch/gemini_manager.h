@@ -32,6 +32,17 @@
 //    nothing can be evicted the OutOfMemoryError names the budget, what is resident and the knobs.
 //  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
 //    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
+//  * Sharded (the ChunkManager has a communicator; see core/communicator.h). Every copy of every
+//    chunk holds this rank's shard. Compute accesses all-gather P into a gathered buffer (the
+//    parameter storages point there) and release drops it again (ZeRO-3), unless the set is
+//    `keep_gathered` (shard_param_frac), whose buffer stays until its gradients are reduced or
+//    backward ends. Gradients go into a gathered G buffer; a complete chunk is pre-divided by
+//    the world size and reduce-scattered into G's device shard, which then goes to the
+//    optimizer's tier like an unsharded G. The optimizer steps shards. Only decisions that lead
+//    to collectives must be equal on all ranks: which chunk is gathered or reduced, in which
+//    order. They follow the hook sequence (the same on every rank for the same graph); eviction
+//    and prefetch move this rank's shard only and never drop a gathered buffer. Reading values
+//    (read, read_grad) all-gathers the chunk: every rank must make the same reads.
 //  * Threads. Hook bodies run with the GIL released, on the autograd engine's threads too; one
 //    mutex serialises every entry point.
 #pragma once
@@ -62,6 +73,7 @@ struct ChunkSetSpec {
   ChunkId exp_avg_sq = -1;
   bool optim_on_host = true;
   bool param_home_on_host = false;
+  bool keep_gathered = false;  // sharded: P stays gathered after forward, until its gradients are reduced
 };
 
 struct ParamSpec {
@@ -78,7 +90,8 @@ struct ChunkSet {
   std::vector<int> params;           // parameter index per slot of P
   std::vector<uint8_t> has_grad;     // per slot: a gradient is in G
   std::vector<int64_t> step;         // per slot: optimizer steps taken
-  GradPlace grad_place = GradPlace::kNone;
+  GradPlace grad_place = GradPlace::kNone;  // sharded: where the reduced shard is
+  bool grad_collecting = false;              // sharded: this backward's gradients are in a gathered G buffer
   bool reduced = false;              // gradients of this backward reduced and sent to the optimizer's tier
 };
 
@@ -148,9 +161,17 @@ class GeminiManager {
   DeviceContext& context() { return *ctx_; }
   std::mutex& mutex() { return mutex_; }
   void ensure_on_device_locked(ChunkId id);
+  // Sharded: this rank's shard of id on the device (a fetch keeps the host copy); no gathering.
+  void ensure_shard_on_device_locked(ChunkId id);
+  bool sharded() const { return mgr_.sharded(); }
+  // Sums a value over the ranks (sharded; itself otherwise): the global gradient norm.
+  double all_reduce_sum(double local);
   // Chunks the optimizer is working on: never chosen for eviction while pinned.
   void pin_locked(ChunkId id) { pinned_.insert(id); }
   void unpin_all_locked() { pinned_.clear(); }
+  void values_changed_locked() { whole_cache_id_ = -1; }
+  // Sharded: frees every gathered parameter buffer kept from compute (before values change).
+  void ungather_all_locked();
   void allocate_on_device_locked(ChunkId id);
   int set_of_chunk(ChunkId p_chunk) const;
 
@@ -184,9 +205,16 @@ class GeminiManager {
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least
   // recently used evictable parameter chunk and retries, until fn succeeds or nothing is left.
-  void with_room_locked(ChunkId id, const std::function<void()>& fn);
+  // bytes: what fn adds to the device (-1: the shard, when it is not on the device yet).
+  void with_room_locked(ChunkId id, const std::function<void()>& fn, int64_t bytes = -1);
   void release_if_idle_locked(ChunkId id);
   void reduce_locked(ChunkSet& set);
+  void communicate_grads_locked(ChunkSet& set);  // sharded: G's gathered buffer -> reduced shard
+  void ungather_kept_locked(ChunkSet& set);
+  // Sharded: slot `slot` of chunk id, whole, as an fp32 CPU tensor: the chunk's shards on `tier`
+  // all-gathered (cached until the next change, so reading a chunk's tensors gathers it once).
+  at::Tensor whole_slot_locked(ChunkId id, size_t slot, Tier tier);
+  int64_t device_bytes_needed_locked(ChunkId id, bool gather) const;
   void offload_grads_locked(ChunkSet& set);
   [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
   void check_module(int module) const;
@@ -207,6 +235,8 @@ class GeminiManager {
   int64_t budget_bytes_ = 0;
   ChunkId last_accessed_ = -1;
   std::set<ChunkId> pinned_;
+  ChunkId whole_cache_id_ = -1;  // whole_slot_locked's last gathered chunk
+  at::Tensor whole_cache_;
   std::vector<TimelineEvent> timeline_;
   size_t timeline_next_ = 0;  // ring buffer position once full
   std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();

@@ -41,14 +41,20 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
       optim_bytes > 0 ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)." : "."));
 }
 
-void GeminiManager::with_room_locked(ChunkId id, const std::function<void()>& fn) {
+int64_t GeminiManager::device_bytes_needed_locked(ChunkId id, bool gather) const {
+  const Chunk& c = mgr_.chunk(id);
+  int64_t bytes = c.shard_tiers().contains(Tier::kDevice) ? 0 : static_cast<int64_t>(c.shard_bytes());
+  if (gather && sharded() && !c.gathered()) bytes += static_cast<int64_t>(c.chunk_bytes());
+  return bytes;
+}
+
+void GeminiManager::with_room_locked(ChunkId id, const std::function<void()>& fn, int64_t bytes) {
   const Chunk& c = mgr_.chunk(id);
   for (;;) {
     // The planning budget first (it may be below what the backend could allocate), then the
     // backend's own limit (OutOfMemoryError from the pool).
-    const bool over_budget = !c.shard_tiers().contains(Tier::kDevice) &&
-                             mgr_.tier_bytes(Tier::kDevice).current + static_cast<int64_t>(c.shard_bytes()) >
-                                 device_budget_locked();
+    const int64_t needed = bytes >= 0 ? bytes : device_bytes_needed_locked(id, /*gather=*/false);
+    const bool over_budget = needed > 0 && mgr_.tier_bytes(Tier::kDevice).current + needed > device_budget_locked();
     if (!over_budget) {
       try {
         fn();
@@ -56,7 +62,8 @@ void GeminiManager::with_room_locked(ChunkId id, const std::function<void()>& fn
       } catch (const OutOfMemoryError&) {
       }
     }
-    if (!make_room_locked(id)) throw_budget_exceeded(id, c.shard_bytes());
+    if (!make_room_locked(id))
+      throw_budget_exceeded(id, static_cast<size_t>(bytes >= 0 ? bytes : static_cast<int64_t>(c.shard_bytes())));
   }
 }
 
@@ -143,13 +150,27 @@ void GeminiManager::ensure_on_device_locked(ChunkId id) {
         evict_locked(set.spec.param);
     }
   }
-  with_room_locked(id, [&] { mgr_.access(id); });
+  with_room_locked(id, [&] { mgr_.access(id); }, device_bytes_needed_locked(id, /*gather=*/true));
   if (!had) {
     counters_.fetches += 1;
     counters_.sync_fetch_waits += 1;
     counters_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     note_locked('F', id);
   }
+  lru_.touch(id);
+}
+
+void GeminiManager::ensure_shard_on_device_locked(ChunkId id) {
+  mgr_.wait(id);
+  if (mgr_.chunk(id).shard_tiers().contains(Tier::kDevice)) {
+    lru_.touch(id);
+    return;
+  }
+  const Tier from = where_current(id);
+  with_room_locked(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
+  mgr_.transfer(id, from, Tier::kDevice);
+  counters_.fetches += 1;
+  note_locked('F', id);
   lru_.touch(id);
 }
 
@@ -239,7 +260,7 @@ void GeminiManager::evict_locked(ChunkId id) {
     }
     GX_INTERNAL_ASSERT(false, "eviction of chunk ", id, ", which is neither a parameter nor a gradient chunk");
   }
-  if (c.gathered()) mgr_.release(id);
+  if (!sharded() && c.gathered()) mgr_.release(id);  // sharded, the gathered buffer is not this copy
   counters_.evictions += 1;
   counters_.evicted_bytes += static_cast<int64_t>(c.shard_bytes());
   if (c.shard_tiers().contains(mgr_.host_tier())) {
@@ -252,7 +273,19 @@ void GeminiManager::evict_locked(ChunkId id) {
 void GeminiManager::release_if_idle_locked(ChunkId id) {
   const Chunk& c = mgr_.chunk(id);
   if (c.count_in(S::kCompute) != 0) return;
-  if (c.gathered() && c.can_release()) mgr_.release(id);
+  if (!c.gathered() || !c.can_release()) return;
+  const int s = set_of_chunk(id);
+  const bool keep = sharded() && s >= 0 && sets_[static_cast<size_t>(s)].spec.keep_gathered;
+  mgr_.release(id, /*reshard=*/!keep);
+}
+
+void GeminiManager::ungather_all_locked() {
+  for (auto& set : sets_) ungather_kept_locked(set);
+}
+
+void GeminiManager::ungather_kept_locked(ChunkSet& set) {
+  const Chunk& c = mgr_.chunk(set.spec.param);
+  if (sharded() && c.gathered() && c.can_move()) mgr_.ungather(set.spec.param);
 }
 
 }  // namespace gx::torch_layer

@@ -1,5 +1,6 @@
 #include "torch/hybrid_adam.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/errors.h"
@@ -49,7 +50,7 @@ double HybridAdam::grad_norm_sq() {
   double sum = 0.0;
   if (device_total.defined()) sum += device_total.item<double>();
   if (host_total.defined()) sum += host_total.item<double>();
-  return sum;
+  return m_.all_reduce_sum(sum);  // sharded: every rank's shards (padding and gaps hold zeros)
 }
 
 void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multiplier) {
@@ -63,7 +64,11 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   ctx.backend().synchronize(StreamKind::kHostToDevice);
   stats_ = StepStats{};
   m_.unpin_all_locked();
+  m_.values_changed_locked();
+  m_.ungather_all_locked();  // a gathered parameter buffer would go stale
   const Tier host = mgr.host_tier();
+  // This rank's shard of every chunk: [shard_begin, shard_end) of the chunk's elements.
+  const bool sharded = m_.sharded();
 
   for (ChunkSet& set : m_.sets()) {
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
@@ -90,7 +95,11 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
                          ": gradients not on the host for a host optimizer step");
     } else {
       m_.pin_locked(set.spec.grad);
-      m_.ensure_on_device_locked(set.spec.param);
+      if (sharded) {
+        m_.ensure_shard_on_device_locked(set.spec.param);
+      } else {
+        m_.ensure_on_device_locked(set.spec.param);
+      }
       m_.pin_locked(set.spec.param);
       if (set.grad_place == GradPlace::kHost) {  // gradients waited on the host (evicted, or a second backward)
         m_.allocate_on_device_locked(set.spec.grad);
@@ -104,10 +113,18 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
     at::Tensor exp_avg_sq = shard_view(ctx, mgr, set.spec.exp_avg_sq, tier);
     at::Tensor grad = shard_view(ctx, mgr, set.spec.grad, tier);
     at::Tensor param16 = has_master ? shard_view(ctx, mgr, set.spec.param, tier) : at::Tensor();
+    const ShardRange shard = pc.shard_range(mgr.rank());
     for (const Run& r : runs) {
-      const int64_t begin = pc.slot(r.first_slot).offset_numel;
-      const int64_t end = pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel;
+      // The run's elements that lie in this rank's shard, as offsets into the shard.
+      const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
+      const int64_t end = std::min(pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel, shard.end_numel) -
+                          shard.begin_numel;
       const int64_t n = end - begin;
+      if (n <= 0) {  // the run lies in other ranks' shards: only the step count advances
+        for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+          if (set.has_grad[k]) set.step[k] = r.step + 1;
+        continue;
+      }
       const AdamHyper& h = groups[static_cast<size_t>(r.group)];
       const int64_t step = r.step + 1;
       if (on_host) {

@@ -34,7 +34,7 @@ at::Tensor ParamStorages::view(ChunkId id, size_t slot_index) {
   at::Tensor t = at::empty({0}, options);
   // set_ checks the view against the storage's size: give it the full size for the call.
   const size_t saved_nbytes = impl.nbytes();
-  impl.set_nbytes(c.shard_bytes());
+  impl.set_nbytes(c.chunk_bytes());
   t.set_(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&impl)), s.offset_numel, s.shape,
          c10::contiguous_strides(s.shape));
   impl.set_nbytes(saved_nbytes);
@@ -52,7 +52,7 @@ void ParamStorages::on_device_copy(ChunkId id, void* ptr) {
   c10::StorageImpl& impl = *it->second;
   if (ptr != nullptr) {
     impl.set_data_ptr_noswap(at::DataPtr(ptr, device_));
-    impl.set_nbytes(mgr_.chunk(id).shard_bytes());
+    impl.set_nbytes(mgr_.chunk(id).chunk_bytes());
   } else {
     impl.set_data_ptr_noswap(at::DataPtr(nullptr, device_));
     impl.set_nbytes(0);

@@ -67,6 +67,7 @@ def _reduce_body(rank, world_size, dtype):
         mgr.gathered_view(h).copy_(((rank + 1) * _pattern(offset, numel)).to(dtype).view(shape))
         for state in ("HOLD", "COMPUTE", "HOLD_AFTER_BWD", "READY_FOR_REDUCE"):
             mgr.transition(h, getattr(gx.TensorState, state))
+    mgr.reduce_scatter(0)
     mgr.reduce(0)
     total = world_size * (world_size + 1) // 2  # sum of (rank + 1)
     got = mgr.shard_view(0, "device").float()

@@ -114,8 +114,9 @@ TEST(Sharding, ReduceScattersGradientsIntoTheDeviceShard) {
       r.mgr.transition(h, S::kHoldAfterBwd);
       r.mgr.transition(h, S::kReadyForReduce);
     }
-    r.mgr.reduce(0);
+    r.mgr.reduce_scatter(0);
     EXPECT_FALSE(c.gathered()) << "the gathered buffer goes once reduced";
+    r.mgr.reduce(0);
     ASSERT_TRUE(c.shard_tiers().contains(Tier::kDevice));
     auto* shard = static_cast<const float*>(c.shard_ptr(Tier::kDevice));
     for (int64_t k = 0; k < c.shard_numel(); ++k)  // (1 + 2 + 3) * global index
