@@ -148,6 +148,11 @@ void GeminiManager::ensure_on_device_locked(ChunkId id) {
           p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param) &&
           !mgr_.prefetched(set.spec.param))
         evict_locked(set.spec.param);
+      // Sharded, an idle gathered chunk is re-sharded now rather than at its release, so that
+      // consecutive modules in one chunk share one all-gather. Every rank sees the same access
+      // stream, so every rank drops the same buffers.
+      if (sharded() && !set.spec.keep_gathered && set.spec.param != id && p.gathered() && p.can_move())
+        mgr_.ungather(set.spec.param);
     }
   }
   with_room_locked(id, [&] { mgr_.access(id); }, device_bytes_needed_locked(id, /*gather=*/true));
@@ -274,9 +279,9 @@ void GeminiManager::release_if_idle_locked(ChunkId id) {
   const Chunk& c = mgr_.chunk(id);
   if (c.count_in(S::kCompute) != 0) return;
   if (!c.gathered() || !c.can_release()) return;
-  const int s = set_of_chunk(id);
-  const bool keep = sharded() && s >= 0 && sets_[static_cast<size_t>(s)].spec.keep_gathered;
-  mgr_.release(id, /*reshard=*/!keep);
+  // Sharded, the buffer stays until the access stream moves to another chunk (see
+  // ensure_on_device_locked), or, kept gathered, until the chunk's gradients are reduced.
+  mgr_.release(id, /*reshard=*/!sharded());
 }
 
 void GeminiManager::ungather_all_locked() {

@@ -19,15 +19,14 @@ c10::StorageImpl& ParamStorages::storage(ChunkId id) {
                                                       at::DataPtr(nullptr, device_), /*allocator=*/nullptr,
                                                       /*resizable=*/false);
     it = storages_.emplace(id, impl).first;
-    if (void* ptr = c.shard_ptr(Tier::kDevice)) on_device_copy(id, ptr);
+    // The whole chunk's device memory: the device copy, or sharded the gathered buffer.
+    if (void* ptr = mgr_.sharded() ? c.gathered_ptr() : c.shard_ptr(Tier::kDevice)) on_device_copy(id, ptr);
   }
   return *it->second;
 }
 
 at::Tensor ParamStorages::view(ChunkId id, size_t slot_index) {
   const Chunk& c = mgr_.chunk(id);
-  GX_CHECK(c.world_size() == 1, "parameter views of sharded chunks need a gathered copy (world size ",
-           c.world_size(), "); not available in this release.");
   const TensorSlot& s = c.slot(slot_index);
   c10::StorageImpl& impl = storage(id);
   auto options = at::TensorOptions().dtype(to_scalar_type(c.dtype())).device(device_);

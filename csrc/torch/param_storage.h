@@ -1,4 +1,5 @@
-// ParamStorages: one torch storage per parameter chunk, bound to the chunk's device copy.
+// ParamStorages: one torch storage per parameter chunk, bound to the chunk's device copy
+// (sharded: to its gathered buffer, which holds the whole chunk).
 //
 // Design note (the storage-resize idiom, as FSDP2 uses it). Every parameter managed by the engine
 // stays the same Python object; its `.data` becomes, once, a view into a StorageImpl that this

@@ -19,6 +19,9 @@ def free_port() -> int:
 
 def _entry(rank, world_size, port, backend, body, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         body(rank, world_size, *args)
