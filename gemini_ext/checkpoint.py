@@ -1,6 +1,6 @@
 """Checkpoints of an engine: written to a temporary directory, then renamed into place.
 
-Format (version 1, one process). A checkpoint is a directory holding
+Format version 1 (one unsharded process). A checkpoint is a directory holding
 - `index.json`: {"format": "gemini_ext.checkpoint", "version": 1, "world_size": 1, "files": [...],
   "precision": ..., "optimizer_steps": ..., "parameters": number of parameters}
 - `rank00000.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
@@ -11,6 +11,24 @@ Resuming restores the masters (the 16-bit parameters are their round-to-nearest 
 after a step), m, v, per-parameter step counts, the loss scale and the RNG states, so that
 training continues bit-exactly. A save never leaves a half-written checkpoint under `path`:
 files go to `path.tmp-<pid>` first, and the old checkpoint (if any) is replaced by renames.
+
+Format version 2 (sharded engines: a process group; every rank calls save and load). Each rank
+writes only what it holds, so no rank gathers the model:
+- `rank<r:05d>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
+  {kind: [begin, end, fp32 tensor]}}, "rng": that rank's RNG states}, where kind is "param"
+  (the fp32 master; the parameter itself when frozen), "exp_avg" and "exp_avg_sq" (when the
+  engine has an optimizer), and [begin, end) are the elements of the flattened parameter that
+  lie in r's shard. Rank 0's file also has "common": {"names", "buffers" (full, fp32 CPU),
+  "optimizer": {"param_groups" (hyperparameters, torch.optim's layout without "state"),
+  "steps": per-parameter step counts} or None, "scaler", "engine" (counters)}.
+- `index.json`: {"format", "version": 2, "world_size", "files", "precision", "optimizer_steps",
+  "parameters": [{"name", "shape", "numel", "trainable", "pieces": [[rank, begin, end], ...]}]}.
+Rank 0 creates `path.tmp-<rank 0's pid>`, every rank writes its file there, and once all report
+success rank 0 writes the index and renames the directory into place. Loading at any world size
+(resharding), sharded or not: each rank computes the elements it holds, opens the files whose
+pieces overlap them (memory-mapped: only those bytes are read) and writes its part. RNG states
+are restored when the world size is the one saved (a bit-exact resume); otherwise they are left.
+Version 1 checkpoints load into sharded engines too (each rank keeps its part of the full state).
 """
 
 from __future__ import annotations
@@ -20,13 +38,22 @@ import os
 import shutil
 
 import torch
+import torch.distributed as dist
 
 FORMAT = "gemini_ext.checkpoint"
 VERSION = 1
+VERSION_SHARDED = 2
 SHARD = "rank00000.pt"
 
 
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
 def save(engine, path: str) -> None:
+    if engine.process_group is not None:
+        _save_sharded(engine, path)
+        return
     path = os.path.abspath(os.fspath(path))
     opt = engine._optimizer
     payload = {
@@ -53,6 +80,10 @@ def save(engine, path: str) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, if any, stays as it was
         raise
+    _replace_dir(tmp, path)
+
+
+def _replace_dir(tmp: str, path: str) -> None:
     old = None
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"
@@ -60,6 +91,97 @@ def save(engine, path: str) -> None:
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _kinds(engine, idx: int) -> list[str]:
+    if not engine._params[idx].requires_grad:
+        return ["param"]
+    return ["param", "exp_avg", "exp_avg_sq"] if engine._optimizer is not None else ["param"]
+
+
+def _pieces(engine, idx: int, world_size: int) -> list[list[int]]:
+    """[rank, begin, end] for each rank holding elements of parameter idx (same layout everywhere)."""
+    chunk, slot = engine._slots[idx]
+    info = engine._mgr.chunk_info(chunk)
+    _, offset, numel, _, _ = info["slots"][slot]
+    shard = info["shard_numel"]
+    out = []
+    for r in range(world_size):
+        lo, hi = max(offset, r * shard), min(offset + numel, (r + 1) * shard)
+        if lo < hi:
+            out.append([r, lo - offset, hi - offset])
+    return out
+
+
+def _optimizer_common(engine):
+    opt = engine._optimizer
+    if opt is None:
+        return None
+    groups = []
+    for g in opt.param_groups:
+        entry = {k: v for k, v in g.items() if k != "params"}
+        entry["params"] = [engine.parameter_index(p) for p in g["params"]]
+        groups.append(entry)
+    return {"param_groups": groups, "steps": [engine._gm.step_of(i) for i in range(engine.num_parameters)]}
+
+
+def _save_sharded(engine, path: str) -> None:
+    path = os.path.abspath(os.fspath(path))
+    group, rank, world = engine.process_group, engine.rank, engine.world_size
+    token = [os.getpid()]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    tmp = f"{path}.tmp-{token[0]}"
+    if rank == 0:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier(group)
+    error = None
+    try:
+        tensors = {}
+        for idx, name in enumerate(engine._names):
+            tensors[name] = {}
+            for kind in _kinds(engine, idx):
+                begin, end, value = engine._gm.read_local(kind, idx)
+                tensors[name][kind] = [begin, end, value]
+        payload = {"rank": rank, "world_size": world, "tensors": tensors,
+                   "rng": {"cpu": torch.get_rng_state(),
+                           "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None}}
+        if rank == 0:
+            own = engine.model.state_dict(keep_vars=True)
+            params = {id(p) for p in engine._params}
+            payload["common"] = {
+                "names": list(engine._names),
+                "buffers": {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
+                            for k, v in own.items() if id(v) not in params},
+                "optimizer": _optimizer_common(engine),
+                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+                "engine": {"optimizer_steps": engine._optimizer_steps, "skipped_steps": engine._skipped_steps},
+            }
+        torch.save(payload, os.path.join(tmp, rank_file(rank)))
+    except Exception as e:  # noqa: BLE001  (every rank must learn of a failure, or the others hang)
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, if any, stays as it was
+        raise RuntimeError("save_checkpoint failed, nothing was replaced: " + "; ".join(failed))
+    if rank == 0:
+        index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world,
+                 "files": [rank_file(r) for r in range(world)], "precision": engine.config.precision,
+                 "optimizer_steps": engine._optimizer_steps,
+                 "parameters": [{"name": name, "shape": list(engine._params[i].shape),
+                                 "numel": engine._params[i].numel(),
+                                 "trainable": bool(engine._params[i].requires_grad),
+                                 "pieces": _pieces(engine, i, world)} for i, name in enumerate(engine._names)]}
+        with open(os.path.join(tmp, "index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_dir(tmp, path)
+    dist.barrier(group)
 
 
 def load(engine, path: str) -> None:
@@ -70,12 +192,12 @@ def load(engine, path: str) -> None:
                                 "engine.save_checkpoint().")
     with open(index_path) as f:
         index = json.load(f)
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if index.get("format") != FORMAT or index.get("version") not in (VERSION, VERSION_SHARDED):
         raise ValueError(f"load_checkpoint: {path} has format {index.get('format')!r} version {index.get('version')!r};"
-                         f" expected {FORMAT!r} version {VERSION}.")
-    if index.get("world_size") != 1:
-        raise NotImplementedError(f"load_checkpoint: {path} was saved by {index.get('world_size')} ranks; loading "
-                                  "sharded checkpoints comes with the ZeRO-3 stage.")
+                         f" expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
+    if index["version"] == VERSION_SHARDED:
+        _load_sharded(engine, path, index)
+        return
     payload = torch.load(os.path.join(path, SHARD), map_location="cpu", weights_only=False)
     engine.load_state_dict(payload["model"])
     opt = engine._optimizer
@@ -91,3 +213,74 @@ def load(engine, path: str) -> None:
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] is not None and engine.device_kind == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"])
+
+
+def _my_range(engine, idx: int) -> tuple[int, int]:
+    """The elements of parameter idx this process holds: its shard's part, or all of it."""
+    numel = engine._params[idx].numel()
+    if engine.process_group is None:
+        return 0, numel
+    mine = [p for p in _pieces(engine, idx, engine.world_size) if p[0] == engine.rank]
+    return (mine[0][1], mine[0][2]) if mine else (0, 0)
+
+
+def _load_sharded(engine, path: str, index: dict) -> None:
+    files = {}
+
+    def payload(rank):
+        if rank not in files:
+            files[rank] = torch.load(os.path.join(path, index["files"][rank]), map_location="cpu", mmap=True,
+                                     weights_only=False)
+        return files[rank]
+
+    saved = {p["name"]: p for p in index["parameters"]}
+    names = engine._names
+    missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
+    if missing or unexpected:
+        raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
+    common = payload(0)["common"]
+    opt = engine._optimizer
+    if common["optimizer"] is not None and opt is None:
+        raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
+                           "engine.optimizer(...) before loading it.")
+    gm = engine._gm
+    for idx, name in enumerate(names):
+        entry = saved[name]
+        if tuple(entry["shape"]) != tuple(engine._params[idx].shape):
+            raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
+                             f"the model has {tuple(engine._params[idx].shape)}.")
+        lo, hi = _my_range(engine, idx)
+        for kind in _kinds(engine, idx):
+            full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
+            for rank, begin, end in entry["pieces"]:
+                a, b = max(begin, lo), min(end, hi)
+                if a >= b:
+                    continue
+                _, _, data = payload(rank)["tensors"][name][kind]
+                full[a:b] = data[a - begin:b - begin]
+            gm.write(kind, idx, full)
+    if opt is not None and common["optimizer"] is not None:
+        steps = common["optimizer"]["steps"]
+        for idx in range(len(names)):
+            if engine._params[idx].requires_grad:
+                gm.set_step(idx, int(steps[idx]))
+        for saved_group, mine in zip(common["optimizer"]["param_groups"], opt.param_groups):
+            for k, v in saved_group.items():
+                if k != "params" and k in mine:
+                    mine[k] = v
+    own = engine.model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, value in common["buffers"].items():
+            if key in own:
+                own[key].copy_(value)
+    if common["scaler"] is not None and engine.scaler is not None:
+        engine.scaler.load_state_dict(common["scaler"])
+    engine._optimizer_steps = common["engine"]["optimizer_steps"]
+    engine._skipped_steps = common["engine"]["skipped_steps"]
+    if index["world_size"] == engine.world_size:
+        rng = payload(engine.rank)["rng"]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and engine.device_kind == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    gm.synchronize()

@@ -406,6 +406,7 @@ PYBIND11_MODULE(_C, m) {
       .def("zero_grad", &GeminiManager::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("read", &GeminiManager::read, py::call_guard<py::gil_scoped_release>())
       .def("write", &GeminiManager::write, py::call_guard<py::gil_scoped_release>())
+      .def("read_local", &GeminiManager::read_local, py::call_guard<py::gil_scoped_release>())
       .def("read_grad",
            [](GeminiManager& g, int param) -> py::object {
              at::Tensor t;

@@ -126,6 +126,20 @@ at::Tensor GeminiManager::read(const std::string& kind, int param) {
   return cpu_fp32_copy(slot_view(id, ps.slot, where_current(id)));
 }
 
+std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::string& kind, int param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_param(param);
+  const ParamSpec& ps = params_[static_cast<size_t>(param)];
+  const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
+  const ChunkId id = chunk_of_kind(set, kind, param);
+  mgr_.wait(id);
+  ctx_->sync_compute_stream();
+  const SlotPart part = slot_part_in_shard(mgr_, TensorHandle{id, ps.slot});
+  if (part.begin == part.end) return {0, 0, at::empty({0}, at::kFloat)};
+  at::Tensor shard = shard_view(*ctx_, mgr_, id, where_current(id));
+  return {part.begin, part.end, cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin))};
+}
+
 at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) {
   if (whole_cache_id_ != id) {
     // All ranks read the same chunks in the same order (state dicts, checkpoints, close), so

@@ -55,6 +55,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/access_trace.h"
@@ -179,7 +180,11 @@ class GeminiManager {
   // kind: "param" (the master, or P for frozen / fp32), "exp_avg", "exp_avg_sq".
   at::Tensor read(const std::string& kind, int param);
   void write(const std::string& kind, int param, const at::Tensor& value);
-  at::Tensor read_grad(int param);  // fp32 CPU copy of the gradient in its chunk (undefined if none)
+  at::Tensor read_grad(int param);
+  // The part of the value that lies in this rank's shard: (begin, end) element offsets into the
+  // flattened tensor and an fp32 CPU copy of those elements (all of it unsharded). Local: no
+  // collective (sharded checkpoints).
+  std::tuple<int64_t, int64_t, at::Tensor> read_local(const std::string& kind, int param);  // fp32 CPU copy of the gradient in its chunk (undefined if none)
   int64_t step_of(int param) const;
   void set_step(int param, int64_t step);
   void synchronize();

@@ -3,6 +3,9 @@
 Each rank trains on its slice of the global batch; the result must match plain single-process
 PyTorch trained on the whole global batch (gradients are averaged over ranks, as with DDP)."""
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,3 +137,65 @@ def _collectives_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_per_step_are_counted(world_size):
     run_ranks(world_size, _collectives_body)
+
+
+# --- sharded checkpoints ----------------------------------------------------------------------
+
+def _train_steps(model, engine, opt, steps, first_step, rank, world_size):
+    for step in range(first_step, first_step + steps):
+        x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
+        model(_slice(x, rank, world_size), _slice(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_body(rank, world_size, directory):
+    model, _ = make_models()
+    with gx.enable(model, config("sim", offload_optim_frac=0.5), process_group=dist.group.WORLD) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        _train_steps(model, engine, opt, 3, 0, rank, world_size)
+        engine.save_checkpoint(f"{directory}/ckpt")
+        expected = {"model": engine.state_dict(), "optimizer": opt.state_dict()}  # collective reads
+        _train_steps(model, engine, opt, 3, 3, rank, world_size)  # the uninterrupted run
+        final = engine.state_dict()
+    if rank == 0:
+        torch.save({"at_save": expected, "final": final}, f"{directory}/expected.pt")
+    files = sorted(os.listdir(f"{directory}/ckpt"))
+    assert files == ["index.json"] + [f"rank{r:05d}.pt" for r in range(world_size)], files
+
+
+def _load_body(rank, world_size, directory, same_world):
+    expected = torch.load(f"{directory}/expected.pt", weights_only=False)
+    model, _ = make_models(seed=1)  # other initial values: everything must come from the checkpoint
+    group = dist.group.WORLD if dist.is_initialized() else None
+    with gx.enable(model, config("sim", offload_optim_frac=0.5), process_group=group) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        engine.load_checkpoint(f"{directory}/ckpt")
+        state = engine.state_dict()
+        for key, value in expected["at_save"]["model"].items():
+            assert torch.equal(state[key], value), key
+        got = opt.state_dict()
+        for pos, entry in expected["at_save"]["optimizer"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(got["state"][pos][k], entry[k]), (pos, k)
+            assert float(got["state"][pos]["step"]) == float(entry["step"])
+        assert engine.stats()["optimizer_steps"] == 3
+        _train_steps(model, engine, opt, 3, 3, rank, world_size)
+        final = engine.state_dict()
+    for key, value in expected["final"].items():
+        if same_world:  # the same ranks continue exactly as the uninterrupted run
+            assert torch.equal(final[key], value), key
+        else:  # another world size sums gradients in another order
+            assert torch.allclose(final[key], value, rtol=PARAM_TOLERANCE, atol=1e-6), key
+
+
+def test_checkpoint_saved_at_two_ranks_loads_at_one_two_and_four(tmp_path):
+    run_ranks(2, _save_body, str(tmp_path))
+    with open(tmp_path / "ckpt" / "index.json") as f:
+        index = json.load(f)
+    assert index["version"] == 2 and index["world_size"] == 2
+    assert all(sum(e - b for _, b, e in p["pieces"]) == p["numel"] for p in index["parameters"]), \
+        "the ranks' pieces cover every parameter exactly"
+    run_ranks(2, _load_body, str(tmp_path), True)
+    run_ranks(4, _load_body, str(tmp_path), False)
+    _load_body(0, 1, str(tmp_path), False)  # one unsharded process, here
