@@ -126,6 +126,15 @@ def _optimizer_common(engine):
 
 
 def _save_sharded(engine, path: str) -> None:
+    if engine.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
+        dist.barrier(engine._dp_group)
+        return
+    _save_zero_group(engine, path)
+    if engine.replica_group is not None:
+        dist.barrier(engine._dp_group)
+
+
+def _save_zero_group(engine, path: str) -> None:
     path = os.path.abspath(os.fspath(path))
     group, rank, world = engine.process_group, engine.rank, engine.world_size
     token = [os.getpid()]

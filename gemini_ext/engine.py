@@ -40,10 +40,6 @@ from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_paramete
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# Settings of later stages: accepted and validated, reported once if set, not acted on yet.
-_LATER = {"extra_dp_size": 1}
-
-
 def cuda_available() -> bool:
     """A CUDA build of the extension on a machine where torch sees a GPU."""
     return bool(_C.build_info()["cuda"]) and torch.cuda.is_available()
@@ -76,8 +72,31 @@ def resolve_process_group(process_group):
     return None
 
 
-def _unhonoured_fields(config: GeminiConfig) -> list[str]:
-    return [f"{k}={getattr(config, k)!r}" for k, default in _LATER.items() if getattr(config, k) != default]
+def split_groups(group, extra_dp_size: int):
+    """(ZeRO group, replica group, replica index) of this rank within the data-parallel `group`.
+
+    With W ranks and extra_dp_size E, the ZeRO groups are E blocks of Z = W / E consecutive
+    ranks (neighbours, e.g. the GPUs of one node, share the all-gathers), and replica group i
+    holds the i-th rank of every block. Every rank creates every group, in the same order, as
+    torch.distributed.new_group requires. Without extra replicas the ZeRO group is `group`."""
+    if group is None or extra_dp_size == 1:
+        return group, None, 0
+    ranks = torch.distributed.get_process_group_ranks(group)
+    zero_size = len(ranks) // extra_dp_size
+    me = torch.distributed.get_rank()
+    zero = replica = None
+    index = 0
+    for k in range(extra_dp_size):
+        members = ranks[k * zero_size:(k + 1) * zero_size]
+        g = torch.distributed.new_group(members)
+        if me in members:
+            zero, index = g, k
+    for i in range(zero_size):
+        members = ranks[i::zero_size]
+        g = torch.distributed.new_group(members)
+        if me in members:
+            replica = g
+    return zero, replica, index
 
 
 class GeminiEngine:
@@ -89,10 +108,8 @@ class GeminiEngine:
         if getattr(model, "_gemini_engine", None) is not None:
             raise RuntimeError(f"enable(): this {type(model).__name__} is already managed by an open engine; "
                                "close it (leave its `with` block) first.")
-        self.process_group = resolve_process_group(process_group)
-        world_size = torch.distributed.get_world_size(self.process_group) if self.process_group is not None else 1
-        self.world_size = world_size
-        self.rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else 0
+        self._dp_group = resolve_process_group(process_group)  # every data-parallel rank
+        world_size = torch.distributed.get_world_size(self._dp_group) if self._dp_group is not None else 1
         if SETTINGS.allocator == "chunk":
             raise NotImplementedError("GEMINI_EXT_ALLOCATOR=chunk: the process-wide chunk allocator is not in this "
                                       "release; unset GEMINI_EXT_ALLOCATOR or set it to 'default'.")
@@ -102,10 +119,11 @@ class GeminiEngine:
         if world_size % config.extra_dp_size != 0:
             raise ValueError(f"extra_dp_size={config.extra_dp_size}: it must divide the world size ({world_size}); "
                              "the ZeRO group is world_size / extra_dp_size ranks.")
-        later = _unhonoured_fields(config)
-        if later:
-            warnings.warn("gemini_ext: these settings belong to a later stage (multi-rank) and are validated but "
-                          "not acted on yet: " + ", ".join(later), stacklevel=3)
+        # ZeRO inside a group, replicas across groups (HSDP): process_group is the ZeRO group
+        # (chunks are sharded over it), replica_group the ranks holding the same shard.
+        self.process_group, self.replica_group, self.replica_index = split_groups(self._dp_group, config.extra_dp_size)
+        self.world_size = torch.distributed.get_world_size(self.process_group) if self.process_group is not None else 1
+        self.rank = torch.distributed.get_rank(self.process_group) if self.process_group is not None else 0
         self.model = model
         self.config = config
         self.device_kind = resolve_device(config)
@@ -186,6 +204,8 @@ class GeminiEngine:
             chunk, slot = handles[("param", i) if p.requires_grad else ("frozen", i)]
             pspecs.append((chunk, slot, bool(p.requires_grad)))
         self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
+        if self._replica_comm is not None:
+            self._gm.set_replica_communicator(self._replica_comm)
         self._gm.set_device_budget(self.policy.device_budget(self))
         if self.device_kind == "cuda":  # per-iteration non-model peaks start here (see _end_iteration)
             torch.cuda.reset_peak_memory_stats(self.compute_device)
@@ -242,6 +262,7 @@ class GeminiEngine:
             self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity,
                                          sim_max_copy_delay_us=SETTINGS.sim_copy_delay_us, sim_seed=1)
             self.compute_device = torch.device("cpu")
+        self._replica_comm = None
         self._mgr = _C.ChunkManager(self._ctx, world_size=self.world_size, rank=self.rank,
                                     pin_memory=self.config.pin_memory)
         if self.process_group is not None:
@@ -250,6 +271,8 @@ class GeminiEngine:
                               "memory need a backend that supports CUDA tensors (nccl).", stacklevel=4)
             self._comm = _C.ProcessGroupCommunicator(self.process_group, self._ctx)
             self._mgr.set_communicator(self._comm)
+            self._replica_comm = (_C.ProcessGroupCommunicator(self.replica_group, self._ctx)
+                                  if self.replica_group is not None else None)
 
     def _plan_sets(self, mgr, has_master: bool) -> list[dict]:
         """One dict per parameter chunk: its companions and the static policy's placement."""

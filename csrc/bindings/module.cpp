@@ -407,6 +407,11 @@ PYBIND11_MODULE(_C, m) {
       .def("read", &GeminiManager::read, py::call_guard<py::gil_scoped_release>())
       .def("write", &GeminiManager::write, py::call_guard<py::gil_scoped_release>())
       .def("read_local", &GeminiManager::read_local, py::call_guard<py::gil_scoped_release>())
+      .def("set_replica_communicator",
+           [](GeminiManager& g, std::shared_ptr<torch_layer::ProcessGroupCommunicator> comm) {
+             g.set_replica_communicator(comm.get());
+           },
+           py::keep_alive<1, 2>())
       .def("read_grad",
            [](GeminiManager& g, int param) -> py::object {
              at::Tensor t;

@@ -30,7 +30,7 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (!set.grad_collecting) return;
   const ChunkId g = set.spec.grad;
   whole_cache_id_ = -1;
-  const int world = mgr_.world_size();
+  const int world = mgr_.world_size() * (replicas_ != nullptr ? replicas_->world_size() : 1);
   // Pre-division: the sum over ranks is then the mean, and 16-bit sums stay in range.
   if (world > 1) gathered_chunk_view(*ctx_, mgr_, g).div_(static_cast<double>(world));
   // Gradients reduced in an earlier backward of this step (no zero_grad in between) are added.
@@ -41,6 +41,10 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   with_room_locked(g, [&] { mgr_.reduce_scatter(g); });
   set.grad_collecting = false;
   at::Tensor reduced = shard_view(*ctx_, mgr_, g, Tier::kDevice);
+  if (replicas_ != nullptr && replicas_->world_size() > 1) {
+    const Chunk& c = mgr_.chunk(g);
+    replicas_->all_reduce(reduced.data_ptr(), c.shard_numel(), c.dtype(), ReduceOp::kSum, StreamKind::kCompute);
+  }
   if (earlier.defined()) {
     reduced.add_(earlier);
   } else if (set.grad_place == GradPlace::kHost) {
@@ -208,6 +212,12 @@ void GeminiManager::set_step(int param, int64_t step) {
   GX_CHECK(step >= 0, "step of parameter ", param, ": expected >= 0, got ", step, ".");
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   sets_[static_cast<size_t>(set_of_chunk(ps.chunk))].step[ps.slot] = step;
+}
+
+void GeminiManager::set_replica_communicator(Communicator* replicas) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  GX_CHECK(sharded(), "set_replica_communicator: the chunks are not sharded; HSDP needs a ZeRO group as well.");
+  replicas_ = replicas;
 }
 
 double GeminiManager::all_reduce_sum(double local) {

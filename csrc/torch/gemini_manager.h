@@ -165,6 +165,9 @@ class GeminiManager {
   // Sharded: this rank's shard of id on the device (a fetch keeps the host copy); no gathering.
   void ensure_shard_on_device_locked(ChunkId id);
   bool sharded() const { return mgr_.sharded(); }
+  // HSDP (extra_dp_size): the ranks holding the same shard in the other replicas. Reduced
+  // gradient shards are summed over them; gradients are pre-divided by the whole world size.
+  void set_replica_communicator(Communicator* replicas);
   // Sums a value over the ranks (sharded; itself otherwise): the global gradient norm.
   double all_reduce_sum(double local);
   // Chunks the optimizer is working on: never chosen for eviction while pinned.
@@ -240,6 +243,7 @@ class GeminiManager {
   int64_t budget_bytes_ = 0;
   ChunkId last_accessed_ = -1;
   std::set<ChunkId> pinned_;
+  Communicator* replicas_ = nullptr;
   ChunkId whole_cache_id_ = -1;  // whole_slot_locked's last gathered chunk
   at::Tensor whole_cache_;
   std::vector<TimelineEvent> timeline_;

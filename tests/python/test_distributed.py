@@ -90,6 +90,26 @@ def test_four_ranks_match_single_process_training(case):
     run_ranks(4, _parity_body, overrides, tolerance)
 
 
+@pytest.mark.parametrize("extra_dp_size", [2, 4])
+def test_replicas_of_zero_groups_match_single_process_training(extra_dp_size):
+    """HSDP: 4 ranks as extra_dp_size replicas of ZeRO groups of 4 / extra_dp_size ranks (4: plain
+    data parallelism, every rank holding whole chunks)."""
+    run_ranks(4, _parity_body, {"extra_dp_size": extra_dp_size, "max_norm": 0.05}, 1e-5)
+
+
+def _hsdp_layout_body(rank, world_size):
+    model, _ = make_models()
+    with gx.enable(model, config("sim", extra_dp_size=2), process_group=dist.group.WORLD) as engine:
+        assert (engine.world_size, engine.rank, engine.replica_index) == (2, rank % 2, rank // 2)
+        assert dist.get_process_group_ranks(engine.replica_group) == [rank % 2, rank % 2 + 2]
+        info = engine.chunk_info(engine._mgr.group_chunk_ids("param")[0])
+        assert info["shard_numel"] * 2 == info["padded_numel"], "sharded over the ZeRO group of 2, not over 4"
+
+
+def test_hsdp_groups_are_blocks_of_neighbours():
+    run_ranks(4, _hsdp_layout_body)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["optim_on_host", "optim_on_device", "keep_half_gathered", "bf16"])
 def test_world_size_one_over_nccl_matches_single_process_training(case):
@@ -149,9 +169,10 @@ def _train_steps(model, engine, opt, steps, first_step, rank, world_size):
         opt.zero_grad()
 
 
-def _save_body(rank, world_size, directory):
+def _save_body(rank, world_size, directory, extra_dp_size=1):
     model, _ = make_models()
-    with gx.enable(model, config("sim", offload_optim_frac=0.5), process_group=dist.group.WORLD) as engine:
+    cfg = config("sim", offload_optim_frac=0.5, extra_dp_size=extra_dp_size)
+    with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         _train_steps(model, engine, opt, 3, 0, rank, world_size)
         engine.save_checkpoint(f"{directory}/ckpt")
@@ -161,7 +182,8 @@ def _save_body(rank, world_size, directory):
     if rank == 0:
         torch.save({"at_save": expected, "final": final}, f"{directory}/expected.pt")
     files = sorted(os.listdir(f"{directory}/ckpt"))
-    assert files == ["index.json"] + [f"rank{r:05d}.pt" for r in range(world_size)], files
+    zero_size = world_size // extra_dp_size  # one replica writes
+    assert files == ["index.json"] + [f"rank{r:05d}.pt" for r in range(zero_size)], files
 
 
 def _load_body(rank, world_size, directory, same_world):
@@ -199,3 +221,8 @@ def test_checkpoint_saved_at_two_ranks_loads_at_one_two_and_four(tmp_path):
     run_ranks(2, _load_body, str(tmp_path), True)
     run_ranks(4, _load_body, str(tmp_path), False)
     _load_body(0, 1, str(tmp_path), False)  # one unsharded process, here
+
+
+def test_checkpoint_saved_by_hsdp_loads_at_two_ranks(tmp_path):
+    run_ranks(4, _save_body, str(tmp_path), 2)
+    run_ranks(2, _load_body, str(tmp_path), False)
