@@ -2,17 +2,21 @@
 
     python examples/train_gpt.py                  # preset 'small' on sim, '125m' on a GPU
     python examples/train_gpt.py --preset 350m --steps 100 --batch 8 --seq 1024
+    torchrun --nproc-per-node 2 examples/train_gpt.py     # ZeRO-3 over 2 ranks (NCCL; gloo on sim)
 
 Parameters live in bf16 chunks with fp32 masters; the optimizer state lives on the host by
 default (offload_optim_frac=1.0: our CPU Adam steps it), the parameters on the device.
 Prints a progress bar and a closing summary: tokens/s, peak memory, chunk traffic, evictions
-and where the optimizer ran.
+and where the optimizer ran. Under torchrun every rank trains on its own batch of --batch
+sequences (the global batch is --batch x ranks), chunks are sharded over the ranks (ZeRO-3, or
+HSDP with --extra-dp-size), and rank 0 prints the summary with global tokens/s and mean losses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -44,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-dp-size", type=int, default=1, help="under torchrun: replicas of the ZeRO group (HSDP)")
     p.add_argument("--json-out", default=None, help="also write the summary as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -63,9 +68,31 @@ def checkpoint_blocks(model) -> None:
         model.blocks[i] = _Checkpointed(block)
 
 
+def init_distributed(device_kind: str) -> tuple[int, int]:
+    """(rank, world size): joins torchrun's process group when launched by it, else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or torch.distributed.is_initialized():
+        return (torch.distributed.get_rank(), torch.distributed.get_world_size()) if world > 1 else (0, 1)
+    if device_kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    return torch.distributed.get_rank(), world
+
+
+def mean_over_ranks(value: float, world: int, device) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.item() / world
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device_kind = resolve_device(gx.GeminiConfig(device=args.device))
+    rank, world = init_distributed(device_kind)
+    if rank != 0:
+        args.no_progress, args.json_out = True, None
     preset = args.preset or ("125m" if device_kind == "cuda" else "small")
     model_cfg = GPT_PRESETS[preset]
     # Chunks of about an eighth of the model (at most the 32 Mi-element default), so that even a
@@ -79,7 +106,8 @@ def main(argv=None) -> dict:
     cfg = gx.GeminiConfig(device=args.device, precision=args.precision, placement_policy=args.policy,
                           max_prefetch=args.max_prefetch, offload_optim_frac=args.offload_optim_frac,
                           offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
-                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4), **budget)
+                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4),
+                          extra_dp_size=args.extra_dp_size, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     model = GPT(model_cfg)
@@ -95,7 +123,7 @@ def main(argv=None) -> dict:
             torch.cuda.reset_peak_memory_stats(dev)
         bar = tqdm(range(args.steps), desc=f"gpt-{preset} on {device_kind}", disable=args.no_progress, file=sys.stdout)
         for step in bar:
-            x, y = synthetic_batch(model_cfg, args.batch, seq, step, dev, seed=args.seed)
+            x, y = synthetic_batch(model_cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
             start = time.perf_counter()
             loss = model(x, y)  # computes in the chunks' dtype (bf16 by default)
             loss.backward()
@@ -103,6 +131,7 @@ def main(argv=None) -> dict:
             opt.zero_grad(set_to_none=True)
             loss_value = loss.item()  # synchronises the device
             step_seconds.append(time.perf_counter() - start)
+            loss_value = mean_over_ranks(loss_value, world, dev)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
         torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # since the last step
@@ -111,10 +140,10 @@ def main(argv=None) -> dict:
     if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them
         torch_peak = max([torch_peak] + [s.get("non_model_peak_bytes", 0) for s in stats["steps"]])
     timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
-    tokens_per_s = args.batch * seq * len(timed) / sum(timed)
+    tokens_per_s = world * args.batch * seq * len(timed) / sum(timed)  # every rank's tokens
     summary = {
         "preset": preset, "parameters": n_params, "device": device_kind, "precision": args.precision,
-        "steps": args.steps, "batch": args.batch, "seq_len": seq,
+        "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         "first_loss": losses[0], "last_loss": losses[-1],
         "tokens_per_s": tokens_per_s, "step_s_median": sorted(timed)[len(timed) // 2],
         "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],
@@ -130,24 +159,30 @@ def main(argv=None) -> dict:
         "policy": args.policy,
         "per_step": stats["steps"],
     }
-    t = summary["chunk_traffic"]
-    print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
-          f"{args.steps} steps of {args.batch} x {seq} tokens")
-    print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
-    print(f"   throughput      {tokens_per_s:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
-    print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
-          + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
-          + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")
-    print(f"   chunks          {stats['num_param_chunks']} parameter chunks x {stats['chunk_size']:,} elements "
-          f"({gx.format_bytes(stats['wasted_bytes'])} padding)")
-    print(f"   chunk traffic   H2D {gx.format_bytes(t['h2d_bytes'])}, D2H {gx.format_bytes(t['d2h_bytes'])}, "
-          f"{t['moves']} moves, {stats['counters']['evictions']} evictions")
-    pl, ls = stats["placement"], stats.get("last_step") or {}
-    print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
-          f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")
+    if rank == 0:
+        t = summary["chunk_traffic"]
+        print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
+              f"{args.steps} steps of {args.batch} x {seq} tokens" + (f" on each of {world} ranks" if world > 1 else ""))
+        print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
+        print(f"   throughput      {tokens_per_s:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
+        print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
+              + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
+              + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")
+        print(f"   chunks          {stats['num_param_chunks']} parameter chunks x {stats['chunk_size']:,} elements "
+              f"({gx.format_bytes(stats['wasted_bytes'])} padding)")
+        print(f"   chunk traffic   H2D {gx.format_bytes(t['h2d_bytes'])}, D2H {gx.format_bytes(t['d2h_bytes'])}, "
+              f"{t['moves']} moves, {stats['counters']['evictions']} evictions")
+        if world > 1:
+            print(f"   collectives     {t['all_gathers']} chunk all-gathers, {t['reduce_scatters']} gradient "
+                  f"reduce-scatters on rank 0 (ZeRO group of {world // args.extra_dp_size} ranks)")
+        pl, ls = stats["placement"], stats.get("last_step") or {}
+        print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
+              f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return summary
 
 

@@ -42,3 +42,17 @@ def test_memory_timeline_example_writes_a_plot(tmp_path):
     kinds = {e["kind"] for e in data["timeline"]["events"]}
     assert {"F", "E", "S"} <= kinds and data["events_in_last_iteration"] > 0
     assert all(e["device_bytes"] <= data["device_budget_bytes"] for e in data["timeline"]["events"])
+
+
+def test_train_gpt_example_under_torchrun(tmp_path):
+    out_json = tmp_path / "summary.json"
+    out = run_python("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/train_gpt.py",
+                     "--device", "sim", "--preset", "tiny", "--steps", "15", "--batch", "2", "--seq", "32",
+                     "--lr", "3e-3", "--json-out", str(out_json), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("gemini_ext summary") == 1, "rank 0 prints the summary"
+    assert "on each of 2 ranks" in out.stdout and "chunk all-gathers" in out.stdout
+    summary = json.loads(out_json.read_text())
+    assert summary["ranks"] == 2
+    assert summary["last_loss"] < summary["first_loss"], "the example model learns over two ranks"
+    assert summary["chunk_traffic"]["all_gathers"] > 0 and summary["chunk_traffic"]["reduce_scatters"] > 0
