@@ -465,6 +465,11 @@ class GeminiEngine:
             "steps": list(self._steps_log[-100:]),
             "device_budget_bytes": gm.device_budget,
             "trace": {k: v for k, v in gm.trace_info().items() if k != "recorded"},
+            "distributed": {"zero_world_size": self.world_size, "zero_rank": self.rank,
+                            "replicas": self.config.extra_dp_size if self.process_group is not None else 1,
+                            "replica_index": self.replica_index,
+                            "backend": torch.distributed.get_backend(self.process_group)
+                            if self.process_group is not None else None},
             "placement": {
                 "policy": self.policy.name,
                 "decision": dict(self.policy.decision),

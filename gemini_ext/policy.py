@@ -79,6 +79,11 @@ def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
         total = torch.cuda.mem_get_info(engine.compute_device)[1]
         capacity = min(capacity, total) if capacity else total
     non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
+    if engine._dp_group is not None:
+        # Every rank takes the same decision: from the largest measurement of any rank.
+        t = torch.tensor([float(non_model)], dtype=torch.float64, device=engine.compute_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=engine._dp_group)
+        non_model = int(t.item())
     budget = int(capacity - non_model - capacity * margin)
     floor = 3 * largest_chunk_bytes(engine)
     if budget < floor:

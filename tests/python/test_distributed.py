@@ -75,6 +75,7 @@ CASES = {
     "clipping": ({"max_norm": 0.05}, 1e-5),
     "tiny_budget": ({"sim_capacity": 8 * CHUNK_BYTES_FP32}, 1e-5),
     "bf16": ({"precision": "bf16"}, 2e-2),
+    "auto": ({"placement_policy": "auto", "sim_capacity": 40 * CHUNK_BYTES_FP32}, 1e-5),
 }
 
 
@@ -101,6 +102,8 @@ def _hsdp_layout_body(rank, world_size):
     model, _ = make_models()
     with gx.enable(model, config("sim", extra_dp_size=2), process_group=dist.group.WORLD) as engine:
         assert (engine.world_size, engine.rank, engine.replica_index) == (2, rank % 2, rank // 2)
+        assert engine.stats()["distributed"] == {"zero_world_size": 2, "zero_rank": rank % 2, "replicas": 2,
+                                                 "replica_index": rank // 2, "backend": "gloo"}
         assert dist.get_process_group_ranks(engine.replica_group) == [rank % 2, rank % 2 + 2]
         info = engine.chunk_info(engine._mgr.group_chunk_ids("param")[0])
         assert info["shard_numel"] * 2 == info["padded_numel"], "sharded over the ZeRO group of 2, not over 4"
