@@ -50,7 +50,7 @@ def _train_sharded(model, cfg, rank, world_size, steps=STEPS, max_norm=None):
 def _parity_body(rank, world_size, overrides, tolerance, device="sim"):
     model, reference = make_models()
     precision = overrides.get("precision", "fp32")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     ref_losses = train_reference(reference, STEPS, torch_device(device), dtype=dtype,
                                  max_norm=overrides.get("max_norm", 0.0))
     losses, stats, state = _train_sharded(model, config(device, **overrides), rank, world_size)
@@ -76,6 +76,8 @@ CASES = {
     "tiny_budget": ({"sim_capacity": 8 * CHUNK_BYTES_FP32}, 1e-5),
     "bf16": ({"precision": "bf16"}, 2e-2),
     "auto": ({"placement_policy": "auto", "sim_capacity": 40 * CHUNK_BYTES_FP32}, 1e-5),
+    "const": ({"placement_policy": "const", "const_gpu_budget": 8 * CHUNK_BYTES_FP32}, 1e-5),
+    "fp16_loss_scaling": ({"precision": "fp16"}, 5e-3),
 }
 
 
