@@ -332,6 +332,7 @@ PYBIND11_MODULE(_C, m) {
         d["accesses"] = t.accesses;
         d["all_gathers"] = t.all_gathers;
         d["reduce_scatters"] = t.reduce_scatters;
+        d["gather_prefetches"] = t.gather_prefetches;
         d["reductions"] = t.reductions;
         d["prefetches"] = t.prefetches;
         d["prefetch_hits"] = t.prefetch_hits;

@@ -192,6 +192,13 @@ void ChunkManager::add_gathered(Chunk& c) {
 
 void ChunkManager::drop_gathered(Chunk& c) {
   GX_INTERNAL_ASSERT(sharded() && c.gathered(), "drop_gathered of chunk ", c.id(), ", which is not gathered");
+  auto flying = gathers_in_flight_.find(c.id());
+  if (flying != gathers_in_flight_.end()) {
+    // A prefetched gather never used: later writers of the slot (compute-stream collectives and
+    // kernels, copies that wait on compute) must come after it.
+    backend_.stream_wait_event(StreamKind::kCompute, flying->second);
+    gathers_in_flight_.erase(flying);
+  }
   if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
   // Queued compute may still read the buffer: every later writer of the slot is ordered after it
   // (collectives and compute are stream-ordered after compute, copies wait on a compute event).
@@ -370,7 +377,12 @@ void ChunkManager::access(ChunkId id) {
   traffic_.accesses += 1;
   if (sharded() && c.gathered()) {
     if (prefetched_.erase(id) != 0) traffic_.prefetch_hits += 1;
-    return;  // kept gathered since an earlier access
+    auto flying = gathers_in_flight_.find(id);
+    if (flying != gathers_in_flight_.end()) {  // gathered ahead: compute waits for it on its stream
+      compute_waits_for(flying->second);
+      gathers_in_flight_.erase(flying);
+    }
+    return;  // gathered ahead, or kept gathered since an earlier access
   }
   bring_shard_to_device(c);
   if (!sharded()) {
@@ -435,6 +447,31 @@ void ChunkManager::ungather(ChunkId id) {
   GX_INTERNAL_ASSERT(c.can_move(), "ungather of chunk ", id, " while ", c.count_in(TensorState::kCompute),
                      " of its tensors are in COMPUTE");
   if (c.gathered()) drop_gathered(c);
+}
+
+void ChunkManager::prefetch_gather(ChunkId id) {
+  check_finalized("prefetch_gather");
+  Chunk& c = mutable_chunk(id);
+  GX_CHECK(sharded(), "prefetch_gather of chunk ", id, ": the ChunkManager is not sharded; use prefetch().");
+  if (c.gathered()) return;
+  complete_move(id, /*block=*/true);  // an eviction in flight finishes first
+  const bool fetch = !c.shard_tiers().contains(Tier::kDevice);
+  add_gathered(c);  // throws OutOfMemoryError before anything changed
+  if (fetch) {
+    try {
+      prefetch(id);  // the shard's copy on the host-to-device stream, ahead of the gather there
+    } catch (const OutOfMemoryError&) {
+      drop_gathered(c);
+      throw;
+    }
+  }
+  // The gathered slot may have been freed a moment ago while compute still read it.
+  backend_.stream_wait_event(StreamKind::kHostToDevice, backend_.record_event(StreamKind::kCompute));
+  communicator_->all_gather(c.shard_ptr(Tier::kDevice), c.gathered_ptr(), c.shard_numel(), c.dtype(),
+                            StreamKind::kHostToDevice);
+  gathers_in_flight_[id] = backend_.record_event(StreamKind::kHostToDevice);
+  traffic_.all_gathers += 1;
+  traffic_.gather_prefetches += 1;
 }
 
 void ChunkManager::allocate_gathered(ChunkId id) {

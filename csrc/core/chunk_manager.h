@@ -91,7 +91,8 @@ struct TrafficStats {
   int64_t fetches = 0;  // accesses that had to bring the shard to the device
   int64_t accesses = 0;
   int64_t reductions = 0;
-  int64_t all_gathers = 0;     // sharded: gathers of a chunk for compute
+  int64_t all_gathers = 0;     // sharded: gathers of a chunk for compute (prefetched ones included)
+  int64_t gather_prefetches = 0;  // sharded: gathers started ahead of their access
   int64_t reduce_scatters = 0;  // sharded: reductions that communicated
   int64_t prefetches = 0;     // prefetch copies started
   int64_t prefetch_hits = 0;  // accesses that found their chunk prefetched (landed or in flight)
@@ -140,6 +141,11 @@ class ChunkManager {
   void ungather(ChunkId id);
   // Sharded: a gathered buffer for c without gathering (the caller fills it).
   void allocate_gathered(ChunkId id);
+  // Sharded: gathers c ahead of its access on the host-to-device stream (after the shard's own
+  // copy there, if it had to be fetched); access(c) makes compute wait for it then. Nothing to
+  // do if c is gathered. OutOfMemoryError (nothing changed) if the device has no room.
+  void prefetch_gather(ChunkId id);
+  bool gather_in_flight(ChunkId id) const { return gathers_in_flight_.count(id) != 0; }
   void move(ChunkId id, Tier to, bool async = false);
   void wait(ChunkId id);
   void poll();  // completes finished async moves without blocking
@@ -201,6 +207,7 @@ class ChunkManager {
   std::map<std::string, GroupInfo> groups_;
   std::map<ChunkId, InFlight> in_flight_;
   std::set<ChunkId> prefetched_;  // prefetched, not accessed yet
+  std::map<ChunkId, std::shared_ptr<Event>> gathers_in_flight_;  // prefetched gathers, until accessed
   struct PendingWait {
     std::shared_ptr<Event> compute_reached;
     std::shared_ptr<Event> copy_done;

@@ -209,6 +209,7 @@ class GeminiManager {
   bool make_room_locked(ChunkId requester);  // frees device bytes once; false if nothing can go
   int64_t device_budget_locked() const;
   void prefetch_locked();
+  void prefetch_gathers_locked();
   void note_locked(char kind, ChunkId id);
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError evicts the least

@@ -151,7 +151,8 @@ void GeminiManager::ensure_on_device_locked(ChunkId id) {
       // Sharded, an idle gathered chunk is re-sharded now rather than at its release, so that
       // consecutive modules in one chunk share one all-gather. Every rank sees the same access
       // stream, so every rank drops the same buffers.
-      if (sharded() && !set.spec.keep_gathered && set.spec.param != id && p.gathered() && p.can_move())
+      if (sharded() && !set.spec.keep_gathered && set.spec.param != id && p.gathered() && p.can_move() &&
+          !mgr_.gather_in_flight(set.spec.param))  // gathered ahead for an access to come: stays
         mgr_.ungather(set.spec.param);
     }
   }
@@ -206,12 +207,33 @@ void GeminiManager::prefetch_locked() {
     return set_of_chunk(c) >= 0 && !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
   };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).shard_bytes()); };
+  if (sharded()) {
+    prefetch_gathers_locked();
+    return;
+  }
   for (ChunkId c : plan_prefetch(trace_, q)) {
     try {
       mgr_.prefetch(c);
     } catch (const OutOfMemoryError&) {
       break;  // the pools' rounding left less room than the plan assumed: fetch it when needed
     }
+    note_locked('P', c);
+  }
+}
+
+void GeminiManager::prefetch_gathers_locked() {
+  // Sharded: the next chunks are gathered ahead (their shards fetched first when needed). A
+  // gather is a collective, so the choice uses only what every rank shares: the recorded order,
+  // which chunks are gathered, and a byte cap for gathered buffers of half the budget (the
+  // budget is the same everywhere). Room for the shard copies is made by evicting, as a fetch
+  // would; a rank that cannot make room fails with the OutOfMemoryError.
+  PrefetchQuery q;
+  q.max_prefetch = max_prefetch_;
+  q.free_bytes = device_budget_locked() / 2 - mgr_.gathered_bytes().current;
+  q.needs_fetch = [&](ChunkId c) { return set_of_chunk(c) >= 0 && !mgr_.chunk(c).gathered(); };
+  q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).chunk_bytes()); };
+  for (ChunkId c : plan_prefetch(trace_, q)) {
+    with_room_locked(c, [&] { mgr_.prefetch_gather(c); }, device_bytes_needed_locked(c, /*gather=*/true));
     note_locked('P', c);
   }
 }
@@ -227,7 +249,8 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
     // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
     // waiting for reduction (SPEC: all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
-        p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0)
+        p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0 &&
+        !mgr_.gather_in_flight(set.spec.param))  // a prefetched gather still reads the shard
       out.push_back(set.spec.param);
     // A gradient chunk on the device that no backward is still writing into (its parameter
     // chunk has no tensor waiting for reduction) can wait for the step on the host.

@@ -31,9 +31,10 @@ class StreamScope {
       const auto index = ctx.device_for(Tier::kDevice).index();
       guard_.emplace(c10::cuda::getStreamFromExternal(cuda->stream(stream), index));
     }
-#else
-    (void)stream;
 #endif
+    // Sim: streams are worker threads and gloo blocks the caller, so the call starts after the
+    // stream's queued work by waiting for it here.
+    if (stream != StreamKind::kCompute && ctx.kind() == "sim") ctx.backend().synchronize(stream);
   }
 
  private:

@@ -65,6 +65,7 @@ def _parity_body(rank, world_size, overrides, tolerance, device="sim"):
     traffic = stats["traffic"]
     assert traffic["all_gathers"] >= STEPS * 2, "parameter chunks are gathered in forward and in backward"
     assert traffic["reduce_scatters"] >= STEPS
+    assert traffic["gather_prefetches"] > 0, "once the access order is recorded, chunks are gathered ahead"
 
 
 CASES = {

@@ -53,12 +53,16 @@ class ThreadGroup {
 
 class ThreadCommunicator final : public Communicator {
  public:
-  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  // backend: when given, a call on a side stream first waits for that stream's queued work (the
+  // stream order of the Communicator contract; sim streams are worker threads).
+  ThreadCommunicator(std::shared_ptr<ThreadGroup> group, int rank, DeviceBackend* backend = nullptr)
+      : group_(std::move(group)), rank_(rank), backend_(backend) {}
   int world_size() const override { return group_->world_size(); }
   int rank() const override { return rank_; }
   std::string name() const override { return "threads"; }
 
-  void all_gather(const void* shard, void* full, int64_t shard_numel, DType dtype, StreamKind) override {
+  void all_gather(const void* shard, void* full, int64_t shard_numel, DType dtype, StreamKind stream) override {
+    order_after(stream);
     const size_t bytes = static_cast<size_t>(shard_numel) * element_size_bytes(dtype);
     const auto& posts = group_->exchange(rank_, {"all_gather", shard, shard_numel});
     for (int r = 0; r < world_size(); ++r)
@@ -67,14 +71,16 @@ class ThreadCommunicator final : public Communicator {
   }
 
   void reduce_scatter(const void* full, void* shard, int64_t shard_numel, DType dtype, ReduceOp op,
-                      StreamKind) override {
+                      StreamKind stream) override {
+    order_after(stream);
     const auto& posts = group_->exchange(rank_, {"reduce_scatter", full, shard_numel});
     const int64_t begin = rank_ * shard_numel;
     reduce_into(posts, begin, shard, shard_numel, dtype, op);
     finish();
   }
 
-  void all_reduce(void* data, int64_t numel, DType dtype, ReduceOp op, StreamKind) override {
+  void all_reduce(void* data, int64_t numel, DType dtype, ReduceOp op, StreamKind stream) override {
+    order_after(stream);
     std::vector<uint8_t> result(static_cast<size_t>(numel) * element_size_bytes(dtype));
     const auto& posts = group_->exchange(rank_, {"all_reduce", data, numel});
     reduce_into(posts, 0, result.data(), numel, dtype, op);
@@ -84,6 +90,9 @@ class ThreadCommunicator final : public Communicator {
   }
 
  private:
+  void order_after(StreamKind stream) {
+    if (backend_ != nullptr && stream != StreamKind::kCompute) backend_->synchronize(stream);
+  }
   void finish() {
     if (rank_ == 0) group_->calls += 1;
     group_->done();
@@ -111,6 +120,7 @@ class ThreadCommunicator final : public Communicator {
 
   std::shared_ptr<ThreadGroup> group_;
   int rank_;
+  DeviceBackend* backend_;
 };
 
 }  // namespace gx::testing

@@ -16,7 +16,7 @@ using S = TensorState;
 
 struct Rank {
   Rank(std::shared_ptr<testing::ThreadGroup> group, int rank)
-      : comm(group, rank), mgr(sim, ChunkManagerConfig{group->world_size(), rank, 64, true}) {
+      : comm(group, rank, &sim), mgr(sim, ChunkManagerConfig{group->world_size(), rank, 64, true}) {
     mgr.set_communicator(&comm);
   }
   SimBackend sim{SimConfig{1 << 20, 20, 7}};
@@ -123,6 +123,32 @@ TEST(Sharding, ReduceScattersGradientsIntoTheDeviceShard) {
       ASSERT_EQ(shard[k], 6.0f * static_cast<float>(r.comm.rank() * c.shard_numel() + k)) << k;
     EXPECT_EQ(r.mgr.state(hs[0]), S::kHold);
     EXPECT_EQ(r.mgr.traffic().reduce_scatters, 1);
+  });
+}
+
+TEST(Sharding, APrefetchedGatherIsWaitedForAtAccess) {
+  run_ranks(2, [](Rank& r) {
+    auto hs = register_three(r.mgr, "param", Tier::kPageableHost);
+    const Chunk& c = r.mgr.chunk(0);
+    auto* shard = static_cast<float*>(c.shard_ptr(Tier::kPageableHost));
+    for (int64_t k = 0; k < c.shard_numel(); ++k) shard[k] = static_cast<float>(r.comm.rank() * c.shard_numel() + k);
+    for (auto& h : hs) r.mgr.transition(h, S::kHold);
+    r.mgr.prefetch_gather(0);  // the shard's copy and the gather, both on the side stream
+    EXPECT_TRUE(c.gathered());
+    EXPECT_TRUE(r.mgr.gather_in_flight(0));
+    r.mgr.access(0);
+    EXPECT_FALSE(r.mgr.gather_in_flight(0));
+    EXPECT_EQ(r.mgr.traffic().all_gathers, 1);
+    EXPECT_EQ(r.mgr.traffic().gather_prefetches, 1);
+    EXPECT_EQ(r.mgr.traffic().prefetch_hits, 1);
+    auto* full = static_cast<const float*>(c.gathered_ptr());
+    for (int64_t k = 0; k < c.padded_numel(); ++k) ASSERT_EQ(full[k], static_cast<float>(k)) << k;
+    r.mgr.release(0);
+    // Prefetched and never used: dropping it is safe and leaves nothing in flight.
+    r.mgr.prefetch_gather(0);
+    r.mgr.ungather(0);
+    EXPECT_FALSE(r.mgr.gather_in_flight(0));
+    EXPECT_EQ(r.mgr.gathered_bytes().current, 0);
   });
 }
 
