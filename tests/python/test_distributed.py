@@ -3,6 +3,7 @@
 Each rank trains on its slice of the global batch; the result must match plain single-process
 PyTorch trained on the whole global batch (gradients are averaged over ranks, as with DDP)."""
 
+import contextlib
 import json
 import os
 
@@ -232,3 +233,95 @@ def test_checkpoint_saved_at_two_ranks_loads_at_one_two_and_four(tmp_path):
 def test_checkpoint_saved_by_hsdp_loads_at_two_ranks(tmp_path):
     run_ranks(4, _save_body, str(tmp_path), 2)
     run_ranks(2, _load_body, str(tmp_path), False)
+
+
+# --- gradient accumulation, frozen parameters, gradients and plain state dicts -----------------
+
+def _accumulation_body(rank, world_size, use_no_sync):
+    model, reference = make_models()
+    ref_losses = train_reference(reference, 4, torch.device("cpu"), micro_batches=2)
+    losses = []
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(4):
+            total = 0.0
+            for micro in range(2):
+                x, y = batch(model.cfg, step * 2 + micro, engine.compute_device, batch_size=GLOBAL_BATCH)
+                ctx = engine.no_sync() if use_no_sync and micro == 0 else contextlib.nullcontext()
+                with ctx:
+                    loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size)) / 2
+                    loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+            t = torch.tensor([total])
+            dist.all_reduce(t)
+            losses.append(t.item() / world_size)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    diffs = max_relative_difference(model, reference)
+    assert max(diffs.values()) <= PARAM_TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("use_no_sync", [True, False], ids=["no_sync", "two_backwards"])
+def test_gradient_accumulation_across_ranks(use_no_sync):
+    """Under no_sync the micro-batches accumulate in the gathered gradient buffer and are reduced
+    once at the step; without it each backward reduces, and the second adds to the first."""
+    run_ranks(2, _accumulation_body, use_no_sync)
+
+
+def _frozen_and_grad_body(rank, world_size):
+    model, reference = make_models()
+    for m in (model, reference):
+        m.blocks[0].qkv.weight.requires_grad_(False)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(3):
+            x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
+            model(_slice(x, rank, world_size), _slice(y, rank, world_size)).backward()
+            reference(x, y).backward()
+            # engine.grad(p) all-gathers the averaged gradient: every rank calls it, in one order
+            for p, r in zip(model.parameters(), reference.parameters()):
+                g = engine.grad(p)
+                if not r.requires_grad:
+                    assert g is None
+                    continue
+                assert torch.allclose(g, r.grad, rtol=1e-4, atol=1e-6)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    diffs = max_relative_difference(model, reference)
+    assert max(diffs.values()) <= PARAM_TOLERANCE, diffs
+
+
+def test_frozen_parameters_and_gradients_across_ranks():
+    run_ranks(2, _frozen_and_grad_body)
+
+
+def _load_plain_body(rank, world_size, path):
+    expected = torch.load(f"{path}/expected.pt", weights_only=False)
+    model, _ = make_models(seed=1)
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        engine.load_checkpoint(f"{path}/ckpt")  # format 1, written by one unsharded process
+        state = engine.state_dict()
+        got = opt.state_dict()
+    for key, value in expected["model"].items():
+        assert torch.equal(state[key], value), key
+    for pos, entry in expected["optimizer"]["state"].items():
+        assert torch.equal(got["state"][pos]["exp_avg_sq"], entry["exp_avg_sq"]), pos
+
+
+def test_single_process_checkpoint_loads_into_two_ranks(tmp_path):
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(2):
+            x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        torch.save({"model": engine.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "expected.pt")
+    run_ranks(2, _load_plain_body, str(tmp_path))
