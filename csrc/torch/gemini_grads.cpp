@@ -118,27 +118,28 @@ ChunkId chunk_of_kind(const ChunkSet& set, const std::string& kind, int param) {
 }
 }  // namespace
 
-at::Tensor GeminiManager::read(const std::string& kind, int param) {
-  std::lock_guard<std::mutex> lock(mutex_);
+TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int param) {
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   const ChunkId id = chunk_of_kind(set, kind, param);
   mgr_.wait(id);
   ctx_->sync_compute_stream();
-  if (sharded()) return whole_slot_locked(id, ps.slot, where_current(id));
-  return cpu_fp32_copy(slot_view(id, ps.slot, where_current(id)));
+  return TensorHandle{id, ps.slot};
+}
+
+at::Tensor GeminiManager::read(const std::string& kind, int param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const TensorHandle h = value_handle_locked(kind, param);
+  if (sharded()) return whole_slot_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id));
+  return cpu_fp32_copy(slot_view(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
 }
 
 std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::string& kind, int param) {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_param(param);
-  const ParamSpec& ps = params_[static_cast<size_t>(param)];
-  const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
-  const ChunkId id = chunk_of_kind(set, kind, param);
-  mgr_.wait(id);
-  ctx_->sync_compute_stream();
-  const SlotPart part = slot_part_in_shard(mgr_, TensorHandle{id, ps.slot});
+  const TensorHandle h = value_handle_locked(kind, param);
+  const ChunkId id = h.chunk_id;
+  const SlotPart part = slot_part_in_shard(mgr_, h);
   if (part.begin == part.end) return {0, 0, at::empty({0}, at::kFloat)};
   at::Tensor shard = shard_view(*ctx_, mgr_, id, where_current(id));
   return {part.begin, part.end, cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin))};

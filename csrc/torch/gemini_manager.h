@@ -223,6 +223,9 @@ class GeminiManager {
   // Sharded: slot `slot` of chunk id, whole, as an fp32 CPU tensor: the chunk's shards on `tier`
   // all-gathered (cached until the next change, so reading a chunk's tensors gathers it once).
   at::Tensor whole_slot_locked(ChunkId id, size_t slot, Tier tier);
+  // The chunk and slot holding `kind` ("param", "exp_avg", "exp_avg_sq") of a parameter, with
+  // its moves finished and the compute stream current.
+  TensorHandle value_handle_locked(const std::string& kind, int param);
   int64_t device_bytes_needed_locked(ChunkId id, bool gather) const;
   void offload_grads_locked(ChunkSet& set);
   [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
