@@ -52,7 +52,7 @@ def train_step(model, opt, step, device) -> float:
 
 
 def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_decay=WD, max_norm=0.0,
-                    opt_cls=torch.optim.AdamW, micro_batches=1):
+                    opt_cls=torch.optim.AdamW, micro_batches=1, batch_size=4):
     """Plain PyTorch: fp32 model (or autocast for 16-bit precisions) and torch.optim."""
     model.to(device)
     opt = opt_cls(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -60,7 +60,7 @@ def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_dec
     for step in range(steps):
         total = 0.0
         for micro in range(micro_batches):
-            x, y = batch(model.cfg, step * micro_batches + micro, device)
+            x, y = batch(model.cfg, step * micro_batches + micro, device, batch_size=batch_size)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = model(x, y) / micro_batches
             loss.backward()

@@ -30,12 +30,12 @@ def _slice(t, rank, world_size):
     return t[rank * per:(rank + 1) * per]
 
 
-def _train_sharded(model, cfg, rank, world_size, steps=STEPS, max_norm=None):
+def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH):
     losses = []
     with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         for step in range(steps):
-            x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
+            x, y = batch(model.cfg, step, engine.compute_device, batch_size=global_batch)
             loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size))
             loss.backward()
             opt.step()
@@ -49,12 +49,15 @@ def _train_sharded(model, cfg, rank, world_size, steps=STEPS, max_norm=None):
 
 
 def _parity_body(rank, world_size, overrides, tolerance, device="sim"):
+    overrides = dict(overrides)
+    global_batch = overrides.pop("_global_batch", GLOBAL_BATCH)
     model, reference = make_models()
     precision = overrides.get("precision", "fp32")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     ref_losses = train_reference(reference, STEPS, torch_device(device), dtype=dtype,
-                                 max_norm=overrides.get("max_norm", 0.0))
-    losses, stats, state = _train_sharded(model, config(device, **overrides), rank, world_size)
+                                 max_norm=overrides.get("max_norm", 0.0), batch_size=global_batch)
+    losses, stats, state = _train_sharded(model, config(device, **overrides), rank, world_size,
+                                          global_batch=global_batch)
     assert losses == pytest.approx(ref_losses, rel=tolerance), (losses, ref_losses)
     assert stats["optimizer_steps"] == STEPS
     if precision == "fp32":
@@ -93,6 +96,11 @@ def test_two_ranks_match_single_process_training(case):
 def test_four_ranks_match_single_process_training(case):
     overrides, tolerance = CASES[case]
     run_ranks(4, _parity_body, overrides, tolerance)
+
+
+def test_an_odd_number_of_ranks_pads_shards_and_matches():
+    """3 ranks: every chunk padded to 3 aligned shards; the global batch of 3 splits evenly."""
+    run_ranks(3, _parity_body, {"offload_optim_frac": 0.5, "_global_batch": 3}, 1e-5)
 
 
 @pytest.mark.parametrize("extra_dp_size", [2, 4])
