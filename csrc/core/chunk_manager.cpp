@@ -212,6 +212,12 @@ void ChunkManager::drop_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
   if (tier == Tier::kDevice) {
     if (prefetched_.erase(c.id()) != 0) traffic_.prefetch_wasted += 1;  // evicted before any use
+    auto gathering = gathers_in_flight_.find(c.id());
+    if (gathering != gathers_in_flight_.end()) {
+      // A prefetched gather still reads this shard on the copy stream: whatever reuses the slot
+      // (ordered after compute) must come after it.
+      backend_.stream_wait_event(StreamKind::kCompute, gathering->second);
+    }
     if (!sharded()) {
       if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
       if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);

@@ -146,7 +146,7 @@ void GeminiManager::ensure_on_device_locked(ChunkId id) {
       const Chunk& p = mgr_.chunk(set.spec.param);
       if (set.spec.param_home_on_host && set.spec.param != id && p.shard_tiers().contains(Tier::kDevice) &&
           p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param) &&
-          !mgr_.prefetched(set.spec.param))
+          !mgr_.prefetched(set.spec.param) && !mgr_.gather_in_flight(set.spec.param))
         evict_locked(set.spec.param);
       // Sharded, an idle gathered chunk is re-sharded now rather than at its release, so that
       // consecutive modules in one chunk share one all-gather. Every rank sees the same access
