@@ -12,6 +12,11 @@
 #include "cuda/cuda_backend.h"
 #endif
 
+// The flat collectives are _allgather_base / _reduce_scatter_base in every torch we build
+// against; torch 2.13 renamed them (all_gather_single, reduce_scatter_single) and keeps the old
+// names as deprecated aliases, so the old names are used and the notice silenced.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
 namespace gx::torch_layer {
 namespace {
 
