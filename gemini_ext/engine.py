@@ -186,7 +186,7 @@ class GeminiEngine:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                value = p.detach()
+                value = self._from_rank0(p.detach())
                 # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
                 if p.requires_grad:
                     mgr.write_slot(handles[("param", i)], host, value)
@@ -240,8 +240,11 @@ class GeminiEngine:
                     continue
                 self._buffers.append((module, key, buf.dtype, buf.device))
                 target_dtype = dt if buf.is_floating_point() else buf.dtype
+                with torch.no_grad():
+                    buf = self._from_rank0(buf)
                 if buf.device != self.compute_device or buf.dtype != target_dtype:
-                    module._buffers[key] = buf.to(self.compute_device, target_dtype)
+                    buf = buf.to(self.compute_device, target_dtype)
+                module._buffers[key] = buf
         self._hooks = HookSet(self._gm, model, self._params,
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None)
         model._gemini_engine = self
@@ -311,6 +314,17 @@ class GeminiEngine:
                              "param_home_on_host": plan[k][0], "optim_on_host": False,
                              "keep_gathered": not reshard[k]})
         return sets
+
+    def _from_rank0(self, value: torch.Tensor) -> torch.Tensor:
+        """Several ranks: rank 0's value, as DistributedDataParallel does at construction, so that
+        ranks that initialised their models differently still train one model. Itself otherwise."""
+        if self._dp_group is None:
+            return value
+        device = self.compute_device if self.device_kind == "cuda" else torch.device("cpu")
+        buf = value.detach().to(device, copy=True).contiguous()
+        torch.distributed.broadcast(buf, src=torch.distributed.get_global_rank(self._dp_group, 0),
+                                    group=self._dp_group)
+        return buf
 
     def _reshard_plan(self, sizes: list[int]) -> list[bool]:
         """shard_param_frac (sharded only): which parameter chunks are re-sharded after each use,

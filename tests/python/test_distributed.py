@@ -333,3 +333,17 @@ def test_single_process_checkpoint_loads_into_two_ranks(tmp_path):
         engine.save_checkpoint(tmp_path / "ckpt")
         torch.save({"model": engine.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "expected.pt")
     run_ranks(2, _load_plain_body, str(tmp_path))
+
+
+def _rank0_init_body(rank, world_size):
+    model, _ = make_models(seed=rank)  # every rank initialised differently
+    rank0, _ = make_models(seed=0)
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        state = engine.state_dict()
+    for key, value in rank0.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_every_rank_starts_from_rank_zeros_values():
+    """As with DistributedDataParallel: parameters and buffers are broadcast from rank 0."""
+    run_ranks(2, _rank0_init_body)
