@@ -82,13 +82,12 @@ void GeminiManager::zero_grad() {
   for (auto& set : sets_) {
     if (!set.trainable) continue;
     const ChunkId g = set.spec.grad;
+    std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
     if (set.grad_collecting) {
       mgr_.ungather(g);
       set.grad_collecting = false;
-      std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
     }
     if (set.grad_place == GradPlace::kNone) continue;
-    std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
     mgr_.wait(g);
     if (mgr_.chunk(g).shard_tiers().contains(Tier::kDevice)) mgr_.discard_copy(g, Tier::kDevice);
     set.grad_place = GradPlace::kNone;

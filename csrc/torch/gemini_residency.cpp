@@ -200,6 +200,10 @@ std::vector<TimelineEvent> GeminiManager::timeline() const {
 
 void GeminiManager::prefetch_locked() {
   if (max_prefetch_ <= 0 || !trace_.usable()) return;
+  if (sharded()) {
+    prefetch_gathers_locked();
+    return;
+  }
   PrefetchQuery q;
   q.max_prefetch = max_prefetch_;
   q.free_bytes = device_budget_locked() - mgr_.tier_bytes(Tier::kDevice).current;
@@ -207,10 +211,6 @@ void GeminiManager::prefetch_locked() {
     return set_of_chunk(c) >= 0 && !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
   };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).shard_bytes()); };
-  if (sharded()) {
-    prefetch_gathers_locked();
-    return;
-  }
   for (ChunkId c : plan_prefetch(trace_, q)) {
     try {
       mgr_.prefetch(c);
