@@ -1,11 +1,17 @@
 """Runs a test body on N processes joined by a torch.distributed process group (gloo on CPU,
 NCCL when asked on a GPU machine). The body is a module-level function body(rank, world_size,
-*args); a failure on any rank fails the test with that rank's traceback."""
+*args); a failure on any rank fails the test with that rank's traceback.
+
+run_ranks spawns the processes itself; run_torchrun launches them with torchrun, as users do
+(environment rendezvous, LOCAL_RANK picks the GPU)."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import subprocess
+import sys
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,3 +39,20 @@ def _entry(rank, world_size, port, backend, body, args):
 def run_ranks(world_size: int, body, *args, backend: str = "gloo") -> None:
     mp.start_processes(_entry, args=(world_size, free_port(), backend, body, args), nprocs=world_size,
                        join=True, start_method="spawn")
+
+
+def run_torchrun(world_size: int, body, *args, backend: str = "gloo", tmp_dir: str, timeout: int = 900) -> str:
+    """Runs body(rank, world_size, *args) on every rank of `torchrun --nproc-per-node world_size`;
+    returns the combined output. The body and its arguments travel pickled (by module and name)."""
+    job = os.path.join(tmp_dir, "torchrun_job.pkl")
+    with open(job, "wb") as f:
+        pickle.dump((body, args, backend), f)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+           "--master-port", str(free_port()), os.path.join(here, "torchrun_worker.py"), job]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out[-6000:]}"
+    return out

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import gemini_ext as gx
-from dist_utils import run_ranks
-from parity_utils import (LR, WD, batch, config, make_models, max_relative_difference, torch_device,
-                          train_reference)
+from dist_utils import run_ranks, run_torchrun
+from parity_utils import (LR, WD, batch, chunk_cap, config, make_models, max_relative_difference,
+                          torch_device, train_reference)
 
 STEPS = 6
 # The global batch's mean gradient is computed as the mean of per-rank means: the same value in
@@ -92,6 +92,12 @@ def test_two_ranks_match_single_process_training(case):
     run_ranks(2, _parity_body, overrides, tolerance)
 
 
+def test_two_ranks_launched_by_torchrun_match_single_process_training(tmp_path):
+    """The launcher users run (environment rendezvous), which the two-GPU tests use with NCCL."""
+    overrides, tolerance = CASES["optim_on_host"]
+    run_torchrun(2, _parity_body, overrides, tolerance, tmp_dir=str(tmp_path))
+
+
 @pytest.mark.parametrize("case", ["optim_on_host", "optim_on_device"])
 def test_four_ranks_match_single_process_training(case):
     overrides, tolerance = CASES[case]
@@ -134,9 +140,9 @@ def test_world_size_one_over_nccl_matches_single_process_training(case):
     run_ranks(1, _parity_body, overrides, tolerance, "cuda", backend="nccl")
 
 
-def _collectives_body(rank, world_size):
+def _collectives_body(rank, world_size, device="sim"):
     model, _ = make_models()
-    cfg = config("sim", max_prefetch=0, max_norm=1.0)  # clipping: the norm is all-reduced at each step
+    cfg = config(device, max_prefetch=0, max_norm=1.0)  # clipping: the norm is all-reduced at each step
     with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         n_chunks = engine.stats()["num_param_chunks"]
@@ -184,9 +190,9 @@ def _train_steps(model, engine, opt, steps, first_step, rank, world_size):
         opt.zero_grad()
 
 
-def _save_body(rank, world_size, directory, extra_dp_size=1):
+def _save_body(rank, world_size, directory, extra_dp_size=1, device="sim"):
     model, _ = make_models()
-    cfg = config("sim", offload_optim_frac=0.5, extra_dp_size=extra_dp_size)
+    cfg = config(device, offload_optim_frac=0.5, extra_dp_size=extra_dp_size)
     with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         _train_steps(model, engine, opt, 3, 0, rank, world_size)
@@ -201,11 +207,11 @@ def _save_body(rank, world_size, directory, extra_dp_size=1):
     assert files == ["index.json"] + [f"rank{r:05d}.pt" for r in range(zero_size)], files
 
 
-def _load_body(rank, world_size, directory, same_world):
+def _load_body(rank, world_size, directory, same_world, device="sim"):
     expected = torch.load(f"{directory}/expected.pt", weights_only=False)
     model, _ = make_models(seed=1)  # other initial values: everything must come from the checkpoint
     group = dist.group.WORLD if dist.is_initialized() else None
-    with gx.enable(model, config("sim", offload_optim_frac=0.5), process_group=group) as engine:
+    with gx.enable(model, config(device, offload_optim_frac=0.5), process_group=group) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         engine.load_checkpoint(f"{directory}/ckpt")
         state = engine.state_dict()
@@ -347,3 +353,40 @@ def _rank0_init_body(rank, world_size):
 def test_every_rank_starts_from_rank_zeros_values():
     """As with DistributedDataParallel: parameters and buffers are broadcast from rank 0."""
     run_ranks(2, _rank0_init_body)
+
+
+# --- two GPUs over NCCL, launched with torchrun (nvidia-h200-x2) ---------------------------------
+
+def _on_cuda(overrides: dict) -> dict:
+    """A sim case's overrides for cuda: a sim capacity becomes the const policy's chunk budget."""
+    overrides = dict(overrides)
+    cap = overrides.pop("sim_capacity", None)
+    if cap is not None and overrides.get("placement_policy") != "auto":
+        overrides.update(chunk_cap("cuda", cap))
+    return overrides
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", ["optim_on_host", "optim_on_device", "half_and_half_params_home_on_host",
+                                  "keep_half_gathered", "clipping", "tiny_budget", "bf16", "auto",
+                                  "fp16_loss_scaling"])
+def test_two_gpus_over_nccl_match_single_gpu_training(case, tmp_path):
+    """ZeRO-3 over NCCL on two GPUs, one process per GPU started by torchrun: each rank trains on
+    its half of the global batch and must match plain PyTorch on one GPU trained on all of it."""
+    overrides, tolerance = CASES[case]
+    run_torchrun(2, _parity_body, _on_cuda(overrides), tolerance, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_count_their_collectives(tmp_path):
+    run_torchrun(2, _collectives_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_checkpoint_saved_on_two_gpus_loads_on_one_and_two(tmp_path):
+    run_torchrun(2, _save_body, str(tmp_path), 1, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+    run_torchrun(2, _load_body, str(tmp_path), True, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+    _load_body(0, 1, str(tmp_path), False, "cuda")  # one unsharded process, here
