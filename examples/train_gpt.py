@@ -87,6 +87,17 @@ def mean_over_ranks(value: float, world: int, device) -> float:
     return t.item() / world
 
 
+def peaks_over_ranks(values: list[int], world: int, device) -> tuple[list[int], list[int]]:
+    """(largest over ranks, sum over ranks) of each value."""
+    if world == 1:
+        return list(values), list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    worst, total = t.clone(), t.clone()
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(total)
+    return [int(v) for v in worst.tolist()], [int(v) for v in total.tolist()]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device_kind = resolve_device(gx.GeminiConfig(device=args.device))
@@ -140,6 +151,10 @@ def main(argv=None) -> dict:
     if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them
         torch_peak = max([torch_peak] + [s.get("non_model_peak_bytes", 0) for s in stats["steps"]])
     timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # chunks plus torch's allocations, each at its own peak: an upper bound of the device bytes used
+    device_peak = stats["tier_bytes"]["device"]["peak"] + (torch_peak or 0)
+    worst, total = peaks_over_ranks([device_peak, rss], world, dev)
     tokens_per_s = world * args.batch * seq * len(timed) / sum(timed)  # every rank's tokens
     summary = {
         "preset": preset, "parameters": n_params, "device": device_kind, "precision": args.precision,
@@ -150,7 +165,9 @@ def main(argv=None) -> dict:
         "chunk_wasted_bytes": stats["wasted_bytes"],
         "peak_chunk_device_bytes": stats["tier_bytes"]["device"]["peak"],
         "peak_torch_device_bytes": torch_peak,
-        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_host_rss_bytes": rss,
+        "peak_device_bytes_max_rank": worst[0], "peak_host_rss_bytes_max_rank": worst[1],
+        "peak_host_rss_bytes_all_ranks": total[1],
         "chunk_traffic": stats["traffic"],
         "counters": stats["counters"],
         "placement": stats["placement"],

@@ -41,3 +41,21 @@ def test_scheduler_bench_smoke(tmp_path):
     no_prefetch = rows[2]
     assert no_prefetch["prefetch_hits"] == 0 and no_prefetch["sync_fetches"] > rows[1]["sync_fetches"]
     assert "| configuration |" in out.stdout
+
+
+def test_scaling_bench_smoke(tmp_path):
+    """Both launch paths of the scaling bench under torchrun: gemini_ext (sim) and FSDP2 (CPU, gloo)."""
+    out_json = tmp_path / "scaling.json"
+    out = run_python("bench/scaling.py", "--smoke", "--json-out", str(out_json), timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["gpus"], r["system"]) for r in rows] == [
+        (n, s) for n in (1, 2) for s in ("gemini-static", "gemini-auto", "fsdp2")]
+    assert all("error" not in r for r in rows), rows
+    assert all(r["ranks"] == r["gpus"] and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["peak_host_rss_bytes_all_ranks"] >= r["peak_host_rss_bytes_max_rank"] > 0 for r in rows)
+    # the same model, data and optimizer settings: the losses agree across systems (bf16 chunks on sim)
+    for n in (1, 2):
+        losses = [r["last_loss"] for r in rows if r["gpus"] == n]
+        assert max(losses) - min(losses) < 0.01, losses
+    assert "| GPUs | system |" in out.stdout

@@ -1,0 +1,130 @@
+"""The peer: the example GPT trained with PyTorch FSDP2 (fully_shard per block and at the root),
+with or without CPUOffloadPolicy, under torchrun. Same model, synthetic batches, AdamW settings,
+clipping and summary keys as examples/train_gpt.py, so bench scripts can put both side by side.
+
+    torchrun --nproc-per-node 2 bench/fsdp2_train.py --preset 1.3b --steps 6 --json-out s.json
+    torchrun --nproc-per-node 2 bench/fsdp2_train.py --preset 1.3b --offload ...   # CPU offload
+
+Mixed precision as in MEASUREMENTS.md: fp32 parameters and optimizer state, bf16 compute
+(MixedPrecisionPolicy param_dtype=bf16), fp32 gradient reduction. Without offload the optimizer is
+fused AdamW on the GPU; with CPUOffloadPolicy(pin_memory=True) it is fused AdamW on the CPU. The
+process group pairs NCCL for cuda tensors with gloo for cpu ones: clipping under CPU offload
+reduces norms of host gradients. On a machine without CUDA it runs on the CPU over gloo (smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from train_gpt import checkpoint_blocks  # noqa: E402  (the same per-block checkpointing)
+
+from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="125m")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True), fused CPU AdamW")
+    p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("fsdp2_train.py: launch it with torchrun (--nproc-per-node 1 for one GPU).")
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cuda:nccl,cpu:gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    mesh = init_device_mesh(dev.type, (world,))
+
+    cfg = GPT_PRESETS[args.preset]
+    seq = args.seq or cfg.max_seq_len
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.checkpoint:
+        checkpoint_blocks(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else \
+        MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=True) if args.offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=on_cuda or None)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    losses, step_seconds, clip_seconds = [], [], []
+    for step in range(args.steps):
+        x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
+        start = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        if args.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        step_seconds.append(time.perf_counter() - start)
+        t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+
+    timed = step_seconds[1:] or step_seconds
+    torch_peak = torch.cuda.max_memory_allocated(dev) if on_cuda else 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = torch.tensor([torch_peak, rss], dtype=torch.float64, device=dev)
+    worst = peaks.clone()
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    total = peaks.clone()
+    dist.all_reduce(total)
+    summary = {
+        "system": "fsdp2" + (" + cpu offload" if args.offload else ""), "preset": args.preset,
+        "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
+        "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
+        "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
+        "step_s_median": sorted(timed)[len(timed) // 2],
+        "peak_device_bytes_max_rank": int(worst[0].item()),  # torch's allocations: all of FSDP2's
+        "peak_host_rss_bytes_max_rank": int(worst[1].item()),
+        "peak_host_rss_bytes_all_ranks": int(total[1].item()),
+    }
+    if rank == 0:
+        print(f"== {summary['system']}: gpt-{args.preset} ({n_params / 1e6:.1f}M params) on {world} x {dev.type}, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+              f"median step {summary['step_s_median'] * 1e3:.1f} ms, peak device "
+              f"{summary['peak_device_bytes_max_rank'] / 2**30:.2f} GiB/rank, host RSS "
+              f"{summary['peak_host_rss_bytes_all_ranks'] / 2**30:.2f} GiB over ranks")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(summary, f, indent=2)
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
