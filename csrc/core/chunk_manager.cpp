@@ -173,7 +173,7 @@ TensorState ChunkManager::state(const TensorHandle& handle) const {
 
 void ChunkManager::add_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) == nullptr, "chunk ", c.id(), " already has a copy on ", to_string(tier));
-  void* ptr = allocator_.allocate(tier, c.shard_bytes());
+  void* ptr = allocate_slot(tier, c.shard_bytes());
   c.set_shard_ptr(tier, ptr);
   c.shard_tiers().add(tier);
   tier_bytes_[static_cast<int>(tier)].increase(static_cast<int64_t>(c.shard_bytes()));
@@ -183,7 +183,7 @@ void ChunkManager::add_copy(Chunk& c, Tier tier) {
 void ChunkManager::add_gathered(Chunk& c) {
   GX_INTERNAL_ASSERT(sharded() && !c.gathered(), "add_gathered of chunk ", c.id(), " (sharded ", sharded(),
                      ", gathered ", c.gathered(), ")");
-  void* ptr = allocator_.allocate(Tier::kDevice, c.chunk_bytes());  // OutOfMemoryError: nothing changed
+  void* ptr = allocate_slot(Tier::kDevice, c.chunk_bytes());  // OutOfMemoryError: nothing changed
   c.set_gathered_ptr(ptr);
   tier_bytes_[static_cast<int>(Tier::kDevice)].increase(static_cast<int64_t>(c.chunk_bytes()));
   gathered_bytes_.increase(static_cast<int64_t>(c.chunk_bytes()));
@@ -202,7 +202,7 @@ void ChunkManager::drop_gathered(Chunk& c) {
   if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
   // Queued compute may still read the buffer: every later writer of the slot is ordered after it
   // (collectives and compute are stream-ordered after compute, copies wait on a compute event).
-  allocator_.deallocate(Tier::kDevice, c.gathered_ptr(), c.chunk_bytes());
+  allocator_.deallocate_after(Tier::kDevice, c.gathered_ptr(), c.chunk_bytes(), last_use_events(Tier::kDevice));
   c.set_gathered_ptr(nullptr);
   tier_bytes_[static_cast<int>(Tier::kDevice)].decrease(static_cast<int64_t>(c.chunk_bytes()));
   gathered_bytes_.decrease(static_cast<int64_t>(c.chunk_bytes()));
@@ -223,10 +223,33 @@ void ChunkManager::drop_copy(Chunk& c, Tier tier) {
       if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
     }
   }
-  allocator_.deallocate(tier, c.shard_ptr(tier), c.shard_bytes());
+  allocator_.deallocate_after(tier, c.shard_ptr(tier), c.shard_bytes(), last_use_events(tier));
   c.set_shard_ptr(tier, nullptr);
   c.shard_tiers().remove(tier);
   tier_bytes_[static_cast<int>(tier)].decrease(static_cast<int64_t>(c.shard_bytes()));
+}
+
+std::vector<std::shared_ptr<Event>> ChunkManager::last_use_events(Tier tier) {
+  // The streams that may still read or write a slot of the tier when it is freed: compute and
+  // both copy streams for a device slot, the copy streams for a host slot (the CPU optimizer
+  // touches host slots from the calling thread, synchronously).
+  std::vector<std::shared_ptr<Event>> events;
+  if (tier == Tier::kDevice) events.push_back(backend_.record_event(StreamKind::kCompute));
+  events.push_back(backend_.record_event(StreamKind::kHostToDevice));
+  events.push_back(backend_.record_event(StreamKind::kDeviceToHost));
+  return events;
+}
+
+void* ChunkManager::allocate_slot(Tier tier, size_t bytes) {
+  if (tier != Tier::kDevice) return allocator_.allocate(tier, bytes);  // first written by the CPU or a copy
+  // A device slot is first written by a copy (H2D stream) or on the compute stream (gathers,
+  // gradient buffers): both are ordered after the last uses of a reused slot, without blocking.
+  FixedSizePool::Ordered slot = allocator_.allocate_ordered(tier, bytes);
+  for (const auto& e : slot.wait_for) {
+    backend_.stream_wait_event(StreamKind::kHostToDevice, e);
+    backend_.stream_wait_event(StreamKind::kCompute, e);
+  }
+  return slot.ptr;
 }
 
 StreamKind ChunkManager::stream_for(Tier from, Tier to) const {

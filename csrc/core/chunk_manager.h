@@ -193,6 +193,8 @@ class ChunkManager {
   void drop_copy(Chunk& c, Tier tier);  // frees the slot, un-accounts it
   void complete_move(ChunkId id, bool block);
   StreamKind stream_for(Tier from, Tier to) const;
+  std::vector<std::shared_ptr<Event>> last_use_events(Tier tier);  // recorded where a freed slot may be in use
+  void* allocate_slot(Tier tier, size_t bytes);  // a chunk slot, its first use ordered after its last uses
   void count_traffic(Tier from, Tier to, size_t bytes);
   void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits = true);
   void check_finalized(const char* what) const;

@@ -1,5 +1,7 @@
 #include "fixed_size_pool.h"
 
+#include <iterator>
+
 #include "errors.h"
 
 namespace gx {
@@ -20,15 +22,22 @@ void FixedSizePool::reserve(size_t slots) {
     void* p = upstream_.allocate(slot_bytes_);
     ++upstream_allocations_;
     owned_.insert(p);
-    free_.push_back(p);
+    free_.push_back(FreeSlot{p, {}});
   }
+}
+
+bool FixedSizePool::FreeSlot::ready() const {
+  for (const auto& e : last_uses)
+    if (!e->query()) return false;
+  return true;
 }
 
 void FixedSizePool::release_free_slots() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (void* p : free_) {
-    owned_.erase(p);
-    upstream_.deallocate(p, slot_bytes_);
+  for (FreeSlot& slot : free_) {
+    for (const auto& e : slot.last_uses) e->synchronize();  // nothing queued touches it any more
+    owned_.erase(slot.ptr);
+    upstream_.deallocate(slot.ptr, slot_bytes_);
   }
   free_.clear();
 }
@@ -53,32 +62,69 @@ size_t FixedSizePool::upstream_allocations() const {
   return upstream_allocations_;
 }
 
-void* FixedSizePool::do_allocate(size_t bytes) {
+size_t FixedSizePool::reuse_waits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reuse_waits_;
+}
+
+FixedSizePool::Ordered FixedSizePool::allocate_ordered(size_t bytes) {
   GX_CHECK(bytes > 0 && bytes <= slot_bytes_, "FixedSizePool ", name(), ": request of ", bytes,
            " bytes, expected 1..", slot_bytes_, " (the slot size). Use a pool whose slot fits the chunk.");
   std::lock_guard<std::mutex> lock(mutex_);
-  void* p = nullptr;
-  if (!free_.empty()) {
-    p = free_.back();
-    free_.pop_back();
-  } else {
-    p = upstream_.allocate(slot_bytes_);  // may throw OutOfMemoryError; nothing changed yet
-    ++upstream_allocations_;
-    owned_.insert(p);
+  Ordered out;
+  for (auto it = free_.rbegin(); it != free_.rend(); ++it) {  // most recently freed first
+    if (it->ready()) {
+      out.ptr = it->ptr;
+      free_.erase(std::next(it).base());
+      break;
+    }
   }
-  handed_out_.insert(p);
+  if (out.ptr == nullptr && !free_.empty()) {  // every free slot is still used by queued work
+    out.ptr = free_.back().ptr;
+    out.wait_for = std::move(free_.back().last_uses);
+    free_.pop_back();
+    ++ordered_reuses_;
+  }
+  if (out.ptr == nullptr) {
+    out.ptr = upstream_.allocate(slot_bytes_);  // may throw OutOfMemoryError; nothing changed yet
+    ++upstream_allocations_;
+    owned_.insert(out.ptr);
+  }
+  handed_out_.insert(out.ptr);
   in_use_.increase(static_cast<int64_t>(slot_bytes_));
-  return p;
+  return out;
 }
 
-void FixedSizePool::do_deallocate(void* ptr, size_t bytes) {
+void* FixedSizePool::do_allocate(size_t bytes) {
+  Ordered o = allocate_ordered(bytes);
+  if (!o.wait_for.empty()) {
+    for (const auto& e : o.wait_for) e->synchronize();
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++reuse_waits_;
+    --ordered_reuses_;
+  }
+  return o.ptr;
+}
+
+size_t FixedSizePool::ordered_reuses() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ordered_reuses_;
+}
+
+void FixedSizePool::do_deallocate(void* ptr, size_t bytes) { free_slot(ptr, bytes, {}); }
+
+void FixedSizePool::deallocate_after(void* ptr, size_t bytes, std::vector<std::shared_ptr<Event>> last_uses) {
+  free_slot(ptr, bytes, std::move(last_uses));
+}
+
+void FixedSizePool::free_slot(void* ptr, size_t bytes, std::vector<std::shared_ptr<Event>> last_uses) {
   std::lock_guard<std::mutex> lock(mutex_);
   GX_INTERNAL_ASSERT(bytes <= slot_bytes_, "deallocate of ", bytes, " bytes into a pool of ", slot_bytes_,
                      "-byte slots");
   GX_INTERNAL_ASSERT(handed_out_.erase(ptr) == 1, "FixedSizePool ", name(),
                      ": deallocate of a pointer that is not a live slot of this pool (double free?)");
   in_use_.decrease(static_cast<int64_t>(slot_bytes_));
-  free_.push_back(ptr);
+  free_.push_back(FreeSlot{ptr, std::move(last_uses)});
 }
 
 }  // namespace gx

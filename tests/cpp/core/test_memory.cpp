@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "common/resource_conformance.h"
+#include "core/arena_resource.h"
 #include "core/chunk_allocator.h"
 #include "core/fixed_size_pool.h"
 #include "core/resource_adaptors.h"
@@ -32,6 +33,14 @@ INSTANTIATE_TEST_SUITE_P(
         ResourceFactory{"limiting", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<LimitingAdaptor>(*up, 64 << 20, "test_limit");
+                          keep.push_back(up);
+                          keep.push_back(r);
+                          return r.get();
+                        }, 1 << 20},
+        ResourceFactory{"arena", [](auto& keep) {
+                          auto up = std::make_shared<HostMemoryResource>();
+                          auto r = std::make_shared<ArenaResource>(*up);
+                          r->reserve(4 << 20);
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();
@@ -178,13 +187,15 @@ TEST(ChunkAllocator, OnePoolPerTierAndSizeExactAccounting) {
   void* d = alloc.allocate(Tier::kDevice, 1000);
   EXPECT_EQ(d, a);
   EXPECT_EQ(alloc.upstream_allocations(Tier::kDevice), 2u);
-  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 3000);
+  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 1024 + 2048) << "extents rounded to 256 bytes";
   EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).peak, 3000);
   alloc.deallocate(Tier::kDevice, b, 2000);
   alloc.deallocate(Tier::kDevice, d, 1000);
   alloc.deallocate(Tier::kPinnedHost, c, 1000);
   EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).current, 0);
-  alloc.release_free_slots();
+  alloc.release_free_slots();  // back to the arena, which keeps its extents
+  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 1024 + 2048);
+  EXPECT_EQ(alloc.trim(Tier::kDevice), 1024u + 2048u);
   EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 0);
 }
 
@@ -209,6 +220,137 @@ TEST(ChunkAllocator, MissingTierIsAUsageError) {
   ChunkAllocator alloc({&device, nullptr, &pageable});
   EXPECT_FALSE(alloc.has_tier(Tier::kPinnedHost));
   EXPECT_THROW(alloc.allocate(Tier::kPinnedHost, 64), UsageError);
+}
+
+// --- the reserved arena ------------------------------------------------------------------------
+
+TEST(ArenaResource, CarvesTheReservationFirstFitAndCoalesces) {
+  HostMemoryResource host;
+  StatisticsAdaptor upstream(host);
+  ArenaResource arena(upstream);
+  arena.reserve(10000);  // rounded up to 10240
+  EXPECT_EQ(upstream.live_allocations(), 1);
+  EXPECT_EQ(arena.reserved_bytes().current, 10240);
+  auto* a = static_cast<char*>(arena.allocate(1000));  // 1024
+  auto* b = static_cast<char*>(arena.allocate(2048));
+  auto* c = static_cast<char*>(arena.allocate(3000));  // 3072
+  EXPECT_EQ(b, a + 1024) << "blocks are carved in address order from the reservation";
+  EXPECT_EQ(c, b + 2048);
+  EXPECT_EQ(upstream.live_allocations(), 1) << "served from the reservation";
+  EXPECT_EQ(arena.in_use_bytes().current, 1024 + 2048 + 3072);
+  arena.deallocate(a, 1000);
+  arena.deallocate(c, 3000);  // coalesces with the tail
+  EXPECT_EQ(arena.largest_free_block(), 10240u - 1024 - 2048);
+  arena.deallocate(b, 2048);  // everything coalesces into one range again
+  EXPECT_EQ(arena.largest_free_block(), 10240u);
+  EXPECT_EQ(arena.in_use_bytes().current, 0);
+  EXPECT_EQ(arena.in_use_bytes().peak, 1024 + 2048 + 3072);
+  void* whole = arena.allocate(10240);
+  EXPECT_EQ(whole, a);
+  arena.deallocate(whole, 10240);
+}
+
+TEST(ArenaResource, GrowsByExactExtentsAndTrimsWhollyFreeOnes) {
+  HostMemoryResource host;
+  StatisticsAdaptor upstream(host);
+  ArenaResource arena(upstream);
+  arena.reserve(4096);
+  void* a = arena.allocate(4096);
+  void* b = arena.allocate(8192);  // no room: a growth extent of exactly the request
+  EXPECT_EQ(arena.extents(), 2u);
+  EXPECT_EQ(arena.reserved_bytes().current, 4096 + 8192);
+  EXPECT_EQ(arena.trim(), 0u) << "no extent is wholly free";
+  arena.deallocate(b, 8192);
+  EXPECT_EQ(arena.trim(), 8192u);
+  EXPECT_EQ(arena.extents(), 1u);
+  EXPECT_EQ(upstream.bytes().current, 4096);
+  arena.deallocate(a, 4096);
+  EXPECT_EQ(arena.trim(), 4096u) << "the reservation too, once wholly free";
+  EXPECT_EQ(upstream.bytes().current, 0);
+}
+
+TEST(ArenaResource, DoubleFreeAndWrongSizeAreBugs) {
+  HostMemoryResource host;
+  ArenaResource arena(host);
+  void* a = arena.allocate(1024);
+  EXPECT_THROW(arena.deallocate(a, 4096), InternalError);
+  arena.deallocate(a, 1024);
+  EXPECT_THROW(arena.deallocate(a, 1024), InternalError);
+}
+
+// --- stream-safe reuse --------------------------------------------------------------------------
+
+class FakeEvent final : public Event {
+ public:
+  bool query() const override { return done; }
+  void synchronize() override {
+    waits += 1;
+    done = true;
+  }
+  double seconds_after(const Event&) const override { return 0.0; }
+  bool done = false;
+  int waits = 0;
+};
+
+TEST(FixedSizePool, ReusesAFreedSlotOnlyAfterItsLastUsesOrOrderedAfterThem) {
+  HostMemoryResource host;
+  FixedSizePool pool(host, 1024);
+  void* a = pool.allocate(1024);
+  void* b = pool.allocate(1024);
+  auto busy = std::make_shared<FakeEvent>();
+  auto done = std::make_shared<FakeEvent>();
+  done->done = true;
+  pool.deallocate_after(a, 1024, {done});
+  pool.deallocate_after(b, 1024, {busy});  // most recently freed, but still in use
+  FixedSizePool::Ordered first = pool.allocate_ordered(1024);
+  EXPECT_EQ(first.ptr, a) << "a slot whose last uses completed comes first";
+  EXPECT_TRUE(first.wait_for.empty());
+  FixedSizePool::Ordered second = pool.allocate_ordered(1024);
+  EXPECT_EQ(second.ptr, b) << "a busy slot is handed out with its events rather than growing the pool";
+  ASSERT_EQ(second.wait_for.size(), 1u);
+  EXPECT_EQ(second.wait_for[0], busy);
+  EXPECT_EQ(busy->waits, 0) << "allocate_ordered never blocks";
+  EXPECT_EQ(pool.upstream_allocations(), 2u);
+  EXPECT_EQ(pool.ordered_reuses(), 1u);
+  pool.deallocate_after(second.ptr, 1024, {busy});
+  void* plain = pool.allocate(1024);  // the plain interface waits itself
+  EXPECT_EQ(plain, b);
+  EXPECT_EQ(busy->waits, 1);
+  EXPECT_EQ(pool.reuse_waits(), 1u);
+  pool.deallocate(plain, 1024);
+  pool.deallocate(first.ptr, 1024);
+}
+
+TEST(FixedSizePool, ReleasingFreeSlotsWaitsForTheirLastUses) {
+  HostMemoryResource host;
+  StatisticsAdaptor upstream(host);
+  FixedSizePool pool(upstream, 1024);
+  auto busy = std::make_shared<FakeEvent>();
+  pool.deallocate_after(pool.allocate(1024), 1024, {busy});
+  pool.release_free_slots();
+  EXPECT_EQ(busy->waits, 1);
+  EXPECT_EQ(upstream.bytes().current, 0);
+}
+
+TEST(ChunkAllocator, ReservedArenaServesSlotsAndOrderedReuseIsCounted) {
+  HostMemoryResource device, pinned, pageable;
+  StatisticsAdaptor device_stats(device);
+  ChunkAllocator alloc({&device_stats, &pinned, &pageable});
+  alloc.reserve_arena(Tier::kDevice, 4 * 4096);
+  std::vector<void*> slots;
+  for (int i = 0; i < 4; ++i) slots.push_back(alloc.allocate(Tier::kDevice, 4096));
+  EXPECT_EQ(device_stats.live_allocations(), 1) << "four slots, one upstream allocation";
+  EXPECT_EQ(alloc.arena_extents(Tier::kDevice), 1u);
+  auto busy = std::make_shared<FakeEvent>();
+  alloc.deallocate_after(Tier::kDevice, slots[3], 4096, {busy});
+  FixedSizePool::Ordered again = alloc.allocate_ordered(Tier::kDevice, 4096);
+  EXPECT_EQ(again.ptr, slots[3]);
+  EXPECT_EQ(again.wait_for.size(), 1u);
+  EXPECT_EQ(alloc.ordered_reuses(Tier::kDevice), 1u);
+  EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).current, 4 * 4096);
+  for (void* p : {slots[0], slots[1], slots[2], again.ptr}) alloc.deallocate(Tier::kDevice, p, 4096);
+  EXPECT_EQ(alloc.trim(Tier::kDevice), 4u * 4096);
+  EXPECT_EQ(device_stats.live_allocations(), 0);
 }
 
 }  // namespace
