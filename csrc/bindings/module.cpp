@@ -9,7 +9,9 @@
 #include "core/chunk_search.h"
 #include "core/cpu_features.h"
 #include "core/errors.h"
+#include "core/memory_pressure.h"
 #include "core/static_placement.h"
+#include "torch/allocator_mode.h"
 #include "torch/chunk_views.h"
 #include "torch/cpu_adam_op.h"
 #include "torch/dtype_map.h"
@@ -137,6 +139,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_legal_transition", &is_legal_transition);
 
   m.def("build_info", &build_info);
+  m.def("install_chunk_allocator", &torch_layer::install_chunk_allocator,
+        "Installs the process-wide chunk allocator as torch's CUDA allocator (before CUDA is initialised).");
+  m.def("chunk_allocator_installed", &torch_layer::chunk_allocator_installed);
+  m.def("chunk_allocator_stats", &torch_layer::chunk_allocator_stats);
+  m.def("reset_chunk_allocator_peak", &torch_layer::reset_chunk_allocator_peak);
+  m.def("chunk_allocator_empty_cache", &torch_layer::chunk_allocator_empty_cache,
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "reclaim_device_bytes",
+      [](int device, size_t bytes) { return MemoryPressure::instance().reclaim(device, bytes); },
+      py::arg("device"), py::arg("bytes"), py::call_guard<py::gil_scoped_release>(),
+      "Asks the managers of a device (-1: sim) to free device bytes, as an allocation under memory "
+      "pressure does; returns the bytes released.");
 
   m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
@@ -402,6 +417,7 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def("flush_grads", &GeminiManager::flush_grads, py::call_guard<py::gil_scoped_release>())
+      .def("reclaim_device_bytes", &GeminiManager::reclaim_device_bytes, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("no_sync", &GeminiManager::no_sync)
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
       .def("zero_grad", &GeminiManager::zero_grad, py::call_guard<py::gil_scoped_release>())
@@ -456,6 +472,8 @@ PYBIND11_MODULE(_C, m) {
         d["grad_chunks_offloaded"] = c.grad_chunks_offloaded;
         d["flushed_chunks"] = c.flushed_chunks;
         d["backward_passes"] = c.backward_passes;
+        d["reclaims"] = c.reclaims;
+        d["reclaimed_bytes"] = c.reclaimed_bytes;
         return d;
       });
 

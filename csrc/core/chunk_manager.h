@@ -176,6 +176,10 @@ class ChunkManager {
   int rank() const { return config_.rank; }
   DeviceBackend& backend() { return backend_; }
   const ChunkAllocator& allocator() const { return allocator_; }
+  // Gives the tier's free slots (after their last uses) and wholly free arena extents back to
+  // the system; returns the bytes released.
+  size_t trim(Tier tier) { return allocator_.trim(tier); }
+  void reserve_arena(Tier tier, size_t bytes) { allocator_.reserve_arena(tier, bytes); }
 
  private:
   struct InFlight {

@@ -1,6 +1,10 @@
 #include "cuda/cuda_backend.h"
 
+#include <array>
+#include <atomic>
+
 #include "core/errors.h"
+#include "core/memory_pressure.h"
 
 namespace gx {
 
@@ -38,10 +42,29 @@ int cuda_device_count() {
   return count;
 }
 
+namespace {
+constexpr int kMaxDevices = 64;
+std::array<std::atomic<int64_t>, kMaxDevices> g_device_bytes{};
+void count_device_bytes(int device, int64_t delta) {
+  if (device >= 0 && device < kMaxDevices) g_device_bytes[static_cast<size_t>(device)] += delta;
+}
+}  // namespace
+
+int64_t cuda_device_bytes_in_use(int device) {
+  if (device >= 0) return device < kMaxDevices ? g_device_bytes[static_cast<size_t>(device)].load() : 0;
+  int64_t total = 0;
+  for (const auto& b : g_device_bytes) total += b.load();
+  return total;
+}
+
 void* CudaDeviceMemoryResource::do_allocate(size_t bytes) {
   DeviceGuard guard(device_);
   void* ptr = nullptr;
-  const cudaError_t status = cudaMalloc(&ptr, bytes);
+  cudaError_t status = cudaMalloc(&ptr, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    if (MemoryPressure::instance().release_caches(device_) > 0) status = cudaMalloc(&ptr, bytes);
+  }
   if (status == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
@@ -51,12 +74,14 @@ void* CudaDeviceMemoryResource::do_allocate(size_t bytes) {
                                           ". Lower gpu_memory_limit / the device-resident fraction, or free memory."));
   }
   GX_CUDA_CHECK(status);
+  count_device_bytes(device_, static_cast<int64_t>(bytes));
   return ptr;
 }
 
-void CudaDeviceMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) {
+void CudaDeviceMemoryResource::do_deallocate(void* ptr, size_t bytes) {
   DeviceGuard guard(device_);
   GX_CUDA_CHECK(cudaFree(ptr));
+  count_device_bytes(device_, -static_cast<int64_t>(bytes));
 }
 
 void* PinnedHostMemoryResource::do_allocate(size_t bytes) {

@@ -10,6 +10,9 @@
 //    they never synchronise implicitly with the legacy default stream; kCompute is the stream
 //    the framework computes on, set by the torch layer (`set_compute_stream`), the legacy
 //    default stream until then. Ordering between streams is by events only.
+//  * Memory pressure. A cudaMalloc that fails first asks MemoryPressure's cache releaser (the
+//    process-wide allocator's cached free blocks, GEMINI_EXT_ALLOCATOR=chunk) to give memory
+//    back, and retries once.
 //  * Errors. A failed cudaMalloc is an OutOfMemoryError naming the request, the free and
 //    total device memory and the knob; any other CUDA error throws CudaError with the call and
 //    CUDA's message.
@@ -17,6 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -35,6 +39,8 @@ void cuda_check(cudaError_t status, const char* call, const char* file, int line
 #define GX_CUDA_CHECK(call) ::gx::cuda_check((call), #call, __FILE__, __LINE__)
 
 int cuda_device_count();  // 0 when there is no usable device or driver (never throws)
+// Bytes held by CudaDeviceMemoryResource allocations (chunk slots) on a device, -1: all devices.
+int64_t cuda_device_bytes_in_use(int device);
 
 class CudaDeviceMemoryResource final : public MemoryResource {
  public:

@@ -67,7 +67,7 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
 }
 
 void GeminiManager::flush_grads() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   ctx_->sync_compute_stream();
   for (auto& set : sets_) {
     if (!set.trainable) continue;
@@ -77,7 +77,7 @@ void GeminiManager::flush_grads() {
 }
 
 void GeminiManager::zero_grad() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   whole_cache_id_ = -1;
   for (auto& set : sets_) {
     if (!set.trainable) continue;
@@ -128,14 +128,14 @@ TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int par
 }
 
 at::Tensor GeminiManager::read(const std::string& kind, int param) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
   if (sharded()) return whole_slot_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id));
   return cpu_fp32_copy(slot_view(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
 }
 
 std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::string& kind, int param) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
   const ChunkId id = h.chunk_id;
   const SlotPart part = slot_part_in_shard(mgr_, h);
@@ -162,7 +162,7 @@ at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) 
 }
 
 void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
@@ -185,7 +185,7 @@ void GeminiManager::write(const std::string& kind, int param, const at::Tensor& 
 }
 
 at::Tensor GeminiManager::read_grad(int param) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   if (!ps.trainable) return at::Tensor();
@@ -207,7 +207,7 @@ int64_t GeminiManager::step_of(int param) const {
 }
 
 void GeminiManager::set_step(int param, int64_t step) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_param(param);
   GX_CHECK(step >= 0, "step of parameter ", param, ": expected >= 0, got ", step, ".");
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
@@ -215,7 +215,7 @@ void GeminiManager::set_step(int param, int64_t step) {
 }
 
 void GeminiManager::set_replica_communicator(Communicator* replicas) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   GX_CHECK(sharded(), "set_replica_communicator: the chunks are not sharded; HSDP needs a ZeRO group as well.");
   replicas_ = replicas;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "core/errors.h"
+#include "core/memory_pressure.h"
 
 namespace gx::torch_layer {
 
@@ -52,9 +53,13 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   backward_claimed_.assign(params_.size(), 0);
   storages_ = std::make_unique<ParamStorages>(mgr_, ctx_->device_for(Tier::kDevice));
   mgr_.set_listener(storages_.get());
+  const at::Device dev = ctx_->device_for(Tier::kDevice);
+  reclaimer_id_ = MemoryPressure::instance().add_reclaimer(dev.is_cuda() ? dev.index() : -1,
+                                                           [this](size_t bytes) { return reclaim_device_bytes(bytes); });
 }
 
 GeminiManager::~GeminiManager() {
+  MemoryPressure::instance().remove_reclaimer(reclaimer_id_);
   mgr_.set_listener(nullptr);
   storages_->unbind_all();
 }
@@ -75,7 +80,7 @@ void GeminiManager::check_module(int module) const {
 }
 
 std::vector<at::Tensor> GeminiManager::param_views() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   std::vector<at::Tensor> views;
   views.reserve(params_.size());
   for (const auto& p : params_) views.push_back(storages_->view(p.chunk, p.slot));
@@ -87,13 +92,13 @@ at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
 }
 
 bool GeminiManager::end_iteration() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   note_locked('S', -1);
   return trace_.end_iteration();
 }
 
 void GeminiManager::apply_placement() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   ctx_->sync_compute_stream();
   const Tier host = mgr_.host_tier();
   for (auto& set : sets_) {
@@ -124,7 +129,7 @@ void GeminiManager::apply_placement() {
 // --- hooks -----------------------------------------------------------------------------------
 
 int GeminiManager::register_module(const std::vector<int>& params) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   Module m;
   for (int p : params) {
     check_param(p);
@@ -165,13 +170,13 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
 }
 
 void GeminiManager::pre_forward(int module) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
   fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/true);
 }
 
 void GeminiManager::post_forward(int module) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
   const Module& m = modules_[static_cast<size_t>(module)];
   if (in_backward_) {
@@ -198,14 +203,14 @@ void GeminiManager::post_forward(int module) {
 }
 
 void GeminiManager::pre_backward(int module) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
   in_backward_ = true;
   fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/false);
 }
 
 void GeminiManager::post_backward(int module) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
   const Module& m = modules_[static_cast<size_t>(module)];
   for (int p : m.params) {
@@ -218,7 +223,7 @@ void GeminiManager::post_backward(int module) {
 }
 
 void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_param(param);
   at::Tensor& grad = p.mutable_grad();
   if (!grad.defined()) return;
@@ -270,7 +275,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
 }
 
 void GeminiManager::end_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   ctx_->sync_compute_stream();
   whole_cache_id_ = -1;
   for (auto& set : sets_) {
@@ -303,7 +308,7 @@ void GeminiManager::end_backward() {
 }
 
 void GeminiManager::set_no_sync(bool no_sync) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   no_sync_ = no_sync;
 }
 

@@ -61,6 +61,7 @@
 #include "core/access_trace.h"
 #include "core/chunk_manager.h"
 #include "core/lru_eviction.h"
+#include "core/owned_mutex.h"
 #include "torch/chunk_views.h"
 #include "torch/param_storage.h"
 
@@ -105,6 +106,8 @@ struct EngineCounters {
   int64_t grad_chunks_offloaded = 0;
   int64_t flushed_chunks = 0;
   int64_t backward_passes = 0;
+  int64_t reclaims = 0;          // memory-pressure calls served (process allocator, tests)
+  int64_t reclaimed_bytes = 0;   // chunk bytes they evicted from the device
 };
 
 // One scheduling event, for memory_timeline(): kind is 'F' (fetch for compute), 'P' (prefetch
@@ -160,7 +163,11 @@ class GeminiManager {
   const std::vector<ParamSpec>& params() const { return params_; }
   ChunkManager& chunks() { return mgr_; }
   DeviceContext& context() { return *ctx_; }
-  std::mutex& mutex() { return mutex_; }
+  OwnedMutex& mutex() { return mutex_; }
+  // Memory pressure (the process-wide allocator, or a test): evicts chunks no tensor computes
+  // on, then gives the device tier's free slots and extents back, until `bytes` were released.
+  // Declines (returns 0) when this thread is inside the manager already, or another thread is.
+  size_t reclaim_device_bytes(size_t bytes);
   void ensure_on_device_locked(ChunkId id);
   // Sharded: this rank's shard of id on the device (a fetch keeps the host copy); no gathering.
   void ensure_shard_on_device_locked(ChunkId id);
@@ -258,7 +265,8 @@ class GeminiManager {
   bool no_sync_ = false;
   bool async_reduce_ = true;
   bool in_backward_ = false;
-  std::mutex mutex_;
+  OwnedMutex mutex_;
+  int reclaimer_id_ = -1;  // registration with MemoryPressure
 };
 
 }  // namespace gx::torch_layer

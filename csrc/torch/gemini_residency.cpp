@@ -5,6 +5,7 @@
 
 #include "core/belady_eviction.h"
 #include "core/errors.h"
+#include "core/memory_pressure.h"
 #include "core/prefetch_planner.h"
 #include "torch/gemini_manager.h"
 
@@ -89,7 +90,7 @@ int64_t GeminiManager::device_budget_locked() const {
 }
 
 void GeminiManager::set_device_budget(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   GX_CHECK(bytes >= 0, "device budget: expected >= 0 bytes (0: the whole device), got ", bytes, ".");
   budget_bytes_ = bytes;
   while (mgr_.tier_bytes(Tier::kDevice).current > device_budget_locked()) {
@@ -97,12 +98,27 @@ void GeminiManager::set_device_budget(int64_t bytes) {
   }
 }
 
+size_t GeminiManager::reclaim_device_bytes(size_t bytes) {
+  if (mutex_.held_by_this_thread()) return 0;  // an allocation inside one of our own calls
+  std::unique_lock<OwnedMutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;  // another thread is in the manager: waiting could deadlock
+  const int64_t before = mgr_.tier_bytes(Tier::kDevice).current;
+  while (before - mgr_.tier_bytes(Tier::kDevice).current < static_cast<int64_t>(bytes)) {
+    if (!make_room_locked(-1)) break;  // nothing else may go: chunks in COMPUTE stay
+  }
+  const int64_t evicted = before - mgr_.tier_bytes(Tier::kDevice).current;
+  const size_t released = mgr_.trim(Tier::kDevice);  // waits for the slots' last uses
+  counters_.reclaims += 1;
+  counters_.reclaimed_bytes += evicted;
+  return released;
+}
+
 int64_t GeminiManager::device_budget() const {
   return device_budget_locked();
 }
 
 void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<OwnedMutex> lock(mutex_);
   GX_CHECK(set_index >= 0 && static_cast<size_t>(set_index) < sets_.size(), "chunk set index: expected in [0, ",
            sets_.size(), "), got ", set_index, ".");
   GX_CHECK(!in_backward_, "set_optim_on_host during backward: change placement between steps.");

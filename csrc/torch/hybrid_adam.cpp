@@ -33,7 +33,7 @@ void HybridAdam::set_param_groups(std::vector<int> group_of_param) {
 }
 
 double HybridAdam::grad_norm_sq() {
-  std::lock_guard<std::mutex> lock(m_.mutex());
+  std::lock_guard<OwnedMutex> lock(m_.mutex());
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
   ctx.sync_compute_stream();
@@ -54,7 +54,7 @@ double HybridAdam::grad_norm_sq() {
 }
 
 void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multiplier) {
-  std::lock_guard<std::mutex> lock(m_.mutex());
+  std::lock_guard<OwnedMutex> lock(m_.mutex());
   GX_CHECK(!group_of_param_.empty() || m_.params().empty(), "HybridAdam::step before set_param_groups.");
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
