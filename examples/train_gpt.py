@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
         opt = engine.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
         dev = engine.compute_device
         if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
+            gx.reset_peak_memory_stats(dev)
         bar = tqdm(range(args.steps), desc=f"gpt-{preset} on {device_kind}", disable=args.no_progress, file=sys.stdout)
         for step in bar:
             x, y = synthetic_batch(model_cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
             loss_value = mean_over_ranks(loss_value, world, dev)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
-        torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # since the last step
+        torch_peak = gx.memory_stats()["allocated_bytes"]["peak"] if dev.type == "cuda" else None  # since the last step
 
     stats = engine.stats()  # as of the close
     if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them

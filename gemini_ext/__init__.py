@@ -12,6 +12,11 @@ from ._env import SETTINGS as _SETTINGS  # noqa: F401  (read the environment fir
 import torch  # noqa: E402,F401  (the extension links against torch's libraries)
 
 from . import _C  # noqa: E402
+from . import allocator as _allocator  # noqa: E402
+
+_allocator.install_if_requested()  # GEMINI_EXT_ALLOCATOR=chunk: before anything touches CUDA
+
+from .allocator import empty_cache, memory_stats, reset_peak_memory_stats  # noqa: E402
 from ._units import format_bytes, parse_bytes  # noqa: E402
 from .config import GeminiConfig  # noqa: E402
 from .engine import GeminiEngine, enable  # noqa: E402
@@ -31,5 +36,6 @@ __version__ = "0.1.0"
 __all__ = [
     "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "GeminiDDP", "GeminiPlugin", "Booster",
     "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
+    "memory_stats", "reset_peak_memory_stats", "empty_cache",
     "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
 ]

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from . import _C, checkpoint
+from . import _C, allocator, checkpoint
 from ._env import SETTINGS, logger
 from ._hooks import HookSet
 from ._units import format_bytes
@@ -110,9 +110,6 @@ class GeminiEngine:
                                "close it (leave its `with` block) first.")
         self._dp_group = resolve_process_group(process_group)  # every data-parallel rank
         world_size = torch.distributed.get_world_size(self._dp_group) if self._dp_group is not None else 1
-        if SETTINGS.allocator == "chunk":
-            raise NotImplementedError("GEMINI_EXT_ALLOCATOR=chunk: the process-wide chunk allocator is not in this "
-                                      "release; unset GEMINI_EXT_ALLOCATOR or set it to 'default'.")
         if not config.master_weights and config.precision != "fp32":
             raise NotImplementedError(f"master_weights=False with precision={config.precision!r}: stepping 16-bit "
                                       "parameters without fp32 masters is not supported; use master_weights=True.")
@@ -208,7 +205,7 @@ class GeminiEngine:
             self._gm.set_replica_communicator(self._replica_comm)
         self._gm.set_device_budget(self.policy.device_budget(self))
         if self.device_kind == "cuda":  # per-iteration non-model peaks start here (see _end_iteration)
-            torch.cuda.reset_peak_memory_stats(self.compute_device)
+            allocator.reset_peak_memory_stats(self.compute_device)
         self._gm.set_async_reduce(config.enable_async_reduce)
         self._gm.set_max_prefetch(config.max_prefetch)
         if config.enable_gradient_accumulation:
@@ -411,8 +408,8 @@ class GeminiEngine:
         if self.device_kind == "cuda":
             # non-model data: torch's allocator (activations, temporaries) over this iteration; the
             # allocator's peak statistic is reset at every iteration end for this measurement
-            entry["non_model_peak_bytes"] = torch.cuda.max_memory_allocated(self.compute_device)
-            torch.cuda.reset_peak_memory_stats(self.compute_device)
+            entry["non_model_peak_bytes"] = allocator.non_model_peak_bytes(self.compute_device)
+            allocator.reset_peak_memory_stats(self.compute_device)
         else:
             entry["non_model_peak_bytes"] = 0  # on sim, activations live in host memory
         self._steps_log.append(entry)
@@ -473,6 +470,8 @@ class GeminiEngine:
             "host_bytes": tiers["pinned_host"]["current"] + tiers["pageable_host"]["current"],
             "traffic": mgr.traffic(),
             "counters": gm.counters(),
+            # the chunk pools: a reserved arena per tier, slots reused after their last uses
+            "pools": {t: mgr.pool_stats(t) for t in tiers},
             "optimizer_steps": self._optimizer_steps,
             "skipped_steps": self._skipped_steps,
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
@@ -564,6 +563,7 @@ class GeminiEngine:
         """Restores ordinary parameters holding the current values and frees the chunks (idempotent)."""
         if self._closed:
             return
+        self._gm.stop_reclaiming()  # memory pressure no longer reaches this engine's chunks
         self._gm.synchronize()
         self._stats_at_close = self.stats()
         with torch.no_grad():
@@ -587,7 +587,14 @@ class GeminiEngine:
     def __enter__(self) -> "GeminiEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, torch.OutOfMemoryError) and self.device_kind == "cuda" and allocator.mode() == "default":
+            exc.add_note(f"gemini_ext: torch's allocator ran out of device memory with "
+                         f"{format_bytes(self._mgr.tier_bytes('device')['current'])} of chunks on the device "
+                         f"(placement_policy={self.config.placement_policy!r}). Under GEMINI_EXT_ALLOCATOR=default chunks "
+                         "are not evicted for torch's allocations: set GEMINI_EXT_ALLOCATOR=chunk (before importing "
+                         "gemini_ext) so that chunks go to the host on demand, or lower gpu_memory_limit / "
+                         "const_gpu_budget, the batch size, or use activation checkpointing.")
         self.close()
 
     def _check_open(self, what: str) -> None:

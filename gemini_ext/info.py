@@ -18,9 +18,12 @@ def info() -> dict:
         device = "sim (torch sees a GPU but this build is CPU-only)"
     else:
         device = "sim (no CUDA device)"
-    allocator = SETTINGS.allocator
-    if allocator == "chunk":
-        allocator += " (requested; not available in this release: engines will refuse to start)"
+    from .allocator import mode
+    active = mode()
+    allocator = active + (" (process-wide: every CUDA allocation goes through gemini_ext)" if active == "chunk" else
+                          " (chunk pools for chunks, PyTorch's caching allocator for the rest)")
+    if SETTINGS.allocator != active:
+        allocator += f"; GEMINI_EXT_ALLOCATOR={SETTINGS.allocator} was requested but is not installed"
     return {
         "gemini_ext build": "CUDA" if build["cuda"] else "CPU-only",
         "CUDA version (build)": build["cuda_version"] or "none",

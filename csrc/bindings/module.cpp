@@ -144,6 +144,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("chunk_allocator_installed", &torch_layer::chunk_allocator_installed);
   m.def("chunk_allocator_stats", &torch_layer::chunk_allocator_stats);
   m.def("reset_chunk_allocator_peak", &torch_layer::reset_chunk_allocator_peak);
+  m.def("chunk_slot_device_bytes", &torch_layer::chunk_slot_device_bytes);
   m.def("chunk_allocator_empty_cache", &torch_layer::chunk_allocator_empty_cache,
         py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -335,6 +336,23 @@ PYBIND11_MODULE(_C, m) {
       .def("tier_bytes", [](PyChunkManager& p, const std::string& tier) { return stat_dict(p.mgr->tier_bytes(parse_tier(tier))); })
       .def("reserved_bytes",
            [](PyChunkManager& p, const std::string& tier) { return stat_dict(p.mgr->allocator().reserved_bytes(parse_tier(tier))); })
+      .def("pool_stats",
+           [](PyChunkManager& p, const std::string& tier) {
+             const ChunkAllocator& a = p.mgr->allocator();
+             const Tier t = parse_tier(tier);
+             py::dict d;
+             d["in_use_bytes"] = stat_dict(a.in_use_bytes(t));
+             d["reserved_bytes"] = stat_dict(a.reserved_bytes(t));
+             d["slots_taken_from_arena"] = a.upstream_allocations(t);
+             d["arena_extents"] = a.arena_extents(t);
+             d["ordered_reuses"] = a.ordered_reuses(t);  // slots reused with their first use ordered after their last
+             d["reuse_waits"] = a.reuse_waits(t);
+             return d;
+           })
+      .def("trim", [](PyChunkManager& p, const std::string& tier) { return p.mgr->trim(parse_tier(tier)); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("reserve_arena",
+           [](PyChunkManager& p, const std::string& tier, size_t bytes) { p.mgr->reserve_arena(parse_tier(tier), bytes); })
       .def("wasted_bytes", [](PyChunkManager& p) { return p.mgr->wasted_bytes(); })
       .def("traffic", [](PyChunkManager& p) {
         const TrafficStats& t = p.mgr->traffic();
@@ -418,6 +436,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("flush_grads", &GeminiManager::flush_grads, py::call_guard<py::gil_scoped_release>())
       .def("reclaim_device_bytes", &GeminiManager::reclaim_device_bytes, py::call_guard<py::gil_scoped_release>())
+      .def("stop_reclaiming", &GeminiManager::stop_reclaiming)
       .def_property_readonly("no_sync", &GeminiManager::no_sync)
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
       .def("zero_grad", &GeminiManager::zero_grad, py::call_guard<py::gil_scoped_release>())

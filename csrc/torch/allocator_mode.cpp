@@ -68,13 +68,14 @@ std::map<std::string, int64_t> chunk_allocator_stats() {
           {"ooms_rescued", s.ooms_rescued},
           {"ooms_failed", s.ooms_failed},
           {"reclaimed_bytes", s.reclaimed_bytes},
-          {"record_streams", s.record_streams},
-          {"chunk_slot_bytes", cuda_device_bytes_in_use(-1)}};
+          {"record_streams", s.record_streams}};
 }
 
 void reset_chunk_allocator_peak() {
   if (g_installed) ProcessAllocator::instance().reset_peak();
 }
+
+int64_t chunk_slot_device_bytes() { return cuda_device_bytes_in_use(-1); }
 
 int64_t chunk_allocator_empty_cache() {
   return g_installed ? static_cast<int64_t>(ProcessAllocator::instance().empty_cache()) : 0;
@@ -90,6 +91,7 @@ void install_chunk_allocator() {
 std::map<std::string, int64_t> chunk_allocator_stats() { return {}; }
 void reset_chunk_allocator_peak() {}
 int64_t chunk_allocator_empty_cache() { return 0; }
+int64_t chunk_slot_device_bytes() { return 0; }
 
 #endif
 

@@ -15,5 +15,6 @@ bool chunk_allocator_installed();
 std::map<std::string, int64_t> chunk_allocator_stats();  // exact counters (empty when not installed)
 void reset_chunk_allocator_peak();
 int64_t chunk_allocator_empty_cache();
+int64_t chunk_slot_device_bytes();  // device bytes of chunk slots (cudaMalloc'd by the chunk pools), all devices
 
 }  // namespace gx::torch_layer

@@ -58,6 +58,10 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
                                                            [this](size_t bytes) { return reclaim_device_bytes(bytes); });
 }
 
+void GeminiManager::stop_reclaiming() {
+  MemoryPressure::instance().remove_reclaimer(reclaimer_id_);
+}
+
 GeminiManager::~GeminiManager() {
   MemoryPressure::instance().remove_reclaimer(reclaimer_id_);
   mgr_.set_listener(nullptr);

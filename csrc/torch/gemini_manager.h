@@ -168,6 +168,7 @@ class GeminiManager {
   // on, then gives the device tier's free slots and extents back, until `bytes` were released.
   // Declines (returns 0) when this thread is inside the manager already, or another thread is.
   size_t reclaim_device_bytes(size_t bytes);
+  void stop_reclaiming();  // no longer asked under memory pressure (the engine closed); idempotent
   void ensure_on_device_locked(ChunkId id);
   // Sharded: this rank's shard of id on the device (a fetch keeps the host copy); no gathering.
   void ensure_shard_on_device_locked(ChunkId id);
