@@ -3,19 +3,22 @@ on sim, the mode's errors, and (on the GPU, a fresh process per mode) training p
 statistics, record_stream / empty_cache, and the out-of-memory rescue."""
 
 import json
+import os
 
 import pytest
 import torch
 
 import gemini_ext as gx
-from conftest import run_python
+from conftest import REPO, run_python
 from parity_utils import LR, WD, batch, config, make_models, max_relative_difference, train_reference
 
 CUDA_BUILD = bool(gx._C.build_info()["cuda"])
 
 
 def _worker(scenario, mode, **env):
-    out = run_python("tests/python/allocator_worker.py", scenario, env={"GEMINI_EXT_ALLOCATOR": mode, **env})
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # the package from the tree
+    out = run_python("tests/python/allocator_worker.py", scenario,
+                     env={"GEMINI_EXT_ALLOCATOR": mode, "PYTHONPATH": path, **env})
     return out
 
 
