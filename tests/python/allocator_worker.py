@@ -4,12 +4,15 @@ needs its own interpreter); prints one JSON line with what the test asserts on.
     python tests/python/allocator_worker.py parity|rescue|stats
 """
 
+import faulthandler
 import json
 import os
 import sys
 
-import gemini_ext as gx  # first: under GEMINI_EXT_ALLOCATOR=chunk it installs the allocator here
-import torch
+faulthandler.enable()  # a crash prints the Python stack of every thread
+
+import gemini_ext as gx  # noqa: E402  # first: under GEMINI_EXT_ALLOCATOR=chunk it installs the allocator here
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from parity_utils import (LR, WD, batch, chunk_cap, config, make_models, max_relative_difference,  # noqa: E402
