@@ -30,12 +30,15 @@ void install_chunk_allocator() {
         void* p = a.allocate(size, device, stream);
         if (p == nullptr && size > 0) {
           const ProcessAllocatorStats s = a.stats();
-          TORCH_CHECK_WITH(OutOfMemoryError, false, "gemini_ext chunk allocator: out of memory allocating ", size,
-                           " bytes on cuda:", device, " (limited by ", a.last_error(), "): ", s.allocated_bytes.current,
-                           " bytes allocated by torch, ", cuda_device_bytes_in_use(device),
-                           " bytes of chunk slots that could not be evicted (chunks in use by the current "
-                           "module stay). Lower the batch size or activation memory (activation checkpointing), "
-                           "or gpu_memory_limit / const_gpu_budget so fewer chunks live on the device.");
+          // Built with concat (std::to_string): integer formatting through std::ostream crashed
+          // inside this extension on the H200 (see README), and torch's TORCH_CHECK formats so.
+          std::string msg = detail::concat(
+              "gemini_ext chunk allocator: out of memory allocating ", size, " bytes on cuda:", device, " (limited by ",
+              a.last_error(), ") after evicting every chunk no module computes on: ", s.allocated_bytes.current,
+              " bytes allocated by torch, ", cuda_device_bytes_in_use(device),
+              " bytes of chunk slots on the device. Lower the batch size or activation memory (activation "
+              "checkpointing), or gpu_memory_limit / const_gpu_budget so fewer chunks live on the device.");
+          throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
         }
         return p;
       },
