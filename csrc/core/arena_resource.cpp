@@ -78,20 +78,25 @@ void* ArenaResource::carve(Extent& e, std::map<uintptr_t, size_t>::iterator rang
 
 void* ArenaResource::do_allocate(size_t bytes) {
   GX_CHECK(bytes > 0, "ArenaResource ", name(), ": allocation of 0 bytes.");
-  const size_t rounded = round_up(bytes);
+  const size_t rounded = round_up(bytes);  // what a block carved from a larger range takes
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [base, e] : extents_) {  // first fit, lowest address first
     for (auto it = e.free.begin(); it != e.free.end(); ++it) {
       if (it->second >= rounded) return carve(e, it, rounded);
+      // A range that holds the request but not its rounded size is taken whole: nothing is
+      // left after it whose start would be misaligned.
+      if (it->second >= bytes) return carve(e, it, it->second);
     }
   }
-  void* p = upstream_.allocate(rounded);  // a growth extent of exactly the request
+  // A growth extent of exactly the request (no rounding: byte limits such as the sim
+  // device's capacity see what the chunk needs), taken whole by the block.
+  void* p = upstream_.allocate(bytes);
   const auto base = reinterpret_cast<uintptr_t>(p);
   Extent& e = extents_[base];
-  e.bytes = rounded;
-  reserved_.increase(static_cast<int64_t>(rounded));
-  e.free.emplace(base, rounded);
-  return carve(e, e.free.begin(), rounded);
+  e.bytes = bytes;
+  reserved_.increase(static_cast<int64_t>(bytes));
+  e.free.emplace(base, bytes);
+  return carve(e, e.free.begin(), bytes);
 }
 
 ArenaResource::Extent& ArenaResource::extent_of(uintptr_t address) {
@@ -109,8 +114,8 @@ void ArenaResource::do_deallocate(void* ptr, size_t bytes) {
   GX_INTERNAL_ASSERT(block != blocks_.end(), "ArenaResource ", name(),
                      ": deallocate of a pointer that is not a live block (double free?)");
   const size_t rounded = block->second;
-  GX_INTERNAL_ASSERT(round_up(bytes) == rounded, "ArenaResource ", name(), ": deallocate of ", bytes,
-                     " bytes for a block of ", rounded);
+  GX_INTERNAL_ASSERT(bytes <= rounded && rounded - bytes < kResourceAlignmentBytes, "ArenaResource ", name(),
+                     ": deallocate of ", bytes, " bytes for a block of ", rounded);
   blocks_.erase(block);
   Extent& e = extent_of(start);
   e.used_bytes -= rounded;

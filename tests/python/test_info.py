@@ -1,3 +1,5 @@
+import torch
+
 import gemini_ext as gx
 from conftest import run_python
 
@@ -11,9 +13,15 @@ def test_info_command_prints_build_torch_allocator_and_device():
 
 
 def test_info_reflects_allocator_env():
-    out = run_python("-m", "gemini_ext", "info", env={"GEMINI_EXT_ALLOCATOR": "chunk"})
+    out = run_python("-m", "gemini_ext", "info")
     assert out.returncode == 0, out.stderr
-    assert "chunk" in out.stdout
+    assert "allocator mode" in out.stdout and "default (" in out.stdout
+    out = run_python("-m", "gemini_ext", "info", env={"GEMINI_EXT_ALLOCATOR": "chunk"})
+    if gx._C.build_info()["cuda"] and torch.cuda.is_available():  # installed at import: info shows it
+        assert out.returncode == 0, out.stderr
+        assert "chunk (process-wide" in out.stdout
+    else:  # cannot be installed here: the import says why instead of pretending
+        assert out.returncode != 0 and "GEMINI_EXT_ALLOCATOR=chunk:" in out.stderr
 
 
 def test_build_info_fields_are_consistent():

@@ -187,15 +187,15 @@ TEST(ChunkAllocator, OnePoolPerTierAndSizeExactAccounting) {
   void* d = alloc.allocate(Tier::kDevice, 1000);
   EXPECT_EQ(d, a);
   EXPECT_EQ(alloc.upstream_allocations(Tier::kDevice), 2u);
-  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 1024 + 2048) << "extents rounded to 256 bytes";
+  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 3000) << "growth extents of exactly the slot size";
   EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).peak, 3000);
   alloc.deallocate(Tier::kDevice, b, 2000);
   alloc.deallocate(Tier::kDevice, d, 1000);
   alloc.deallocate(Tier::kPinnedHost, c, 1000);
   EXPECT_EQ(alloc.in_use_bytes(Tier::kDevice).current, 0);
   alloc.release_free_slots();  // back to the arena, which keeps its extents
-  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 1024 + 2048);
-  EXPECT_EQ(alloc.trim(Tier::kDevice), 1024u + 2048u);
+  EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 3000);
+  EXPECT_EQ(alloc.trim(Tier::kDevice), 3000u);
   EXPECT_EQ(alloc.reserved_bytes(Tier::kDevice).current, 0);
 }
 
@@ -267,6 +267,20 @@ TEST(ArenaResource, GrowsByExactExtentsAndTrimsWhollyFreeOnes) {
   arena.deallocate(a, 4096);
   EXPECT_EQ(arena.trim(), 4096u) << "the reservation too, once wholly free";
   EXPECT_EQ(upstream.bytes().current, 0);
+}
+
+TEST(ArenaResource, AnUnroundedFitTakesTheWholeRangeSoBlocksStayAligned) {
+  HostMemoryResource host;
+  ArenaResource arena(host);
+  void* a = arena.allocate(1000);  // a growth extent of exactly 1000 bytes
+  arena.deallocate(a, 1000);
+  void* b = arena.allocate(900);   // fits only unrounded (1024 > 1000): takes the whole range
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(arena.in_use_bytes().current, 1000);
+  EXPECT_EQ(arena.largest_free_block(), 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % kResourceAlignmentBytes, 0u);
+  arena.deallocate(b, 900);
+  EXPECT_EQ(arena.extents(), 1u);
 }
 
 TEST(ArenaResource, DoubleFreeAndWrongSizeAreBugs) {
