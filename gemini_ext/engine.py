@@ -213,6 +213,8 @@ class GeminiEngine:
         self._slots = [(c, s) for c, s, _ in pspecs]
         views = self._gm.param_views()
         self._gm.apply_placement()
+        for tier in ("pinned_host", "pageable_host"):  # groups that left the host give their arena back
+            self._mgr.trim(tier)
         existing = []
         for i, (p, view) in enumerate(zip(self._params, views)):
             if p.grad is not None:

@@ -87,8 +87,19 @@ TensorHandle ChunkManager::register_tensor(const std::string& group, const std::
 void ChunkManager::finalize() {
   GX_CHECK(!finalized_, "finalize(): already finalized.");
   std::vector<uint8_t> zeros;  // source for zeroing device shards, as large as the largest
+  for (auto& c : chunks_) c->close();
+  // Each group's first copies come from one reservation of its home tier's arena (one upstream
+  // allocation per group, not one per chunk); a group that later leaves the tier entirely
+  // leaves a wholly free extent that trim() gives back.
+  for (const auto& [name, g] : groups_) {
+    size_t bytes = 0;
+    for (ChunkId id : g.chunk_ids) {
+      const size_t b = chunks_[static_cast<size_t>(id)]->shard_bytes();
+      bytes += (b + kResourceAlignmentBytes - 1) / kResourceAlignmentBytes * kResourceAlignmentBytes;
+    }
+    if (bytes > 0) allocator_.reserve_arena(g.home_tier, bytes);
+  }
   for (auto& c : chunks_) {
-    c->close();
     const Tier home = groups_.at(c->group()).home_tier;
     add_copy(*c, home);
     // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.

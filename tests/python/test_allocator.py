@@ -74,6 +74,21 @@ def test_pools_reuse_slots_on_sim_with_exact_accounting():
             device["reserved_bytes"]["current"] - freed
 
 
+def test_each_group_takes_one_reserved_arena_extent_and_returns_it_when_it_leaves_the_host():
+    model, _ = make_models()
+    with gx.enable(model, config("sim", offload_optim_frac=1.0)) as engine:
+        host = engine.stats()["pools"]["pageable_host"]
+        # param, grad, exp_avg, exp_avg_sq (fp32: no separate master), one reservation each
+        assert host["arena_extents"] == 4
+        n_chunks = engine.stats()["num_chunks"]
+        assert host["slots_taken_from_arena"] >= n_chunks
+    model, _ = make_models()
+    with gx.enable(model, config("sim", offload_optim_frac=0.0)) as engine:  # optimizer state on the device
+        host = engine.stats()["pools"]["pageable_host"]
+        assert host["arena_extents"] < 4, "the groups that moved to the device gave their extents back"
+        assert host["reserved_bytes"]["current"] >= host["in_use_bytes"]["current"]
+
+
 def test_memory_pressure_evicts_idle_chunks_on_sim_and_training_continues_exactly():
     """What the process-wide allocator does when an allocation would fail, driven by hand on sim:
     the managers of the device evict chunks no tensor computes on and give their slots back."""
