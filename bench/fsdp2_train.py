@@ -24,7 +24,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -41,21 +40,7 @@ def _load_model_module():
 
 
 _gpt = _load_model_module()
-GPT, GPT_PRESETS, synthetic_batch = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch
-
-
-class _Checkpointed(torch.nn.Module):  # as examples/train_gpt.py: non-reentrant, per block
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-
-
-def checkpoint_blocks(model) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = _Checkpointed(block)
+GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch, _gpt.checkpoint_blocks
 
 
 def parse_args(argv=None):

@@ -22,12 +22,11 @@ import sys
 import time
 
 import torch
-import torch.utils.checkpoint
 from tqdm import tqdm
 
 import gemini_ext as gx
 from gemini_ext.engine import resolve_device
-from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
+from gemini_ext.models import GPT, GPT_PRESETS, checkpoint_blocks, synthetic_batch
 
 
 def parse_args(argv=None):
@@ -52,20 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--json-out", default=None, help="also write the summary as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
-
-
-class _Checkpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-
-
-def checkpoint_blocks(model) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = _Checkpointed(block)
 
 
 def init_distributed(device_kind: str) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,23 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Checkpointed(nn.Module):
+    """Runs a block under non-reentrant activation checkpointing (what gemini_ext's hooks support)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpoint_blocks(model: GPT) -> None:
+    """Wraps every block of `model` in Checkpointed (the examples' and benches' --checkpoint)."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = Checkpointed(block)
 
 
 def synthetic_batch(cfg: GPTConfig, batch: int, seq_len: int, step: int, device, seed: int = 0,
