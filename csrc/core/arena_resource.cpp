@@ -1,14 +1,9 @@
 #include "arena_resource.h"
 
 #include "errors.h"
+#include "types.h"
 
 namespace gx {
-
-namespace {
-size_t round_up(size_t bytes) {
-  return (bytes + kResourceAlignmentBytes - 1) / kResourceAlignmentBytes * kResourceAlignmentBytes;
-}
-}  // namespace
 
 ArenaResource::~ArenaResource() {
   for (auto& [base, e] : extents_) upstream_.deallocate(reinterpret_cast<void*>(base), e.bytes);
@@ -16,7 +11,7 @@ ArenaResource::~ArenaResource() {
 
 void ArenaResource::reserve(size_t bytes) {
   GX_CHECK(bytes > 0, "ArenaResource::reserve: expected a positive byte count, got 0.");
-  const size_t rounded = round_up(bytes);
+  const size_t rounded = round_up(bytes, kResourceAlignmentBytes);
   std::lock_guard<std::mutex> lock(mutex_);
   void* p = upstream_.allocate(rounded);  // OutOfMemoryError: nothing changed
   const auto base = reinterpret_cast<uintptr_t>(p);
@@ -78,7 +73,7 @@ void* ArenaResource::carve(Extent& e, std::map<uintptr_t, size_t>::iterator rang
 
 void* ArenaResource::do_allocate(size_t bytes) {
   GX_CHECK(bytes > 0, "ArenaResource ", name(), ": allocation of 0 bytes.");
-  const size_t rounded = round_up(bytes);  // what a block carved from a larger range takes
+  const size_t rounded = round_up(bytes, kResourceAlignmentBytes);  // what a block carved from a larger range takes
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [base, e] : extents_) {  // first fit, lowest address first
     for (auto it = e.free.begin(); it != e.free.end(); ++it) {

@@ -93,10 +93,7 @@ void ChunkManager::finalize() {
   // leaves a wholly free extent that trim() gives back.
   for (const auto& [name, g] : groups_) {
     size_t bytes = 0;
-    for (ChunkId id : g.chunk_ids) {
-      const size_t b = chunks_[static_cast<size_t>(id)]->shard_bytes();
-      bytes += (b + kResourceAlignmentBytes - 1) / kResourceAlignmentBytes * kResourceAlignmentBytes;
-    }
+    for (ChunkId id : g.chunk_ids) bytes += round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
     if (bytes > 0) allocator_.reserve_arena(g.home_tier, bytes);
   }
   for (auto& c : chunks_) {

@@ -38,15 +38,17 @@ bool ProcessAllocator::over_limit_locked(int device, size_t bytes) const {
   return total > static_cast<int64_t>(it->second);
 }
 
-void ProcessAllocator::refresh_reserved_locked() {
-  int64_t reserved = 0;
+void ProcessAllocator::read_reserved_locked(ProcessAllocatorStats& out) const {
+  // The pools keep their own figures (current and high watermark): read them when asked rather
+  // than on every allocation.
+  int64_t current = 0, high = 0;
   for (const auto& [device, pool] : pools_) {
-    uint64_t current = 0;
-    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &current) == cudaSuccess)
-      reserved += static_cast<int64_t>(current);
+    uint64_t c = 0, h = 0;
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &c) == cudaSuccess) current += static_cast<int64_t>(c);
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &h) == cudaSuccess) high += static_cast<int64_t>(h);
   }
-  stats_.reserved_bytes = reserved;
-  if (reserved > stats_.reserved_bytes_peak) stats_.reserved_bytes_peak = reserved;
+  out.reserved_bytes = current;
+  out.reserved_bytes_peak = high;
 }
 
 void* ProcessAllocator::try_allocate(size_t bytes, int device, cudaStream_t stream) {
@@ -67,7 +69,6 @@ void* ProcessAllocator::try_allocate(size_t bytes, int device, cudaStream_t stre
   in_use_by_device_[device] += static_cast<int64_t>(bytes);
   stats_.allocated_bytes.increase(static_cast<int64_t>(bytes));
   stats_.allocations += 1;
-  refresh_reserved_locked();
   return ptr;
 }
 
@@ -138,7 +139,6 @@ size_t ProcessAllocator::release_cache(int device) {
   cudaMemPoolGetAttribute(it->second, cudaMemPoolAttrReservedMemCurrent, &before);
   GX_CUDA_CHECK(cudaMemPoolTrimTo(it->second, 0));
   cudaMemPoolGetAttribute(it->second, cudaMemPoolAttrReservedMemCurrent, &after);
-  refresh_reserved_locked();
   return static_cast<size_t>(before - after);
 }
 
@@ -172,13 +172,18 @@ void ProcessAllocator::set_external_bytes_fn(int64_t (*fn)(int)) {
 
 ProcessAllocatorStats ProcessAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
+  ProcessAllocatorStats out = stats_;
+  read_reserved_locked(out);
+  return out;
 }
 
 void ProcessAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.allocated_bytes.reset_peak();
-  stats_.reserved_bytes_peak = stats_.reserved_bytes;
+  for (const auto& [device, pool] : pools_) {
+    uint64_t zero = 0;  // the pool's high watermark restarts from its current reservation
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero);
+  }
 }
 
 size_t ProcessAllocator::limit_bytes(int device) const {

@@ -36,8 +36,8 @@ namespace gx {
 
 struct ProcessAllocatorStats {
   Stat allocated_bytes;        // bytes handed out (requested sizes)
-  int64_t reserved_bytes = 0;  // what the pools hold from the device now (summed over devices)
-  int64_t reserved_bytes_peak = 0;
+  int64_t reserved_bytes = 0;  // what the pools hold from the device now (summed over devices; read on request)
+  int64_t reserved_bytes_peak = 0;  // the pools' high watermarks since the last reset_peak
   int64_t allocations = 0;
   int64_t frees = 0;
   int64_t ooms_rescued = 0;    // allocations that succeeded after a device sync or chunk eviction
@@ -74,7 +74,7 @@ class ProcessAllocator {
   cudaMemPool_t pool_locked(int device);
   bool over_limit_locked(int device, size_t bytes) const;
   void* try_allocate(size_t bytes, int device, cudaStream_t stream);
-  void refresh_reserved_locked();
+  void read_reserved_locked(ProcessAllocatorStats& out) const;
 
   mutable std::mutex mutex_;
   std::unordered_map<int, cudaMemPool_t> pools_;
