@@ -5,7 +5,7 @@ Each measurement runs in a fresh process per mode (the mode is chosen at import)
      a transformer step allocates), on the current stream, after a warm-up that fills the caches;
   2. step time of examples/train_gpt.py on the same model and batch in both modes.
 
-    python bench/allocator.py --preset 1.3b --steps 8          # on the H200
+    python bench/allocator.py --preset 1.3b --steps 8 --repeats 2   # on the H200
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,46 +46,66 @@ def run_mode(mode: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env)
 
 
+def measure(mode: str, args) -> dict:
+    row = {"mode": mode}
+    micro = run_mode(mode, ["-c", MICRO])
+    if micro.returncode != 0:
+        row["error"] = (micro.stderr.strip().splitlines() or ["?"])[-1]
+        return row
+    row["allocs_per_s"] = json.loads(micro.stdout.strip().splitlines()[-1])["allocs_per_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = os.path.join(tmp, "s.json")
+        train = run_mode(mode, ["examples/train_gpt.py", "--preset", args.preset, "--steps", str(args.steps),
+                                "--batch", str(args.batch), "--policy", args.policy, "--json-out", out_json,
+                                "--no-progress"])
+        if train.returncode != 0:
+            row["error"] = (train.stderr.strip().splitlines() or ["?"])[-1]
+            return row
+        with open(out_json) as f:
+            s = json.load(f)
+    row.update(step_ms=s["step_s_median"] * 1e3, tokens_per_s=s["tokens_per_s"],
+               torch_peak_GiB=(s["peak_torch_device_bytes"] or 0) / 2**30, last_loss=s["last_loss"])
+    return row
+
+
+def summarise(mode: str, runs: list[dict]) -> dict:
+    """The median over a mode's runs, with the range of step times; the first failure otherwise."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    out = {"mode": mode, "runs": runs}
+    for key in ("allocs_per_s", "step_ms", "tokens_per_s", "torch_peak_GiB", "last_loss"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["step_ms_range"] = (min(r["step_ms"] for r in runs), max(r["step_ms"] for r in runs))
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="1.3b")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--policy", default="auto")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per mode, interleaved (default, chunk, default, ...): the spread shows the noise")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    rows = []
-    for mode in ("default", "chunk"):
-        micro = run_mode(mode, ["-c", MICRO])
-        row = {"mode": mode}
-        if micro.returncode != 0:
-            row["error"] = (micro.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append(row)
-            continue
-        row["allocs_per_s"] = json.loads(micro.stdout.strip().splitlines()[-1])["allocs_per_s"]
-        with tempfile.TemporaryDirectory() as tmp:
-            out_json = os.path.join(tmp, "s.json")
-            train = run_mode(mode, ["examples/train_gpt.py", "--preset", args.preset, "--steps", str(args.steps),
-                                    "--batch", str(args.batch), "--policy", args.policy, "--json-out", out_json,
-                                    "--no-progress"])
-            if train.returncode != 0:
-                row["error"] = (train.stderr.strip().splitlines() or ["?"])[-1]
-            else:
-                with open(out_json) as f:
-                    s = json.load(f)
-                row.update(step_ms=s["step_s_median"] * 1e3, tokens_per_s=s["tokens_per_s"],
-                           torch_peak_GiB=(s["peak_torch_device_bytes"] or 0) / 2**30, last_loss=s["last_loss"])
-        rows.append(row)
+    runs = []
+    for rep in range(args.repeats):
+        for mode in ("default", "chunk"):
+            runs.append(measure(mode, args))
+    rows = [summarise(mode, [r for r in runs if r["mode"] == mode]) for mode in ("default", "chunk")]
     base = rows[0]
-    print(f"gpt-{args.preset}, {args.batch} x 1024 tokens, policy {args.policy}, {args.steps} steps (median after the first)\n")
-    print("| mode | allocations/s | step ms | vs default | tokens/s | torch-side peak GiB | last loss |")
+    print(f"gpt-{args.preset}, {args.batch} x 1024 tokens, policy {args.policy}, {args.steps} steps (median after the "
+          f"first), {args.repeats} runs per mode interleaved: medians over runs, step time range in brackets\n")
+    print("| mode | allocations/s | step ms [range] | vs default | tokens/s | torch-side peak GiB | last loss |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['mode']} | failed: {r['error'][:100]} ||||||")
             continue
         ratio = r["step_ms"] / base["step_ms"] if "step_ms" in base else float("nan")
-        print(f"| {r['mode']} | {r['allocs_per_s']:,.0f} | {r['step_ms']:.1f} | {ratio:.3f} | {r['tokens_per_s']:,.0f} | "
+        print(f"| {r['mode']} | {r['allocs_per_s']:,.0f} | {r['step_ms']:.1f} [{r['step_ms_range'][0]:.1f}-{r['step_ms_range'][1]:.1f}] | {ratio:.3f} | {r['tokens_per_s']:,.0f} | "
               f"{r['torch_peak_GiB']:.2f} | {r['last_loss']:.4f} |")
     if args.json_out:
         with open(args.json_out, "w") as f:

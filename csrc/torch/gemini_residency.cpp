@@ -103,13 +103,14 @@ size_t GeminiManager::reclaim_device_bytes(size_t bytes) {
   std::unique_lock<OwnedMutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return 0;  // another thread is in the manager: waiting could deadlock
   const int64_t before = mgr_.tier_bytes(Tier::kDevice).current;
-  while (before - mgr_.tier_bytes(Tier::kDevice).current < static_cast<int64_t>(bytes)) {
-    if (!make_room_locked(-1)) break;  // nothing else may go: chunks in COMPUTE stay
-  }
-  const int64_t evicted = before - mgr_.tier_bytes(Tier::kDevice).current;
-  const size_t released = mgr_.trim(Tier::kDevice);  // waits for the slots' last uses
+  // What counts is memory handed back to the device, not chunk bytes evicted: a slot carved from
+  // a group's arena extent returns only when the whole extent is free. So evict one chunk at a
+  // time and trim after each (trim waits for the slots' last uses), until enough came back or
+  // nothing else may go (chunks in COMPUTE stay).
+  size_t released = mgr_.trim(Tier::kDevice);  // free slots cached by the pools
+  while (released < bytes && make_room_locked(-1)) released += mgr_.trim(Tier::kDevice);
   counters_.reclaims += 1;
-  counters_.reclaimed_bytes += evicted;
+  counters_.reclaimed_bytes += before - mgr_.tier_bytes(Tier::kDevice).current;
   return released;
 }
 
