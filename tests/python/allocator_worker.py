@@ -43,6 +43,8 @@ class Stack(torch.nn.Module):
     def __init__(self, width: int, depth: int):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(depth))
+        for layer in self.layers:  # keeps the activations' scale through the ReLUs: a loss of order one
+            torch.nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
 
     def forward(self, x):
         for layer in self.layers:
