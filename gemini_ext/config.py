@@ -42,6 +42,11 @@ class GeminiConfig:
     master_weights: bool = True
     device: str = "auto"
     sim_capacity: int | str | None = None
+    # Extension (not in the original): the CPU optimizer step of host chunks runs on a background
+    # thread, in forward order, while the caller goes on; the next forward waits per chunk. The
+    # result is the serial step's, bit for bit. False: step() returns only once every chunk is
+    # stepped (the serial step, for comparison).
+    overlap_optimizer: bool = True
 
     def __post_init__(self):
         _choice("precision", self.precision, PRECISIONS)
@@ -76,6 +81,10 @@ class GeminiConfig:
             raise ValueError(f"backoff_factor: expected in (0, 1), got {self.backoff_factor!r}.")
         if self.growth_factor <= 1.0:
             raise ValueError(f"growth_factor: expected > 1, got {self.growth_factor!r}.")
+        for name in ("overlap_optimizer", "enable_async_reduce", "pin_memory", "master_weights",
+                     "enable_gradient_accumulation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}.")
         if not self.max_norm >= 0.0:
             raise ValueError(f"max_norm: expected >= 0 (0 disables clipping), got {self.max_norm!r}.")
         if self.placement_policy == "const" and self.const_gpu_budget is None:

@@ -208,6 +208,7 @@ class GeminiEngine:
             allocator.reset_peak_memory_stats(self.compute_device)
         self._gm.set_async_reduce(config.enable_async_reduce)
         self._gm.set_max_prefetch(config.max_prefetch)
+        self._gm.set_overlap_optimizer(config.overlap_optimizer)
         if config.enable_gradient_accumulation:
             self._gm.set_no_sync(True)  # gradients accumulate on the device until the step
         self._slots = [(c, s) for c, s, _ in pspecs]

@@ -413,6 +413,13 @@ PYBIND11_MODULE(_C, m) {
       .def("set_no_sync", &GeminiManager::set_no_sync)
       .def("set_async_reduce", &GeminiManager::set_async_reduce)
       .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
+      .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
+      .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
+      .def("pending_steps", [](GeminiManager& m) {
+        std::lock_guard<OwnedMutex> lock(m.mutex());
+        return m.pending_steps();
+      }, py::call_guard<py::gil_scoped_release>())
+      .def("settle_all", &GeminiManager::settle_all, py::call_guard<py::gil_scoped_release>())
       .def("set_device_budget", &GeminiManager::set_device_budget, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("device_budget", &GeminiManager::device_budget)
       .def("set_optim_on_host", &GeminiManager::set_optim_on_host, py::call_guard<py::gil_scoped_release>())
@@ -518,12 +525,18 @@ PYBIND11_MODULE(_C, m) {
              a.step(hs, grad_multiplier);
            })
       .def("last_step", [](HybridAdam& a) {
-        const auto& s = a.last_step();
+        gx::torch_layer::StepStats s;
+        {
+          py::gil_scoped_release nogil;  // waits for the manager's mutex
+          s = a.last_step();
+        }
         py::dict d;
         d["host_params"] = s.host_params;
         d["device_params"] = s.device_params;
         d["host_seconds"] = s.host_seconds;
+        d["launch_seconds"] = s.launch_seconds;
         d["device_seconds"] = s.device_seconds;
+        d["pending_sets"] = s.pending_sets;
         return d;
       });
 }

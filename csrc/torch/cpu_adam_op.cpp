@@ -23,10 +23,10 @@ SimdIsa parse_isa(const std::string& isa) {
 }
 }  // namespace
 
-void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                   const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
-                   double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                   const std::string& isa) {
+CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                             const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step,
+                             double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                             double grad_scale) {
   const int64_t n = param.numel();
   GX_CHECK(param.scalar_type() == at::kFloat, "cpu_adam_step: param (the master) must be float32, got ",
            c10::toString(param.scalar_type()), ".");
@@ -57,7 +57,18 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at:
   h.decoupled_weight_decay = adamw;
   h.step = step;
   h.grad_scale = grad_scale;
-  gx::cpu_adam_step(h, b, parse_isa(isa));
+  check_adam_args(h, b);
+  return CpuAdamWork{h, b};
+}
+
+void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                   const std::string& isa) {
+  const SimdIsa simd = parse_isa(isa);
+  const CpuAdamWork w = prepare_cpu_adam(param, exp_avg, exp_avg_sq, grad, param16, step, lr, beta1, beta2, eps,
+                                         weight_decay, adamw, grad_scale);
+  gx::cpu_adam_step(w.hyper, w.buffers, simd);
 }
 
 }  // namespace gx::torch_layer

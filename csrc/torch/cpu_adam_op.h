@@ -7,11 +7,24 @@
 #include <optional>
 #include <string>
 
+#include "core/cpu_adam.h"
+
 namespace gx::torch_layer {
 
 // Updates `param` (fp32), `exp_avg`, `exp_avg_sq` in place from `grad` (fp32/bf16/fp16) and, when
 // given, writes the updated param into `param16` (bf16/fp16). All CPU, contiguous, same numel.
 // `isa` ("scalar", "avx2", "avx512") forces an implementation; empty: the best available.
+// One CPU Adam update, checked and reduced to raw buffers, to run later (the offload pipeline's
+// optimizer thread): the tensors' memory must stay where it is until it ran.
+struct CpuAdamWork {
+  AdamHyper hyper;
+  AdamBuffers buffers;
+};
+CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                             const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step,
+                             double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                             double grad_scale);
+
 void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,

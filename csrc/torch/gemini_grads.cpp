@@ -18,6 +18,7 @@ at::Tensor cpu_fp32_copy(const at::Tensor& view) {
 
 void GeminiManager::reduce_locked(ChunkSet& set) {
   const ChunkId p = set.spec.param;
+  settle_locked(set_of_chunk(p));  // the last step's CPU Adam may still read G's host copy
   if (sharded()) communicate_grads_locked(set);
   mgr_.reduce(p);  // READY_FOR_REDUCE -> HOLD
   set.reduced = true;
@@ -68,6 +69,7 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
 
 void GeminiManager::flush_grads() {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
   ctx_->sync_compute_stream();
   for (auto& set : sets_) {
     if (!set.trainable) continue;
@@ -122,6 +124,7 @@ TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int par
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   const ChunkId id = chunk_of_kind(set, kind, param);
+  settle_all_locked();
   mgr_.wait(id);
   ctx_->sync_compute_stream();
   return TensorHandle{id, ps.slot};
@@ -163,6 +166,7 @@ at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) 
 
 void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
@@ -186,6 +190,7 @@ void GeminiManager::write(const std::string& kind, int param, const at::Tensor& 
 
 at::Tensor GeminiManager::read_grad(int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   if (!ps.trainable) return at::Tensor();
@@ -228,6 +233,7 @@ double GeminiManager::all_reduce_sum(double local) {
 }
 
 void GeminiManager::synchronize() {
+  settle_all();
   ctx_->sync_compute_stream();
   ctx_->backend().synchronize_all();
 }

@@ -64,6 +64,8 @@ void GeminiManager::stop_reclaiming() {
 
 GeminiManager::~GeminiManager() {
   MemoryPressure::instance().remove_reclaimer(reclaimer_id_);
+  // CPU steps still running write chunk memory: they finish before anything is freed.
+  if (optimizer_worker_) optimizer_worker_->drain();
   mgr_.set_listener(nullptr);
   storages_->unbind_all();
 }
@@ -103,6 +105,7 @@ bool GeminiManager::end_iteration() {
 
 void GeminiManager::apply_placement() {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
   ctx_->sync_compute_stream();
   const Tier host = mgr_.host_tier();
   for (auto& set : sets_) {
@@ -159,6 +162,7 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
   mgr_.poll();  // reap copies that finished (prefetches stay "in flight" until reaped)
   for (ChunkId c : m.chunks) {
     trace_.record(c);
+    if (const int s = set_of_chunk(c); s >= 0) settle_locked(s);  // its CPU step, if still running
     ensure_on_device_locked(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
     for (int p : m.params) {
@@ -234,7 +238,9 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   ctx_->sync_compute_stream();
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   GX_INTERNAL_ASSERT(ps.trainable, "a gradient arrived for frozen parameter ", param);
-  ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
+  const int set_index = set_of_chunk(ps.chunk);
+  settle_locked(set_index);  // its G may still be read by the last step's CPU Adam
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const ChunkId g = set.spec.grad;
   whole_cache_id_ = -1;
   at::Tensor slot;

@@ -50,7 +50,11 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <functional>
+#include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -62,6 +66,7 @@
 #include "core/chunk_manager.h"
 #include "core/lru_eviction.h"
 #include "core/owned_mutex.h"
+#include "core/serial_executor.h"
 #include "torch/chunk_views.h"
 #include "torch/param_storage.h"
 
@@ -187,6 +192,30 @@ class GeminiManager {
   void allocate_on_device_locked(ChunkId id);
   int set_of_chunk(ChunkId p_chunk) const;
 
+  // The optimizer pipeline (gemini_pipeline.cpp). A host set's CPU optimizer step runs on a
+  // background thread: `compute` there (raw host memory only, never the chunk books), then
+  // `complete` here, under the mutex, by whichever thread settles the set first (P's device copy
+  // refreshed or dropped). Until settled the set is pending: compute accesses, gradient moves
+  // and value reads of its chunks settle it first (waiting for it), prefetch skips it while it
+  // runs, eviction leaves its chunks alone. Every other entry point settles every set.
+  void launch_host_step_locked(int set_index, std::function<void()> compute, std::function<void()> complete);
+  void settle_locked(int set_index);
+  bool try_settle_locked(int set_index);  // settles a finished step; false while it runs
+  void settle_all_locked();
+  void settle_all();
+  bool pending_locked(int set_index) const { return pending_.count(set_index) != 0; }
+  size_t pending_steps() const;
+  // Off: every step settles before it returns (the serial step, for comparison).
+  void set_overlap_optimizer(bool overlap) { overlap_optimizer_ = overlap; }
+  bool overlap_optimizer() const { return overlap_optimizer_; }
+  // The sets in the order the recorded iteration first touches their P chunks (forward order);
+  // sets it never touched follow in index order.
+  std::vector<int> sets_in_forward_order() const;
+  // Tests: while held, CPU steps wait before they start (so a test sees them pending).
+  void hold_optimizer_thread(bool hold);
+  double host_step_seconds() const;  // CPU optimizer time of the settled steps since the last reset
+  void reset_host_step_seconds();
+
   // Values (fp32 on the CPU), for state_dict, checkpoints and close.
   // kind: "param" (the master, or P for frozen / fp32), "exp_avg", "exp_avg_sq".
   at::Tensor read(const std::string& kind, int param);
@@ -217,6 +246,7 @@ class GeminiManager {
   bool make_room_locked(ChunkId requester);  // frees device bytes once; false if nothing can go
   int64_t device_budget_locked() const;
   void prefetch_locked();
+  void settle_finished_locked();
   void prefetch_gathers_locked();
   void note_locked(char kind, ChunkId id);
   std::vector<ChunkId> evictable_locked(ChunkId requester) const;
@@ -268,6 +298,22 @@ class GeminiManager {
   bool in_backward_ = false;
   OwnedMutex mutex_;
   int reclaimer_id_ = -1;  // registration with MemoryPressure
+  struct PendingStep {
+    std::shared_future<void> done;
+    std::function<void()> complete;
+    std::shared_ptr<double> seconds;  // written by the task
+  };
+  std::map<int, PendingStep> pending_;  // by set index
+  std::deque<int> pending_order_;       // launch order (forward order)
+  double host_step_seconds_ = 0.0;
+  bool overlap_optimizer_ = true;
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable opened;
+    bool held = false;
+  };
+  std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
+  std::unique_ptr<SerialExecutor> optimizer_worker_;  // last: joined first, before the chunks go
 };
 
 }  // namespace gx::torch_layer

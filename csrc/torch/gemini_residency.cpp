@@ -79,6 +79,10 @@ bool GeminiManager::make_room_locked(ChunkId requester) {
   }
   if (waited) return true;
   auto victim = choose_farthest_next_use(evictable_locked(requester), trace_, lru_);
+  if (!victim && !pending_order_.empty()) {
+    settle_locked(pending_order_.front());  // its chunks become evictable
+    return true;
+  }
   if (!victim) return false;
   evict_locked(*victim);
   return true;
@@ -91,6 +95,7 @@ int64_t GeminiManager::device_budget_locked() const {
 
 void GeminiManager::set_device_budget(int64_t bytes) {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
   GX_CHECK(bytes >= 0, "device budget: expected >= 0 bytes (0: the whole device), got ", bytes, ".");
   budget_bytes_ = bytes;
   while (mgr_.tier_bytes(Tier::kDevice).current > device_budget_locked()) {
@@ -123,6 +128,7 @@ void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
   GX_CHECK(set_index >= 0 && static_cast<size_t>(set_index) < sets_.size(), "chunk set index: expected in [0, ",
            sets_.size(), "), got ", set_index, ".");
   GX_CHECK(!in_backward_, "set_optim_on_host during backward: change placement between steps.");
+  settle_all_locked();
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   GX_CHECK(set.trainable, "chunk set ", set_index, " holds frozen parameters: it has no optimizer state to place.");
   if (set.spec.optim_on_host == on_host) return;
@@ -215,7 +221,15 @@ std::vector<TimelineEvent> GeminiManager::timeline() const {
   return out;
 }
 
+void GeminiManager::settle_finished_locked() {
+  // Steps that finished are settled now, in launch order, so that their chunks can be
+  // prefetched (home-on-device chunks get their refresh copy started here).
+  while (!pending_order_.empty() && try_settle_locked(pending_order_.front())) {
+  }
+}
+
 void GeminiManager::prefetch_locked() {
+  settle_finished_locked();
   if (max_prefetch_ <= 0 || !trace_.usable()) return;
   if (sharded()) {
     prefetch_gathers_locked();
@@ -225,7 +239,8 @@ void GeminiManager::prefetch_locked() {
   q.max_prefetch = max_prefetch_;
   q.free_bytes = device_budget_locked() - mgr_.tier_bytes(Tier::kDevice).current;
   q.needs_fetch = [&](ChunkId c) {
-    return set_of_chunk(c) >= 0 && !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
+    return set_of_chunk(c) >= 0 && !pending_locked(set_of_chunk(c)) &&
+           !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
   };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).shard_bytes()); };
   for (ChunkId c : plan_prefetch(trace_, q)) {
@@ -247,7 +262,9 @@ void GeminiManager::prefetch_gathers_locked() {
   PrefetchQuery q;
   q.max_prefetch = max_prefetch_;
   q.free_bytes = device_budget_locked() / 2 - mgr_.gathered_bytes().current;
-  q.needs_fetch = [&](ChunkId c) { return set_of_chunk(c) >= 0 && !mgr_.chunk(c).gathered(); };
+  q.needs_fetch = [&](ChunkId c) {
+    return set_of_chunk(c) >= 0 && !pending_locked(set_of_chunk(c)) && !mgr_.chunk(c).gathered();
+  };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).chunk_bytes()); };
   for (ChunkId c : plan_prefetch(trace_, q)) {
     with_room_locked(c, [&] { mgr_.prefetch_gather(c); }, device_bytes_needed_locked(c, /*gather=*/true));
@@ -262,6 +279,7 @@ void GeminiManager::allocate_on_device_locked(ChunkId id) {
 std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
   std::vector<ChunkId> out;
   for (const auto& set : sets_) {
+    if (pending_locked(set_of_chunk(set.spec.param))) continue;  // its CPU step writes P's host copy
     const Chunk& p = mgr_.chunk(set.spec.param);
     // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
     // waiting for reduction (SPEC: all HOLD / HOLD_AFTER_BWD).

@@ -23,6 +23,14 @@ struct Run {
 
 HybridAdam::HybridAdam(GeminiManager& manager) : m_(manager) {}
 
+StepStats HybridAdam::last_step() const {
+  std::lock_guard<OwnedMutex> lock(m_.mutex());
+  StepStats out = stats_;
+  out.host_seconds = m_.host_step_seconds();
+  out.pending_sets = static_cast<int64_t>(m_.pending_steps());
+  return out;
+}
+
 void HybridAdam::set_param_groups(std::vector<int> group_of_param) {
   GX_CHECK(group_of_param.size() == m_.params().size(), "set_param_groups: expected ", m_.params().size(),
            " entries (one per parameter), got ", group_of_param.size(), ".");
@@ -36,6 +44,7 @@ double HybridAdam::grad_norm_sq() {
   std::lock_guard<OwnedMutex> lock(m_.mutex());
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
+  m_.settle_all_locked();
   ctx.sync_compute_stream();
   m_.wait_grads();
   at::Tensor device_total, host_total;
@@ -58,11 +67,13 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   GX_CHECK(!group_of_param_.empty() || m_.params().empty(), "HybridAdam::step before set_param_groups.");
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
+  m_.settle_all_locked();  // the previous step's sets (an unusual loop: normally forward settled them)
   ctx.sync_compute_stream();
   m_.wait_grads();
   // CPU Adam writes P's host copies: every H2D copy still reading them must be done.
   ctx.backend().synchronize(StreamKind::kHostToDevice);
   stats_ = StepStats{};
+  m_.reset_host_step_seconds();
   m_.unpin_all_locked();
   m_.values_changed_locked();
   m_.ungather_all_locked();  // a gathered parameter buffer would go stale
@@ -70,7 +81,8 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   // This rank's shard of every chunk: [shard_begin, shard_end) of the chunk's elements.
   const bool sharded = m_.sharded();
 
-  for (ChunkSet& set : m_.sets()) {
+  for (const int set_index : m_.sets_in_forward_order()) {
+    ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
     const Chunk& pc = mgr.chunk(set.spec.param);
     std::vector<Run> runs;
@@ -114,6 +126,7 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
     at::Tensor grad = shard_view(ctx, mgr, set.spec.grad, tier);
     at::Tensor param16 = has_master ? shard_view(ctx, mgr, set.spec.param, tier) : at::Tensor();
     const ShardRange shard = pc.shard_range(mgr.rank());
+    std::vector<CpuAdamWork> host_work;  // on_host: the runs, checked here, run on the optimizer thread
     for (const Run& r : runs) {
       // The run's elements that lie in this rank's shard, as offsets into the shard.
       const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
@@ -130,9 +143,10 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
       if (on_host) {
         std::optional<at::Tensor> p16;
         if (has_master) p16 = param16.narrow(0, begin, n);
-        cpu_adam_step(master.narrow(0, begin, n), exp_avg.narrow(0, begin, n), exp_avg_sq.narrow(0, begin, n),
-                      grad.narrow(0, begin, n), p16, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled_weight_decay,
-                      grad_multiplier, "");
+        host_work.push_back(prepare_cpu_adam(master.narrow(0, begin, n), exp_avg.narrow(0, begin, n),
+                                             exp_avg_sq.narrow(0, begin, n), grad.narrow(0, begin, n), p16, step, h.lr,
+                                             h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled_weight_decay,
+                                             grad_multiplier));
         stats_.host_params += n;
       } else {
         at::Tensor g = grad.narrow(0, begin, n).to(at::kFloat);
@@ -155,14 +169,33 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
     // Coherence of P's other copy.
     const ChunkId p = set.spec.param;
     if (on_host) {
-      if (pc.shard_tiers().contains(Tier::kDevice)) {
-        if (set.spec.param_home_on_host) {
-          mgr.discard_copy(p, Tier::kDevice);
+      // [Note: the overlapped CPU step]
+      // The update runs on the optimizer thread while the caller goes on; the step is exact
+      // because everything it depends on is final here: the gradients are complete and on the
+      // host, the clipping coefficient and the fp16 overflow decision were taken from the global
+      // norm before this call, and the hyperparameters are read now. Only P's device copy is
+      // stale until the set is settled (see gemini_manager.h: the next forward waits for this
+      // set only when it reaches its chunk, prefetch refreshes it as soon as it is done). So the
+      // result equals the serial step bit for bit; what overlaps is the CPU work with whatever
+      // the caller does next (zero_grad, data loading, the next forward up to this chunk).
+      ChunkManager* chunks = &mgr;
+      const bool home_on_host = set.spec.param_home_on_host;
+      auto complete = [chunks, p, host, home_on_host] {
+        if (!chunks->chunk(p).shard_tiers().contains(Tier::kDevice)) return;
+        if (home_on_host) {
+          chunks->discard_copy(p, Tier::kDevice);
         } else {
-          mgr.transfer(p, host, Tier::kDevice, /*async=*/true);
+          chunks->transfer(p, host, Tier::kDevice, /*async=*/true);
         }
+      };
+      if (host_work.empty()) {
+        complete();
+      } else {
+        m_.launch_host_step_locked(set_index, [work = std::move(host_work)] {
+          for (const CpuAdamWork& w : work) gx::cpu_adam_step(w.hyper, w.buffers);
+        }, std::move(complete));
       }
-      stats_.host_seconds += seconds_since(t0);
+      stats_.launch_seconds += seconds_since(t0);
     } else {
       for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
         if (pc.shard_tiers().contains(t)) mgr.discard_copy(p, t);

@@ -14,6 +14,9 @@
 //  * Device sets: torch's _fused_adamw_ / _fused_adam_ on the device copies (the gradient cast
 //    to fp32 first), then the master is rounded into P's device copy; a stale host copy of P is
 //    dropped.
+//  * Host sets run on the manager's optimizer thread, in forward order, and step() returns
+//    before they finish (gemini_pipeline.cpp; the Note in step() says why this is exact).
+//    GeminiConfig.overlap_optimizer=False settles each one before step() returns.
 //  * `grad_multiplier` folds 1/loss_scale and the clipping coefficient into one factor applied
 //    to every gradient, so clipping costs no extra pass.
 #pragma once
@@ -28,8 +31,10 @@ namespace gx::torch_layer {
 struct StepStats {
   int64_t host_params = 0;    // elements stepped by CPU Adam in the last step
   int64_t device_params = 0;  // elements stepped by the fused device Adam
-  double host_seconds = 0.0;
+  double host_seconds = 0.0;  // CPU Adam time on the optimizer thread of the sets settled so far
+  double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
+  int64_t pending_sets = 0;     // host sets whose step has not been settled yet
 };
 
 class HybridAdam {
@@ -42,7 +47,7 @@ class HybridAdam {
   // One AdamHyper per parameter group (its `step` and `grad_scale` fields are ignored: steps are
   // counted per parameter, and `grad_multiplier` applies to every gradient).
   void step(const std::vector<AdamHyper>& groups, double grad_multiplier);
-  const StepStats& last_step() const { return stats_; }
+  StepStats last_step() const;  // settles nothing: host_seconds covers the sets settled so far
 
  private:
   GeminiManager& m_;

@@ -1,0 +1,100 @@
+// GeminiManager, part 4: the optimizer pipeline. Host sets' CPU optimizer steps run on a
+// background thread in forward order while the caller goes on (zero_grad, the next batch, the
+// next forward); each set is settled (its step waited for, P's other copy made coherent) the
+// first time something needs its chunks. See gemini_manager.h and hybrid_adam.h.
+#include <chrono>
+#include <exception>
+
+#include "core/errors.h"
+#include "torch/gemini_manager.h"
+
+namespace gx::torch_layer {
+
+void GeminiManager::launch_host_step_locked(int set_index, std::function<void()> compute,
+                                            std::function<void()> complete) {
+  GX_INTERNAL_ASSERT(!pending_locked(set_index), "chunk set ", set_index, " launched while its previous step is pending");
+  if (!optimizer_worker_) optimizer_worker_ = std::make_unique<SerialExecutor>();
+  auto seconds = std::make_shared<double>(0.0);
+  std::shared_future<void> done = optimizer_worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
+    {
+      std::unique_lock<std::mutex> lock(gate->mutex);
+      gate->opened.wait(lock, [&] { return !gate->held; });
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    compute();
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
+  pending_.emplace(set_index, PendingStep{std::move(done), std::move(complete), seconds});
+  pending_order_.push_back(set_index);
+  if (!overlap_optimizer_) settle_locked(set_index);
+}
+
+void GeminiManager::settle_locked(int set_index) {
+  auto it = pending_.find(set_index);
+  if (it == pending_.end()) return;
+  PendingStep step = std::move(it->second);
+  pending_.erase(it);
+  for (auto o = pending_order_.begin(); o != pending_order_.end(); ++o) {
+    if (*o == set_index) {
+      pending_order_.erase(o);
+      break;
+    }
+  }
+  try {
+    step.done.get();  // waits; rethrows what the CPU step threw
+  } catch (const std::exception& e) {
+    throw InternalError(detail::concat(
+        "gemini_ext: the CPU optimizer step of chunk set ", set_index, " (parameter chunk ",
+        sets_[static_cast<size_t>(set_index)].spec.param, ") failed on the optimizer thread: ", e.what(),
+        ". Its master weights and moments may be partly updated: reload the last checkpoint."));
+  }
+  host_step_seconds_ += *step.seconds;
+  step.complete();
+}
+
+bool GeminiManager::try_settle_locked(int set_index) {
+  auto it = pending_.find(set_index);
+  if (it == pending_.end()) return true;
+  if (it->second.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+  settle_locked(set_index);
+  return true;
+}
+
+void GeminiManager::settle_all_locked() {
+  while (!pending_order_.empty()) settle_locked(pending_order_.front());
+}
+
+void GeminiManager::settle_all() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  settle_all_locked();
+}
+
+size_t GeminiManager::pending_steps() const { return pending_.size(); }
+
+std::vector<int> GeminiManager::sets_in_forward_order() const {
+  std::vector<int> order;
+  std::vector<uint8_t> seen(sets_.size(), 0);
+  for (ChunkId c : trace_.recorded()) {
+    const int s = set_of_chunk(c);
+    if (s < 0 || seen[static_cast<size_t>(s)]) continue;
+    seen[static_cast<size_t>(s)] = 1;
+    order.push_back(s);
+  }
+  for (size_t s = 0; s < sets_.size(); ++s)
+    if (!seen[s]) order.push_back(static_cast<int>(s));
+  return order;
+}
+
+void GeminiManager::hold_optimizer_thread(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(gate_->mutex);
+    gate_->held = hold;
+  }
+  gate_->opened.notify_all();
+}
+
+double GeminiManager::host_step_seconds() const { return host_step_seconds_; }
+
+void GeminiManager::reset_host_step_seconds() { host_step_seconds_ = 0.0; }
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,128 @@
+"""The overlapped CPU optimizer step (GeminiConfig.overlap_optimizer, on by default).
+
+Exactness: training with the step overlapped equals training with the serial step bit for bit,
+under clipping that triggers, fp16 loss scaling, gradient accumulation, tight device budgets
+(chunks evicted while steps are pending), optimizer state split between host and device, and the
+auto policy. Overlap: step() returns while the CPU work is still pending, zero_grad does not wait
+for it, and the next forward (or any read of the state) settles it. On `sim` in CI, on cuda on
+the GPU machine.
+"""
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import CHUNK, LR, SMALL, WD, batch, chunk_cap, make_models
+
+CHUNK_BYTES_FP32 = 4096 * 4
+
+CASES = {
+    "fp32": {"precision": "fp32"},
+    "bf16_clipping": {"precision": "bf16", "max_norm": 0.05},  # small enough that it clips every step
+    "fp16_scaler": {"precision": "fp16", "initial_scale": 2.0**20},  # overflows first: skipped steps
+    "tiny_budget": {"precision": "fp32", "budget_chunks": 5},
+    "half_on_device": {"precision": "bf16", "offload_optim_frac": 0.5, "offload_param_frac": 0.5},
+    "auto": {"precision": "bf16", "placement_policy": "auto"},
+}
+
+
+def _config(device, case, overlap):
+    kw = dict(CASES[case])
+    chunks = kw.pop("budget_chunks", None)
+    if chunks is not None:
+        kw.update(chunk_cap(device, chunks * CHUNK_BYTES_FP32))
+    return gx.GeminiConfig(device=device, chunk_config_dict=CHUNK, overlap_optimizer=overlap, **kw)
+
+
+def _train(device, case, overlap, steps=6, micro_batches=1, read_state_after=None):
+    """Trains; returns (losses, final parameters, optimizer state read right after step `read_state_after`)."""
+    model, _ = make_models()
+    losses, early_state = [], None
+    with gx.enable(model, _config(device, case, overlap)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(steps):
+            total = 0.0
+            for micro in range(micro_batches):
+                x, y = batch(model.cfg, step * micro_batches + micro, engine.compute_device)
+                loss = model(x, y) / micro_batches
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            if step == read_state_after:  # before zero_grad and the next forward: steps may be pending
+                early_state = opt.state_dict()
+            opt.zero_grad()
+            losses.append(total)
+        skipped = engine.stats()["skipped_steps"]
+    params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return losses, params, early_state, skipped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlapped_step_equals_the_serial_step_bit_for_bit(device, case):
+    serial = _train(device, case, overlap=False)
+    overlapped = _train(device, case, overlap=True)
+    assert overlapped[0] == serial[0], "losses"
+    for name, value in serial[1].items():
+        assert torch.equal(overlapped[1][name], value), name
+    assert overlapped[3] == serial[3]
+    if case == "fp16_scaler":
+        assert serial[3] > 0, "the case is meant to skip steps on overflow"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_and_reading_state_right_after_step(device):
+    serial = _train(device, "bf16_clipping", overlap=False, micro_batches=2, read_state_after=2)
+    overlapped = _train(device, "bf16_clipping", overlap=True, micro_batches=2, read_state_after=2)
+    assert overlapped[0] == serial[0]
+    for name, value in serial[1].items():
+        assert torch.equal(overlapped[1][name], value), name
+    early_serial, early_overlapped = serial[2]["state"], overlapped[2]["state"]
+    assert early_serial.keys() == early_overlapped.keys() and early_serial
+    for key, entry in early_serial.items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(early_overlapped[key][field], entry[field]), (key, field)
+
+
+def test_step_returns_before_the_cpu_work_and_the_next_forward_settles_it():
+    model, _ = make_models()
+    with gx.enable(model, _config("sim", "fp32", overlap=True)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        gm = engine._gm
+        host_sets = sum(1 for p in gm.set_placements() if p["trainable"] and p["optim_on_host"])
+        assert host_sets >= 10, "the small GPT spans many chunk sets with the optimizer on the host"
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        gm.hold_optimizer_thread(True)  # the CPU steps cannot start: step() must not wait for them
+        try:
+            opt.step()
+            assert gm.pending_steps() == host_sets
+            assert opt.last_step_stats()["pending_sets"] == host_sets
+            opt.zero_grad()  # clears the gradient books only: does not wait either
+            assert gm.pending_steps() == host_sets
+        finally:
+            gm.hold_optimizer_thread(False)
+        x, y = batch(model.cfg, 1, engine.compute_device)
+        model(x, y).backward()  # forward settled every set on its way
+        assert gm.pending_steps() == 0
+        stats = opt.last_step_stats()
+        assert stats["host_params"] > 0 and stats["host_seconds"] > 0
+        opt.step()
+        opt.zero_grad()
+
+
+def test_serial_mode_settles_before_step_returns():
+    model, _ = make_models()
+    with gx.enable(model, _config("sim", "fp32", overlap=False)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        opt.step()
+        assert engine._gm.pending_steps() == 0
+        assert opt.last_step_stats()["pending_sets"] == 0
+
+
+def test_overlap_optimizer_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"overlap_optimizer: expected True or False, got 'yes'"):
+        gx.GeminiConfig(device="sim", overlap_optimizer="yes")
