@@ -29,6 +29,7 @@ void GeminiManager::reduce_locked(ChunkSet& set) {
 
 void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (!set.grad_collecting) return;
+  set.grad_sq = at::Tensor();
   const ChunkId g = set.spec.grad;
   whole_cache_id_ = -1;
   const int world = mgr_.world_size() * (replicas_ != nullptr ? replicas_->world_size() : 1);
@@ -61,6 +62,9 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
 void GeminiManager::offload_grads_locked(ChunkSet& set) {
   if (!set.spec.optim_on_host || set.grad_place != GradPlace::kDevice) return;
   const ChunkId g = set.spec.grad;
+  // The norm is taken here, on the device, while G is complete there: the step then needs no
+  // pass over the host copies for clipping or the fp16 overflow check.
+  set.grad_sq = at::linalg_vector_norm(shard_view(*ctx_, mgr_, g, Tier::kDevice), 2, std::nullopt, false, at::kFloat).square();
   if (mgr_.chunk(g).shard_tiers().contains(mgr_.host_tier())) mgr_.discard_copy(g, mgr_.host_tier());
   mgr_.move(g, mgr_.host_tier(), async_reduce_);
   set.grad_place = GradPlace::kHost;
@@ -85,6 +89,7 @@ void GeminiManager::zero_grad() {
     if (!set.trainable) continue;
     const ChunkId g = set.spec.grad;
     std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
+    set.grad_sq = at::Tensor();
     if (set.grad_collecting) {
       mgr_.ungather(g);
       set.grad_collecting = false;

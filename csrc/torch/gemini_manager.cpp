@@ -243,6 +243,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const ChunkId g = set.spec.grad;
   whole_cache_id_ = -1;
+  set.grad_sq = at::Tensor();  // G changes
   at::Tensor slot;
   bool accumulate = set.has_grad[ps.slot] != 0;
   if (sharded()) {

@@ -100,6 +100,9 @@ struct ChunkSet {
   GradPlace grad_place = GradPlace::kNone;  // sharded: where the reduced shard is
   bool grad_collecting = false;              // sharded: this backward's gradients are in a gathered G buffer
   bool reduced = false;              // gradients of this backward reduced and sent to the optimizer's tier
+  // Sum of squares of G's (shard's) gradients, fp32 on the device, taken when G left for the host;
+  // undefined once G changes there (a later backward adds into the host copy) or is cleared.
+  at::Tensor grad_sq;
 };
 
 struct EngineCounters {

@@ -51,9 +51,15 @@ double HybridAdam::grad_norm_sq() {
   for (const ChunkSet& set : m_.sets()) {
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
     const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr.host_tier();
-    at::Tensor g = shard_view(ctx, mgr, set.spec.grad, tier).to(at::kFloat);
-    at::Tensor sq = at::dot(g, g);
-    at::Tensor& total = tier == Tier::kDevice ? device_total : host_total;
+    at::Tensor sq;
+    bool on_device = tier == Tier::kDevice;
+    if (set.grad_place == GradPlace::kHost && set.grad_sq.defined()) {
+      sq = set.grad_sq;  // taken on the device when G left for the host
+      on_device = true;
+    } else {
+      sq = at::linalg_vector_norm(shard_view(ctx, mgr, set.spec.grad, tier), 2, std::nullopt, false, at::kFloat).square();
+    }
+    at::Tensor& total = on_device ? device_total : host_total;
     total = total.defined() ? total + sq : sq;
   }
   double sum = 0.0;
