@@ -4,6 +4,7 @@ clipping and summary keys as examples/train_gpt.py, so bench scripts can put bot
 
     torchrun --nproc-per-node 2 bench/fsdp2_train.py --preset 1.3b --steps 6 --json-out s.json
     torchrun --nproc-per-node 2 bench/fsdp2_train.py --preset 1.3b --offload ...   # CPU offload
+    torchrun --nproc-per-node 1 bench/fsdp2_train.py --preset 1.3b --plain ...     # plain PyTorch
 
 Mixed precision as in MEASUREMENTS.md: fp32 parameters and optimizer state, bf16 compute
 (MixedPrecisionPolicy param_dtype=bf16), fp32 gradient reduction. Without offload the optimizer is
@@ -52,10 +53,22 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True), fused CPU AdamW")
+    p.add_argument("--plain", action="store_true",
+                   help="plain PyTorch instead of FSDP2: the model on the GPU, bf16 autocast, fused AdamW (one rank)")
+    p.add_argument("--device-budget", default=None,
+                   help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
 
 
 def main(argv=None) -> dict:
@@ -79,28 +92,42 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     if args.checkpoint:
         checkpoint_blocks(model)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else \
-        MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy(pin_memory=True) if args.offload else OffloadPolicy()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    if args.device_budget and on_cuda:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, _parse_bytes(args.device_budget) / total), dev)
+    if args.plain:
+        if world != 1:
+            raise SystemExit("fsdp2_train.py --plain: one rank only (plain PyTorch has no sharding).")
+        model.to(dev)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else \
+            MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=True) if args.offload else OffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=on_cuda or None)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(dev)
 
-    losses, step_seconds, clip_seconds = [], [], []
+    losses, step_seconds, optimizer_seconds = [], [], []
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.plain and on_cuda)
     for step in range(args.steps):
         x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
         start = time.perf_counter()
-        loss = model(x, y)
+        with autocast:
+            loss = model(x, y)
         loss.backward()
+        if on_cuda:
+            torch.cuda.synchronize(dev)  # the optimizer's time below starts where backward ended
+        before_opt = time.perf_counter()
         if args.max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()
         step_seconds.append(time.perf_counter() - start)
+        optimizer_seconds.append(time.perf_counter() - before_opt)
         t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
         dist.all_reduce(t)
         losses.append(t.item() / world)
@@ -116,11 +143,14 @@ def main(argv=None) -> dict:
     per_rank = torch.stack(gathered)
     worst, total = per_rank.max(0).values, per_rank.sum(0)
     summary = {
-        "system": "fsdp2" + (" + cpu offload" if args.offload else ""), "preset": args.preset,
+        "system": "plain pytorch" if args.plain else "fsdp2" + (" + cpu offload" if args.offload else ""),
+        "preset": args.preset,
         "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
         "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
         "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
         "step_s_median": sorted(timed)[len(timed) // 2],
+        # clipping, the optimizer step and zero_grad after backward: all on the critical path here
+        "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
         "peak_device_bytes_max_rank": int(worst[0].item()),  # torch's allocations: all of FSDP2's
         "peak_host_rss_bytes_max_rank": int(worst[1].item()),
         "peak_host_rss_bytes_all_ranks": int(total[1].item()),

@@ -500,6 +500,8 @@ PYBIND11_MODULE(_C, m) {
         d["backward_passes"] = c.backward_passes;
         d["reclaims"] = c.reclaims;
         d["reclaimed_bytes"] = c.reclaimed_bytes;
+        d["optimizer_wait_seconds"] = c.optimizer_wait_seconds;
+        d["optimizer_waits"] = c.optimizer_waits;
         return d;
       });
 

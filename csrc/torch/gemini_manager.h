@@ -116,6 +116,8 @@ struct EngineCounters {
   int64_t backward_passes = 0;
   int64_t reclaims = 0;          // memory-pressure calls served (process allocator, tests)
   int64_t reclaimed_bytes = 0;   // chunk bytes they evicted from the device
+  double optimizer_wait_seconds = 0.0;  // host time blocked on CPU optimizer steps still running
+  int64_t optimizer_waits = 0;          // settles that had to wait for one
 };
 
 // One scheduling event, for memory_timeline(): kind is 'F' (fetch for compute), 'P' (prefetch

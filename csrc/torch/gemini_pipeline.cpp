@@ -40,8 +40,14 @@ void GeminiManager::settle_locked(int set_index) {
       break;
     }
   }
+  if (step.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step.done.wait();
+    counters_.optimizer_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    counters_.optimizer_waits += 1;
+  }
   try {
-    step.done.get();  // waits; rethrows what the CPU step threw
+    step.done.get();  // rethrows what the CPU step threw
   } catch (const std::exception& e) {
     throw InternalError(detail::concat(
         "gemini_ext: the CPU optimizer step of chunk set ", set_index, " (parameter chunk ",

@@ -59,3 +59,31 @@ def test_scaling_bench_smoke(tmp_path):
         losses = [r["last_loss"] for r in rows if r["gpus"] == n]
         assert max(losses) - min(losses) < 0.01, losses
     assert "| GPUs | system |" in out.stdout
+
+
+def test_offload_bench_smoke(tmp_path):
+    """The offload harness end to end on tiny models: the peers on the CPU, gemini_ext on sim, the
+    rates process, the derived columns and the markdown / JSON / PNG outputs."""
+    prefix = tmp_path / "offload"
+    out = run_python("bench/offload.py", "--smoke", "--out", str(prefix), timeout=900)
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "offload.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["plain", "gemini-static", "gemini-serial", "gemini-auto", "deepspeed"]
+    assert rows["deepspeed"].get("skipped") or rows["deepspeed"].get("error") is None
+    for name in ("plain", "gemini-static", "gemini-serial", "gemini-auto"):
+        r = rows[name]
+        assert "error" not in r, r
+        assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0 and r["exposed_optimizer_s_median"] >= 0
+    assert rows["gemini-static"]["overlap_optimizer"] and not rows["gemini-serial"]["overlap_optimizer"]
+    # optimizer offloaded, parameters on the device: per step, bf16 gradients down and bf16
+    # parameters up, whole chunks (their padding included), nothing else
+    g = rows["gemini-static"]
+    chunk_bytes = 2 * g["parameters"] + g["chunk_wasted_bytes"]
+    assert g["per_step"][-1]["h2d_bytes"] == g["per_step"][-1]["d2h_bytes"] == chunk_bytes
+    assert g["pcie_bytes_per_param"] == 2 * chunk_bytes / g["parameters"]
+    assert data["rates"]["cpu_adam_params_per_s"] > 0
+    losses = [rows[n]["last_loss"] for n in ("plain", "gemini-static", "gemini-serial")]
+    assert max(losses) - min(losses) < 0.01, losses
+    assert (tmp_path / "offload.md").read_text().startswith("gpt-tiny")
+    assert (tmp_path / "offload.png").stat().st_size > 0
