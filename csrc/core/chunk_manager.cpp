@@ -216,6 +216,31 @@ void ChunkManager::drop_gathered(Chunk& c) {
   gathered_bytes_.decrease(static_cast<int64_t>(c.chunk_bytes()));
 }
 
+std::shared_ptr<Event> ChunkManager::copy_event(ChunkId id) const {
+  auto it = in_flight_.find(id);
+  return it == in_flight_.end() ? nullptr : it->second.event;
+}
+
+void* ChunkManager::allocate_spare(ChunkId id, Tier tier) {
+  GX_INTERNAL_ASSERT(tier != Tier::kDevice, "allocate_spare on the device tier: spares are host double buffers");
+  return allocator_.allocate(tier, chunk(id).shard_bytes());
+}
+
+void ChunkManager::release_spare(ChunkId id, Tier tier, void* ptr) {
+  if (ptr != nullptr) allocator_.deallocate(tier, ptr, chunk(id).shard_bytes());
+}
+
+void* ChunkManager::exchange_copy(ChunkId id, Tier tier, void* spare) {
+  GX_INTERNAL_ASSERT(tier != Tier::kDevice, "exchange_copy on the device tier: spares are host double buffers");
+  Chunk& c = mutable_chunk(id);
+  GX_INTERNAL_ASSERT(c.shard_tiers().contains(tier) && spare != nullptr, "exchange_copy of chunk ", id, " on ",
+                     to_string(tier), ": no copy there or no spare");
+  GX_INTERNAL_ASSERT(!in_flight(id), "exchange_copy of chunk ", id, " while a copy of it is in flight");
+  void* old = c.shard_ptr(tier);
+  c.set_shard_ptr(tier, spare);
+  return old;
+}
+
 void ChunkManager::drop_copy(Chunk& c, Tier tier) {
   GX_INTERNAL_ASSERT(c.shard_ptr(tier) != nullptr, "chunk ", c.id(), " has no copy on ", to_string(tier), " to drop");
   if (tier == Tier::kDevice) {

@@ -160,6 +160,17 @@ class ChunkManager {
   void discard_copy(ChunkId id, Tier tier);
   void set_listener(ResidencyListener* listener) { listener_ = listener; }
   bool in_flight(ChunkId id) const { return in_flight_.count(id) != 0; }
+  // The completion event of the copy in flight for this chunk (nullptr if none): a thread that
+  // reads the destination without the manager (the optimizer thread) waits on it.
+  std::shared_ptr<Event> copy_event(ChunkId id) const;
+  // Spare slots: the pool and size class of the chunk's shard copies on a host tier, for a
+  // double buffer. exchange_copy puts a spare in place of the chunk's copy on that tier and
+  // returns the copy's slot, which is then the spare; nothing may be reading or copying either
+  // slot (the caller's guarantee: host tiers are written by the CPU only, and the copies that
+  // read them are complete).
+  void* allocate_spare(ChunkId id, Tier tier);
+  void release_spare(ChunkId id, Tier tier, void* ptr);
+  void* exchange_copy(ChunkId id, Tier tier, void* spare);
   bool prefetched(ChunkId id) const { return prefetched_.count(id) != 0; }  // and not accessed yet
 
   // Introspection.

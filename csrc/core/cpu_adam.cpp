@@ -39,6 +39,8 @@ void check_adam_args(const AdamHyper& h, const AdamBuffers& b) {
            "all be set.");
   GX_CHECK(b.grad_dtype == DType::kFloat32 || b.grad_dtype == DType::kBFloat16 || b.grad_dtype == DType::kFloat16,
            "Adam grad dtype: expected float32, bfloat16 or float16, got ", to_string(b.grad_dtype), ".");
+  GX_CHECK((b.param_out == nullptr) == (b.exp_avg_out == nullptr) && (b.param_out == nullptr) == (b.exp_avg_sq_out == nullptr),
+           "Adam buffers: param_out, exp_avg_out and exp_avg_sq_out must be set together (out of place) or not at all.");
   GX_CHECK(b.param16 == nullptr || b.param16_dtype == DType::kBFloat16 || b.param16_dtype == DType::kFloat16,
            "Adam param16 dtype: expected bfloat16 or float16, got ", to_string(b.param16_dtype), ".");
 }
@@ -49,6 +51,9 @@ void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin
   float* p = b.param;
   float* m = b.exp_avg;
   float* v = b.exp_avg_sq;
+  float* po = b.out_param();
+  float* mo = b.out_exp_avg();
+  float* vo = b.out_exp_avg_sq();
   for (int64_t i = begin; i < end; ++i) {
     float g;
     switch (b.grad_dtype) {
@@ -66,9 +71,9 @@ void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin
     const float vi = std::fma(c.one_minus_beta2, g * g, c.beta2 * v[i]);
     const float denom = std::sqrt(vi) / c.bias2_sqrt + c.eps;
     pi = std::fma(-c.step_size, mi / denom, pi);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
+    po[i] = pi;
+    mo[i] = mi;
+    vo[i] = vi;
     if (b.param16 != nullptr) {
       auto* out = static_cast<uint16_t*>(b.param16);
       out[i] = b.param16_dtype == DType::kBFloat16 ? float_to_bf16(pi) : float_to_fp16(pi);

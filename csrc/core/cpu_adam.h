@@ -48,6 +48,14 @@ struct AdamBuffers {
   void* param16 = nullptr;             // optional 16-bit copy of the updated param
   DType param16_dtype = DType::kBFloat16;
   int64_t numel = 0;
+  // Out of place (all three or none): the update reads param, exp_avg, exp_avg_sq and writes
+  // these instead, leaving the inputs as they were (a speculative step that may be discarded).
+  float* param_out = nullptr;
+  float* exp_avg_out = nullptr;
+  float* exp_avg_sq_out = nullptr;
+  float* out_param() const { return param_out != nullptr ? param_out : param; }
+  float* out_exp_avg() const { return exp_avg_out != nullptr ? exp_avg_out : exp_avg; }
+  float* out_exp_avg_sq() const { return exp_avg_sq_out != nullptr ? exp_avg_sq_out : exp_avg_sq; }
 };
 
 // The per-step float constants every path uses.

@@ -43,6 +43,9 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
   const __m256 eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size);
   auto* out16 = static_cast<uint16_t*>(b.param16);
   const bool bf16_out = b.param16_dtype == DType::kBFloat16;
+  float* p_out = b.out_param();
+  float* m_out = b.out_exp_avg();
+  float* v_out = b.out_exp_avg_sq();
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load_grad8(b, i), gs);
@@ -54,9 +57,9 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
     __m256 v = _mm256_fmadd_ps(omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(beta2, _mm256_loadu_ps(b.exp_avg_sq + i)));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), b2s), eps);
     p = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(b.param + i, p);
-    _mm256_storeu_ps(b.exp_avg + i, m);
-    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    _mm256_storeu_ps(p_out + i, p);
+    _mm256_storeu_ps(m_out + i, m);
+    _mm256_storeu_ps(v_out + i, v);
     if (out16 != nullptr) {
       const __m128i h = bf16_out ? to_bf16x8(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), h);

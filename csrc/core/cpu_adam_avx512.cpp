@@ -41,6 +41,9 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
   const __m512 eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size);
   auto* out16 = static_cast<uint16_t*>(b.param16);
   const bool bf16_out = b.param16_dtype == DType::kBFloat16;
+  float* p_out = b.out_param();
+  float* m_out = b.out_exp_avg();
+  float* v_out = b.out_exp_avg_sq();
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
     __m512 g = _mm512_mul_ps(load_grad16(b, i), gs);
@@ -52,9 +55,9 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
     __m512 v = _mm512_fmadd_ps(omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), b2s), eps);
     p = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), p);
-    _mm512_storeu_ps(b.param + i, p);
-    _mm512_storeu_ps(b.exp_avg + i, m);
-    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    _mm512_storeu_ps(p_out + i, p);
+    _mm512_storeu_ps(m_out + i, m);
+    _mm512_storeu_ps(v_out + i, v);
     if (out16 != nullptr) {
       const __m256i h = bf16_out ? to_bf16x16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + i), h);

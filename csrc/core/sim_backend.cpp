@@ -44,50 +44,6 @@ void SimEvent::complete() {
   done_cv_.notify_all();
 }
 
-SerialWorker::SerialWorker() : thread_([this] { loop(); }) {}
-
-SerialWorker::~SerialWorker() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
-void SerialWorker::submit(std::function<void()> task) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
-  }
-  cv_.notify_one();
-}
-
-void SerialWorker::drain() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  idle_cv_.wait(lock, [this] { return tasks_.empty() && !busy_; });
-}
-
-void SerialWorker::loop() {
-  for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stop requested and nothing left
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      busy_ = true;
-    }
-    task();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      busy_ = false;
-    }
-    idle_cv_.notify_all();
-  }
-}
-
 SimBackend::SimBackend(SimConfig config)
     : config_(config), device_limited_(device_host_, config.capacity_bytes, "sim_capacity"), rng_(config.seed) {
   GX_CHECK(config.capacity_bytes > 0, "sim_capacity: expected > 0 bytes, got 0. Give the sim device a capacity.");
@@ -100,7 +56,7 @@ SimBackend::~SimBackend() {
   d2h_.drain();
 }
 
-SerialWorker& SimBackend::worker(StreamKind stream) {
+SerialExecutor& SimBackend::worker(StreamKind stream) {
   GX_INTERNAL_ASSERT(stream != StreamKind::kCompute, "the sim compute stream has no worker");
   return stream == StreamKind::kHostToDevice ? h2d_ : d2h_;
 }

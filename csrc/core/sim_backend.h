@@ -12,14 +12,13 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
-#include <thread>
 
 #include "device_backend.h"
+#include "serial_executor.h"
 #include "resource_adaptors.h"
 
 namespace gx {
@@ -44,25 +43,6 @@ class SimEvent final : public Event {
   std::chrono::steady_clock::time_point done_at_;
 };
 
-// One worker thread running tasks in submission order.
-class SerialWorker {
- public:
-  SerialWorker();
-  ~SerialWorker();
-  void submit(std::function<void()> task);
-  void drain();  // blocks until every submitted task ran
-
- private:
-  void loop();
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::condition_variable idle_cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool busy_ = false;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 class SimBackend final : public DeviceBackend {
  public:
   explicit SimBackend(SimConfig config);
@@ -82,7 +62,7 @@ class SimBackend final : public DeviceBackend {
   size_t device_used_bytes() const { return device_limited_.used_bytes(); }
 
  private:
-  SerialWorker& worker(StreamKind stream);
+  SerialExecutor& worker(StreamKind stream);
   int64_t next_delay_us();
 
   SimConfig config_;
@@ -91,8 +71,8 @@ class SimBackend final : public DeviceBackend {
   HostMemoryResource host_;
   std::mutex rng_mutex_;
   std::mt19937_64 rng_;
-  SerialWorker h2d_;
-  SerialWorker d2h_;
+  SerialExecutor h2d_;  // the copy streams: one thread each, copies in submission order
+  SerialExecutor d2h_;
 };
 
 }  // namespace gx

@@ -109,6 +109,41 @@ TEST_F(ChunkManagerTest, AsyncMoveCompletesOnWaitAndFreesTheSource) {
   expect_values(hs, Tier::kPageableHost);
 }
 
+TEST_F(ChunkManagerTest, CopyEventCoversTheMoveInFlightAndThenIsGone) {
+  auto hs = register_floats({40});
+  fill(hs, Tier::kDevice);
+  EXPECT_EQ(mgr.copy_event(0), nullptr);
+  mgr.move(0, Tier::kPageableHost, /*async=*/true);
+  auto event = mgr.copy_event(0);
+  ASSERT_NE(event, nullptr);
+  event->synchronize();  // another thread may wait on it; the host copy is complete after it
+  const float* host = static_cast<const float*>(mgr.chunk(0).shard_ptr(Tier::kPageableHost));
+  EXPECT_EQ(host[39], 39.0f);
+  mgr.wait(0);
+  EXPECT_EQ(mgr.copy_event(0), nullptr);
+}
+
+TEST_F(ChunkManagerTest, ExchangeCopySwapsInASpareOfTheSamePool) {
+  auto hs = register_floats({40, 40});
+  fill(hs, Tier::kDevice);
+  mgr.move(0, Tier::kPageableHost);
+  void* original = mgr.chunk(0).shard_ptr(Tier::kPageableHost);
+  void* spare = mgr.allocate_spare(0, Tier::kPageableHost);
+  ASSERT_NE(spare, original);
+  const int64_t in_use = mgr.allocator().in_use_bytes(Tier::kPageableHost).current;
+  auto* s = static_cast<float*>(spare);
+  for (int k = 0; k < 112; ++k) s[k] = -static_cast<float>(k);  // the "updated" values
+  EXPECT_EQ(mgr.exchange_copy(0, Tier::kPageableHost, spare), original);
+  EXPECT_EQ(mgr.chunk(0).shard_ptr(Tier::kPageableHost), spare);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kPageableHost).current, 112 * 4) << "chunk bytes unchanged by an exchange";
+  mgr.move(0, Tier::kDevice);  // the exchanged-in values are the chunk's now
+  EXPECT_EQ(static_cast<const float*>(mgr.tensor_ptr(hs[1], Tier::kDevice))[3], -51.0f);
+  mgr.release_spare(0, Tier::kPageableHost, original);
+  // the move dropped the host copy (the former spare), the release gave the former copy back
+  EXPECT_EQ(mgr.allocator().in_use_bytes(Tier::kPageableHost).current, in_use - 2 * 112 * 4);
+  EXPECT_THROW(mgr.exchange_copy(0, Tier::kPageableHost, original), InternalError) << "no host copy any more";
+}
+
 TEST_F(ChunkManagerTest, AccessFetchesFromHostAndReleaseDropsTheGatheredView) {
   auto hs = register_floats({40, 40}, Tier::kPageableHost);
   fill(hs, Tier::kPageableHost);

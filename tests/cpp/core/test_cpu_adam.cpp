@@ -100,6 +100,45 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::kBFloat16, false, 0.0, 31}, Case{DType::kFloat16, true, 0.01, 200003},
                       Case{DType::kFloat16, false, 0.1, 15}));
 
+TEST(CpuAdam, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
+  const int64_t n = 1037;  // not a multiple of any vector width: the scalar tail runs too
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> p0(n), m0(n), v0(n), g(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p0[i] = normal(rng);
+    m0[i] = normal(rng) * 0.01f;
+    v0[i] = std::abs(normal(rng)) * 1e-4f;
+    g[i] = normal(rng) * 0.1f;
+  }
+  AdamHyper h;
+  h.step = 3;
+  h.weight_decay = 0.1;
+  for (SimdIsa isa : available_isas()) {
+    std::vector<float> p = p0, m = m0, v = v0;
+    std::vector<uint16_t> in_place16(n), out16(n);
+    AdamBuffers in_place{p.data(), m.data(), v.data(), g.data(), DType::kFloat32, in_place16.data(), DType::kBFloat16, n};
+    cpu_adam_step(h, in_place, isa);
+    std::vector<float> pi = p0, mi = m0, vi = v0, po(n), mo(n), vo(n);
+    AdamBuffers out{pi.data(), mi.data(), vi.data(), g.data(), DType::kFloat32, out16.data(), DType::kBFloat16, n};
+    out.param_out = po.data();
+    out.exp_avg_out = mo.data();
+    out.exp_avg_sq_out = vo.data();
+    cpu_adam_step(h, out, isa);
+    EXPECT_EQ(po, p) << to_string(isa);
+    EXPECT_EQ(mo, m) << to_string(isa);
+    EXPECT_EQ(vo, v) << to_string(isa);
+    EXPECT_EQ(out16, in_place16) << to_string(isa);
+    EXPECT_EQ(pi, p0) << "the inputs are untouched, " << to_string(isa);
+    EXPECT_EQ(mi, m0);
+    EXPECT_EQ(vi, v0);
+  }
+  float x = 0, y = 0;
+  AdamBuffers partial{&x, &x, &x, &x, DType::kFloat32, nullptr, DType::kBFloat16, 1};
+  partial.param_out = &y;  // the moments' outputs missing
+  EXPECT_THROW(cpu_adam_step(h, partial), UsageError);
+}
+
 TEST(HalfConvert, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_EQ(float_to_bf16(1.0f), 0x3F80);
   EXPECT_EQ(float_to_bf16(bits_to_float(0x3F808000u)), 0x3F80);  // tie, even stays
