@@ -13,7 +13,8 @@
 - post-accumulate-grad hook on every trainable parameter: copy the gradient into its chunk and
   clear `p.grad` (`post_accumulate_grad`).
 - the first hook of a backward pass queues an end-of-backward callback with the autograd engine
-  (`end_backward`: flushes chunks whose tensors got no gradient). It also refuses what cannot
+  (`end_backward`: flushes chunks whose tensors got no gradient) and tells the optimizer that a
+  backward began (it may arm speculative CPU steps: optim.py). It also refuses what cannot
   work: a backward nested in another (reentrant activation checkpointing) and compiled autograd.
 """
 
@@ -50,8 +51,9 @@ def _compiled_autograd_active() -> bool:
 class HookSet:
     """All hooks of one engine; `remove()` takes them off again."""
 
-    def __init__(self, gm, model: torch.nn.Module, params: list, scale_fn=None):
+    def __init__(self, gm, model: torch.nn.Module, params: list, scale_fn=None, on_backward_start=None):
         self.gm = gm
+        self._on_backward_start = on_backward_start
         self._handles = []
         self._graph_task = None  # id of the backward pass the end callback is queued for
         self._scale_fn = scale_fn
@@ -115,6 +117,8 @@ class HookSet:
         if self._graph_task is None:
             self._graph_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if self._on_backward_start is not None:
+                self._on_backward_start()
         elif task != self._graph_task:
             raise RuntimeError("gemini_ext: a backward pass started inside another one. This is what reentrant "
                                "activation checkpointing does, which gemini_ext does not support: use "

@@ -246,7 +246,8 @@ class GeminiEngine:
                     buf = buf.to(self.compute_device, target_dtype)
                 module._buffers[key] = buf
         self._hooks = HookSet(self._gm, model, self._params,
-                              scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None)
+                              scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
+                              on_backward_start=self._on_backward_start)
         model._gemini_engine = self
         self.setup_seconds = time.perf_counter() - start
         logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
@@ -372,6 +373,10 @@ class GeminiEngine:
             raise RuntimeError("engine.optimizer(): this engine already has an optimizer; the optimizer state lives "
                                "in the engine's chunks, so there can be only one. Reuse the first one.")
         self._optimizer = opt
+
+    def _on_backward_start(self) -> None:
+        if self._optimizer is not None:
+            self._optimizer._arm_for_backward()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Same as loss.backward() (the fp16 loss scale is applied by the engine's hooks)."""

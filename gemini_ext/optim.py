@@ -9,7 +9,15 @@
 4. One factor, 1/loss_scale times the clipping coefficient max_norm / (norm + 1e-6) when that
    is below 1 (torch.nn.utils.clip_grad_norm_'s rule), is folded into every gradient read.
 5. HybridAdam steps every chunk where its state lives: our fused CPU Adam on the host, torch's
-   fused Adam on the device; the 16-bit parameters are rewritten from the masters.
+   fused Adam on the device; the 16-bit parameters are rewritten from the masters. With
+   `overlap_optimizer` (the default) host chunks are stepped on a background thread and step()
+   returns; the next forward waits per chunk.
+6. Speculation: when a backward pass begins, `_arm_for_backward` hands C++ the hyperparameters
+   of that moment, so that each host chunk's step can start as soon as its gradients reach the
+   host, out of place into spare buffers; step() confirms or drops each one (the Note in
+   csrc/torch/hybrid_adam_speculation.cpp). It arms only where the guess "multiplier exactly 1"
+   can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
+   host has room for the spares (at most half of MemAvailable).
 `param_groups` hold the same Parameter objects the model uses, so LR schedulers edit `lr` as
 usual; hyperparameters are read from the groups at every step. Gradients live in chunks, not on
 `p.grad` (which stays None), and `zero_grad()` clears them.
@@ -24,6 +32,18 @@ import torch
 from . import _C
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 where it cannot be read: no speculation then)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 _IGNORED_FLAGS = ("foreach", "fused", "capturable")  # implementation choices; ours are fixed
 _REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")  # accepted only as False
 
@@ -162,6 +182,22 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if self._wrapped is not None:
             self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
         return loss
+
+    def _arm_for_backward(self) -> None:
+        engine = self.engine
+        cfg = engine.config
+        if not cfg.overlap_optimizer or engine.scaler is not None:
+            return
+        if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
+            return
+        needed = self._hybrid.spare_bytes_needed()
+        if needed > 0 and needed > _available_host_bytes() // 2:
+            return
+        self._hybrid.arm(self._hyper())
+
+    def speculation_stats(self) -> dict:
+        """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
+        return {**self._hybrid.speculations(), "spare_bytes": self._hybrid.spare_bytes()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine._check_open("optimizer.zero_grad")

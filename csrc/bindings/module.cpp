@@ -125,6 +125,26 @@ void register_exceptions(py::module_& m) {
 
 }  // namespace
 
+namespace {
+// Parameter groups as the Python optimizer passes them: dicts of lr, beta1, beta2, eps,
+// weight_decay, adamw.
+std::vector<AdamHyper> adam_hypers(const py::list& groups) {
+  std::vector<AdamHyper> hs;
+  for (const auto& item : groups) {
+    auto d = item.cast<py::dict>();
+    AdamHyper h;
+    h.lr = d["lr"].cast<double>();
+    h.beta1 = d["beta1"].cast<double>();
+    h.beta2 = d["beta2"].cast<double>();
+    h.eps = d["eps"].cast<double>();
+    h.weight_decay = d["weight_decay"].cast<double>();
+    h.decoupled_weight_decay = d["adamw"].cast<bool>();
+    hs.push_back(h);
+  }
+  return hs;
+}
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gemini_ext native core (chunks, pools, device backends, chunk search)";
 
@@ -511,21 +531,27 @@ PYBIND11_MODULE(_C, m) {
       .def("grad_norm_sq", &HybridAdam::grad_norm_sq, py::call_guard<py::gil_scoped_release>())
       .def("step",
            [](HybridAdam& a, const py::list& groups, double grad_multiplier) {
-             std::vector<AdamHyper> hs;
-             for (const auto& item : groups) {
-               auto d = item.cast<py::dict>();
-               AdamHyper h;
-               h.lr = d["lr"].cast<double>();
-               h.beta1 = d["beta1"].cast<double>();
-               h.beta2 = d["beta2"].cast<double>();
-               h.eps = d["eps"].cast<double>();
-               h.weight_decay = d["weight_decay"].cast<double>();
-               h.decoupled_weight_decay = d["adamw"].cast<bool>();
-               hs.push_back(h);
-             }
+             std::vector<AdamHyper> hs = adam_hypers(groups);
              py::gil_scoped_release nogil;
              a.step(hs, grad_multiplier);
            })
+      .def("arm",
+           [](HybridAdam& a, const py::list& groups) {
+             std::vector<AdamHyper> hs = adam_hypers(groups);
+             py::gil_scoped_release nogil;
+             a.arm(hs);
+           })
+      .def("disarm", &HybridAdam::disarm, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("armed", &HybridAdam::armed)
+      .def("spare_bytes_needed", &HybridAdam::spare_bytes_needed, py::call_guard<py::gil_scoped_release>())
+      .def("spare_bytes", &HybridAdam::spare_bytes, py::call_guard<py::gil_scoped_release>())
+      .def("release_spares", &HybridAdam::release_spares, py::call_guard<py::gil_scoped_release>())
+      .def("speculations", [](HybridAdam& a) {
+        py::dict d;
+        d["confirmed"] = a.speculations_confirmed();
+        d["dropped"] = a.speculations_dropped();
+        return d;
+      })
       .def("last_step", [](HybridAdam& a) {
         gx::torch_layer::StepStats s;
         {

@@ -29,6 +29,7 @@ void GeminiManager::reduce_locked(ChunkSet& set) {
 
 void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (!set.grad_collecting) return;
+  settle_locked(set_of_chunk(set.spec.param));  // a pending step may still read G's host copy
   set.grad_sq = at::Tensor();
   const ChunkId g = set.spec.grad;
   whole_cache_id_ = -1;
@@ -61,6 +62,7 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
 
 void GeminiManager::offload_grads_locked(ChunkSet& set) {
   if (!set.spec.optim_on_host || set.grad_place != GradPlace::kDevice) return;
+  settle_locked(set_of_chunk(set.spec.param));  // a pending step may still read G's host copy
   const ChunkId g = set.spec.grad;
   // The norm is taken here, on the device, while G is complete there: the step then needs no
   // pass over the host copies for clipping or the fp16 overflow check.
@@ -69,11 +71,11 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
   mgr_.move(g, mgr_.host_tier(), async_reduce_);
   set.grad_place = GradPlace::kHost;
   counters_.grad_chunks_offloaded += 1;
+  if (grads_offloaded_hook_) grads_offloaded_hook_(set_of_chunk(set.spec.param));
 }
 
 void GeminiManager::flush_grads() {
   std::lock_guard<OwnedMutex> lock(mutex_);
-  settle_all_locked();
   ctx_->sync_compute_stream();
   for (auto& set : sets_) {
     if (!set.trainable) continue;

@@ -203,13 +203,20 @@ class GeminiManager {
   // refreshed or dropped). Until settled the set is pending: compute accesses, gradient moves
   // and value reads of its chunks settle it first (waiting for it), prefetch skips it while it
   // runs, eviction leaves its chunks alone. Every other entry point settles every set.
-  void launch_host_step_locked(int set_index, std::function<void()> compute, std::function<void()> complete);
+  // `eager`: whether a finished step may be settled before anyone needs the set (prefetch does
+  // that); a speculative step is not, until step() confirmed it (settling drops it otherwise).
+  void launch_host_step_locked(int set_index, std::function<void()> compute, std::function<void()> complete,
+                               std::function<bool()> eager = nullptr);
   void settle_locked(int set_index);
   bool try_settle_locked(int set_index);  // settles a finished step; false while it runs
   void settle_all_locked();
   void settle_all();
   bool pending_locked(int set_index) const { return pending_.count(set_index) != 0; }
   size_t pending_steps() const;
+  std::vector<int> pending_sets_locked() const { return {pending_order_.begin(), pending_order_.end()}; }
+  // Called (mutex held) when a host set's gradients were sent to the host during backward or a
+  // flush: where a speculative optimizer step may start (HybridAdam installs it).
+  void set_grads_offloaded_hook(std::function<void(int set_index)> hook) { grads_offloaded_hook_ = std::move(hook); }
   // Off: every step settles before it returns (the serial step, for comparison).
   void set_overlap_optimizer(bool overlap) { overlap_optimizer_ = overlap; }
   bool overlap_optimizer() const { return overlap_optimizer_; }
@@ -307,11 +314,13 @@ class GeminiManager {
     std::shared_future<void> done;
     std::function<void()> complete;
     std::shared_ptr<double> seconds;  // written by the task
+    std::function<bool()> eager;
   };
   std::map<int, PendingStep> pending_;  // by set index
   std::deque<int> pending_order_;       // launch order (forward order)
   double host_step_seconds_ = 0.0;
   bool overlap_optimizer_ = true;
+  std::function<void(int)> grads_offloaded_hook_;
   struct Gate {
     std::mutex mutex;
     std::condition_variable opened;

@@ -11,7 +11,7 @@
 namespace gx::torch_layer {
 
 void GeminiManager::launch_host_step_locked(int set_index, std::function<void()> compute,
-                                            std::function<void()> complete) {
+                                            std::function<void()> complete, std::function<bool()> eager) {
   GX_INTERNAL_ASSERT(!pending_locked(set_index), "chunk set ", set_index, " launched while its previous step is pending");
   if (!optimizer_worker_) optimizer_worker_ = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
@@ -24,7 +24,7 @@ void GeminiManager::launch_host_step_locked(int set_index, std::function<void()>
     compute();
     *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   });
-  pending_.emplace(set_index, PendingStep{std::move(done), std::move(complete), seconds});
+  pending_.emplace(set_index, PendingStep{std::move(done), std::move(complete), seconds, std::move(eager)});
   pending_order_.push_back(set_index);
   if (!overlap_optimizer_) settle_locked(set_index);
 }

@@ -224,7 +224,10 @@ std::vector<TimelineEvent> GeminiManager::timeline() const {
 void GeminiManager::settle_finished_locked() {
   // Steps that finished are settled now, in launch order, so that their chunks can be
   // prefetched (home-on-device chunks get their refresh copy started here).
-  while (!pending_order_.empty() && try_settle_locked(pending_order_.front())) {
+  for (int s : pending_sets_locked()) {
+    const PendingStep& p = pending_.at(s);
+    if (p.eager && !p.eager()) continue;  // speculative, not confirmed yet
+    if (!try_settle_locked(s)) break;       // launch order: the later ones are not done either
   }
 }
 
@@ -279,8 +282,10 @@ void GeminiManager::allocate_on_device_locked(ChunkId id) {
 std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
   std::vector<ChunkId> out;
   for (const auto& set : sets_) {
-    if (pending_locked(set_of_chunk(set.spec.param))) continue;  // its CPU step writes P's host copy
     const Chunk& p = mgr_.chunk(set.spec.param);
+    // A set whose CPU step is pending: its P device copy may go only as a free drop (the host
+    // copy, which the step writes, is the truth), never by a move that would write the host.
+    if (pending_locked(set_of_chunk(set.spec.param)) && !p.shard_tiers().contains(mgr_.host_tier())) continue;
     // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
     // waiting for reduction (SPEC: all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&

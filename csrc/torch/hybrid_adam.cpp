@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 #include "core/errors.h"
 #include "torch/cpu_adam_op.h"
@@ -13,15 +14,56 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-struct Run {
-  size_t first_slot;
-  size_t last_slot;
-  int group;
-  int64_t step;
-};
 }  // namespace
 
-HybridAdam::HybridAdam(GeminiManager& manager) : m_(manager) {}
+std::vector<HybridAdam::Run> HybridAdam::runs_of_locked(const ChunkSet& set, size_t num_groups) const {
+  const Chunk& pc = m_.chunks().chunk(set.spec.param);
+  std::vector<Run> runs;
+  for (size_t k = 0; k < pc.num_slots(); ++k) {
+    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+    if (!set.has_grad[k] || group < 0) continue;
+    GX_CHECK(static_cast<size_t>(group) < num_groups, "parameter group ", group, " of parameter ", set.params[k],
+             ": only ", num_groups, " groups were passed.");
+    if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group && runs.back().step == set.step[k]) {
+      runs.back().last_slot = k;
+    } else {
+      runs.push_back(Run{k, k, group, set.step[k]});
+    }
+  }
+  return runs;
+}
+
+HybridAdam::ShardPart HybridAdam::shard_part_of(const ChunkSet& set, const Run& r) const {
+  const Chunk& pc = m_.chunks().chunk(set.spec.param);
+  const ShardRange shard = pc.shard_range(m_.chunks().rank());
+  const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
+  const int64_t end =
+      std::min(pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel, shard.end_numel) - shard.begin_numel;
+  return ShardPart{begin, end};
+}
+
+void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host) {
+  if (!mgr.chunk(p).shard_tiers().contains(Tier::kDevice)) return;
+  if (home_on_host) {
+    mgr.discard_copy(p, Tier::kDevice);
+  } else {
+    mgr.transfer(p, host, Tier::kDevice, /*async=*/true);
+  }
+}
+
+HybridAdam::HybridAdam(GeminiManager& manager) : m_(manager) {
+  std::lock_guard<OwnedMutex> lock(m_.mutex());
+  m_.set_grads_offloaded_hook([this](int set_index) { speculate_locked(set_index); });
+}
+
+HybridAdam::~HybridAdam() {
+  try {
+    release_spares();  // settles this optimizer's speculative steps first
+  } catch (...) {
+  }
+  std::lock_guard<OwnedMutex> lock(m_.mutex());
+  m_.set_grads_offloaded_hook(nullptr);
+}
 
 StepStats HybridAdam::last_step() const {
   std::lock_guard<OwnedMutex> lock(m_.mutex());
@@ -44,7 +86,7 @@ double HybridAdam::grad_norm_sq() {
   std::lock_guard<OwnedMutex> lock(m_.mutex());
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
-  m_.settle_all_locked();
+  // No settling: pending CPU steps (speculative ones included) only read the gradients too.
   ctx.sync_compute_stream();
   m_.wait_grads();
   at::Tensor device_total, host_total;
@@ -73,12 +115,17 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   GX_CHECK(!group_of_param_.empty() || m_.params().empty(), "HybridAdam::step before set_param_groups.");
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
-  m_.settle_all_locked();  // the previous step's sets (an unusual loop: normally forward settled them)
+  // Speculative steps started during backward: confirmed when they used what this step uses,
+  // else settled (waited for) and dropped, and those sets are stepped below like the others.
+  stats_ = StepStats{};
+  const std::set<int> confirmed = judge_speculations_locked(groups, grad_multiplier);
+  // Steps of an earlier call still pending (an unusual loop: normally forward settled them).
+  for (int s : m_.pending_sets_locked())
+    if (confirmed.count(s) == 0) m_.settle_locked(s);
   ctx.sync_compute_stream();
   m_.wait_grads();
   // CPU Adam writes P's host copies: every H2D copy still reading them must be done.
   ctx.backend().synchronize(StreamKind::kHostToDevice);
-  stats_ = StepStats{};
   m_.reset_host_step_seconds();
   m_.unpin_all_locked();
   m_.values_changed_locked();
@@ -90,20 +137,9 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
   for (const int set_index : m_.sets_in_forward_order()) {
     ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
+    if (confirmed.count(set_index) != 0) continue;  // stepped speculatively during backward, confirmed above
     const Chunk& pc = mgr.chunk(set.spec.param);
-    std::vector<Run> runs;
-    for (size_t k = 0; k < pc.num_slots(); ++k) {
-      const int group = group_of_param_[static_cast<size_t>(set.params[k])];
-      if (!set.has_grad[k] || group < 0) continue;
-      GX_CHECK(static_cast<size_t>(group) < groups.size(), "parameter group ", group, " of parameter ",
-               set.params[k], ": only ", groups.size(), " groups were passed.");
-      if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group &&
-          runs.back().step == set.step[k]) {
-        runs.back().last_slot = k;
-      } else {
-        runs.push_back(Run{k, k, group, set.step[k]});
-      }
-    }
+    const std::vector<Run> runs = runs_of_locked(set, groups.size());
     if (runs.empty()) continue;
     const bool on_host = set.spec.optim_on_host;
     const bool has_master = set.spec.master >= 0;
@@ -131,13 +167,10 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
     at::Tensor exp_avg_sq = shard_view(ctx, mgr, set.spec.exp_avg_sq, tier);
     at::Tensor grad = shard_view(ctx, mgr, set.spec.grad, tier);
     at::Tensor param16 = has_master ? shard_view(ctx, mgr, set.spec.param, tier) : at::Tensor();
-    const ShardRange shard = pc.shard_range(mgr.rank());
     std::vector<CpuAdamWork> host_work;  // on_host: the runs, checked here, run on the optimizer thread
     for (const Run& r : runs) {
       // The run's elements that lie in this rank's shard, as offsets into the shard.
-      const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
-      const int64_t end = std::min(pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel, shard.end_numel) -
-                          shard.begin_numel;
+      const auto [begin, end] = shard_part_of(set, r);
       const int64_t n = end - begin;
       if (n <= 0) {  // the run lies in other ranks' shards: only the step count advances
         for (size_t k = r.first_slot; k <= r.last_slot; ++k)
@@ -186,14 +219,7 @@ void HybridAdam::step(const std::vector<AdamHyper>& groups, double grad_multipli
       // the caller does next (zero_grad, data loading, the next forward up to this chunk).
       ChunkManager* chunks = &mgr;
       const bool home_on_host = set.spec.param_home_on_host;
-      auto complete = [chunks, p, host, home_on_host] {
-        if (!chunks->chunk(p).shard_tiers().contains(Tier::kDevice)) return;
-        if (home_on_host) {
-          chunks->discard_copy(p, Tier::kDevice);
-        } else {
-          chunks->transfer(p, host, Tier::kDevice, /*async=*/true);
-        }
-      };
+      auto complete = [chunks, p, host, home_on_host] { refresh_device_param_copy(*chunks, p, host, home_on_host); };
       if (host_work.empty()) {
         complete();
       } else {

@@ -21,12 +21,20 @@
 //    to every gradient, so clipping costs no extra pass.
 #pragma once
 
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
 #include <vector>
 
 #include "core/cpu_adam.h"
 #include "torch/gemini_manager.h"
 
 namespace gx::torch_layer {
+
+// After a host step wrote P's host copy: P's device copy, if any, is refreshed from it (home on
+// the device) or dropped (home on the host).
+void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host);
 
 struct StepStats {
   int64_t host_params = 0;    // elements stepped by CPU Adam in the last step
@@ -40,6 +48,7 @@ struct StepStats {
 class HybridAdam {
  public:
   explicit HybridAdam(GeminiManager& manager);
+  ~HybridAdam();
   // Parameter group of each parameter (-1: not in the optimizer; never stepped).
   void set_param_groups(std::vector<int> group_of_param);
   // Sum of squares of every gradient held in G chunks, in fp32 (waits for gradient moves).
@@ -49,8 +58,53 @@ class HybridAdam {
   void step(const std::vector<AdamHyper>& groups, double grad_multiplier);
   StepStats last_step() const;  // settles nothing: host_seconds covers the sets settled so far
 
+  // Speculation (hybrid_adam_speculation.cpp). Armed at the start of a backward pass with the
+  // hyperparameters of that moment: each host set's step then starts as soon as its gradients
+  // leave for the host, out of place into spare slots. step() confirms it (the spares take the
+  // copies' place when the set is settled) or drops it and steps the set again from the
+  // untouched originals. Spares (master, m, v and P's host copy per speculated set) stay
+  // allocated between steps: a double buffer of the host optimizer state.
+  void arm(const std::vector<AdamHyper>& groups);
+  void disarm();
+  bool armed() const { return armed_.has_value(); }
+  size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
+  size_t spare_bytes() const;
+  void release_spares();
+  int64_t speculations_confirmed() const { return confirmed_total_; }
+  int64_t speculations_dropped() const { return dropped_total_; }
+
  private:
+  struct Run {
+    size_t first_slot;
+    size_t last_slot;
+    int group;
+    int64_t step;
+  };
+  struct ShardPart {
+    int64_t begin;  // offsets into this rank's shard
+    int64_t end;
+  };
+  struct Speculation {
+    std::vector<uint8_t> has_grad;                        // as launched: verified by step()
+    std::vector<int64_t> steps_before;                    // per slot
+    std::vector<std::pair<size_t, int64_t>> new_steps;    // slot -> step count once confirmed
+    std::vector<ChunkId> outputs;                         // chunks whose host copy a spare replaces
+    int64_t host_params = 0;
+    bool confirmed = false;
+    bool settled = false;
+  };
+  std::vector<Run> runs_of_locked(const ChunkSet& set, size_t num_groups) const;
+  ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
+  void speculate_locked(int set_index);  // the manager's hook: a host set's gradients left for the host
+  void finish_speculation_locked(int set_index, const std::shared_ptr<Speculation>& spec);
+  std::set<int> judge_speculations_locked(const std::vector<AdamHyper>& groups, double grad_multiplier);
+
   GeminiManager& m_;
+  std::optional<std::vector<AdamHyper>> armed_;
+  std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
+  std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
+  int64_t confirmed_total_ = 0;
+  int64_t dropped_total_ = 0;
   std::vector<int> group_of_param_;
   StepStats stats_;
 };

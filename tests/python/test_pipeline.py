@@ -24,7 +24,12 @@ CASES = {
     "tiny_budget": {"precision": "fp32", "budget_chunks": 5},
     "half_on_device": {"precision": "bf16", "offload_optim_frac": 0.5, "offload_param_frac": 0.5},
     "auto": {"precision": "bf16", "placement_policy": "auto"},
+    "bf16_clipping_never_triggers": {"precision": "bf16", "max_norm": 1e6},  # speculation from step 2 on
 }
+# Cases whose overlapped run must have confirmed speculative steps (started during backward).
+# (auto on sim moves every optimizer state to the device after the first step: nothing to speculate)
+SPECULATES = {"fp32", "tiny_budget", "half_on_device", "bf16_clipping_never_triggers"}
+NEVER_ARMED = {"fp16_scaler", "bf16_clipping"}  # a loss scale, or clipping that triggers every step
 
 
 def _config(device, case, overlap):
@@ -35,8 +40,10 @@ def _config(device, case, overlap):
     return gx.GeminiConfig(device=device, chunk_config_dict=CHUNK, overlap_optimizer=overlap, **kw)
 
 
-def _train(device, case, overlap, steps=6, micro_batches=1, read_state_after=None):
-    """Trains; returns (losses, final parameters, optimizer state read right after step `read_state_after`)."""
+def _train(device, case, overlap, steps=6, micro_batches=1, read_state_after=None, before_step=None):
+    """Trains; returns (losses, final parameters, optimizer state read right after step
+    `read_state_after`, skipped steps, speculation stats). before_step(step, model, engine, opt) runs
+    between the last backward and optimizer.step()."""
     model, _ = make_models()
     losses, early_state = [], None
     with gx.enable(model, _config(device, case, overlap)) as engine:
@@ -48,14 +55,17 @@ def _train(device, case, overlap, steps=6, micro_batches=1, read_state_after=Non
                 loss = model(x, y) / micro_batches
                 loss.backward()
                 total += loss.item()
+            if before_step is not None:
+                before_step(step, model, engine, opt)
             opt.step()
             if step == read_state_after:  # before zero_grad and the next forward: steps may be pending
                 early_state = opt.state_dict()
             opt.zero_grad()
             losses.append(total)
         skipped = engine.stats()["skipped_steps"]
+        speculation = opt.speculation_stats()
     params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
-    return losses, params, early_state, skipped
+    return losses, params, early_state, skipped, speculation
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -69,6 +79,40 @@ def test_overlapped_step_equals_the_serial_step_bit_for_bit(device, case):
     assert overlapped[3] == serial[3]
     if case == "fp16_scaler":
         assert serial[3] > 0, "the case is meant to skip steps on overflow"
+    assert serial[4]["confirmed"] == 0, "no speculation without overlap"
+    if case in SPECULATES:
+        assert overlapped[4]["confirmed"] > 0 and overlapped[4]["spare_bytes"] > 0, overlapped[4]
+    elif case in NEVER_ARMED:
+        assert overlapped[4]["confirmed"] == overlapped[4]["dropped"] == 0, overlapped[4]
+
+
+def _set_lr(step, model, engine, opt):
+    if step % 2 == 1:  # edited after backward began: the speculative steps guessed the old value
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * 0.5
+
+
+def _read_state(step, model, engine, opt):
+    if step == 2:
+        opt.state_dict()  # settles every set before step(): their speculations are dropped
+
+
+def _extra_backward(step, model, engine, opt):
+    if step == 3:  # a second backward adds to gradients whose step already started
+        x, y = batch(SMALL, 100 + step, engine.compute_device)
+        model(x, y).backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("intervene", [_set_lr, _read_state, _extra_backward],
+                         ids=["lr_changed_after_backward", "state_read_before_step", "second_backward_before_step"])
+def test_wrong_or_overtaken_speculation_is_dropped_and_the_result_stays_exact(device, intervene):
+    serial = _train(device, "fp32", overlap=False, before_step=intervene)
+    overlapped = _train(device, "fp32", overlap=True, before_step=intervene)
+    assert overlapped[0] == serial[0]
+    for name, value in serial[1].items():
+        assert torch.equal(overlapped[1][name], value), name
+    assert overlapped[4]["dropped"] > 0 and overlapped[4]["confirmed"] > 0, overlapped[4]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,8 +148,9 @@ def test_step_returns_before_the_cpu_work_and_the_next_forward_settles_it():
         finally:
             gm.hold_optimizer_thread(False)
         x, y = batch(model.cfg, 1, engine.compute_device)
-        model(x, y).backward()  # forward settled every set on its way
-        assert gm.pending_steps() == 0
+        loss = model(x, y)
+        assert gm.pending_steps() == 0, "forward settled every set on its way"
+        loss.backward()
         stats = opt.last_step_stats()
         assert stats["host_params"] > 0 and stats["host_seconds"] > 0
         opt.step()
