@@ -13,12 +13,12 @@ SerialExecutor::~SerialExecutor() {
   thread_.join();  // the loop leaves only with an empty queue
 }
 
-std::shared_future<void> SerialExecutor::submit(std::function<void()> task) {
+std::shared_future<void> SerialExecutor::submit(std::function<void()> task, int64_t priority) {
   std::packaged_task<void()> packaged(std::move(task));
   std::shared_future<void> done = packaged.get_future().share();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(packaged));
+    queue_.push_back(Queued{priority, next_seq_++, std::move(packaged)});
     unfinished_ += 1;
   }
   work_cv_.notify_one();
@@ -42,8 +42,11 @@ void SerialExecutor::loop() {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and nothing left to run
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      auto next = queue_.begin();  // the most urgent: few tasks queue, a scan is enough
+      for (auto it = queue_.begin(); it != queue_.end(); ++it)
+        if (it->priority < next->priority || (it->priority == next->priority && it->seq < next->seq)) next = it;
+      task = std::move(next->task);
+      queue_.erase(next);
     }
     task();  // an exception is stored in the task's future
     {

@@ -2,6 +2,7 @@
 // background thread in forward order while the caller goes on (zero_grad, the next batch, the
 // next forward); each set is settled (its step waited for, P's other copy made coherent) the
 // first time something needs its chunks. See gemini_manager.h and hybrid_adam.h.
+#include <algorithm>
 #include <chrono>
 #include <exception>
 
@@ -15,6 +16,9 @@ void GeminiManager::launch_host_step_locked(int set_index, std::function<void()>
   GX_INTERNAL_ASSERT(!pending_locked(set_index), "chunk set ", set_index, " launched while its previous step is pending");
   if (!optimizer_worker_) optimizer_worker_ = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
+  // The next forward's order decides which finished-gradient set the optimizer thread takes next.
+  const std::vector<int> order = sets_in_forward_order();
+  const int64_t priority = std::find(order.begin(), order.end(), set_index) - order.begin();
   std::shared_future<void> done = optimizer_worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
     {
       std::unique_lock<std::mutex> lock(gate->mutex);
@@ -23,7 +27,7 @@ void GeminiManager::launch_host_step_locked(int set_index, std::function<void()>
     const auto t0 = std::chrono::steady_clock::now();
     compute();
     *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  });
+  }, priority);
   pending_.emplace(set_index, PendingStep{std::move(done), std::move(complete), seconds, std::move(eager)});
   pending_order_.push_back(set_index);
   if (!overlap_optimizer_) settle_locked(set_index);

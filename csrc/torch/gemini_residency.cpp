@@ -222,12 +222,12 @@ std::vector<TimelineEvent> GeminiManager::timeline() const {
 }
 
 void GeminiManager::settle_finished_locked() {
-  // Steps that finished are settled now, in launch order, so that their chunks can be
+  // Steps that finished are settled now (speculative ones once confirmed), so that their chunks can be
   // prefetched (home-on-device chunks get their refresh copy started here).
   for (int s : pending_sets_locked()) {
     const PendingStep& p = pending_.at(s);
     if (p.eager && !p.eager()) continue;  // speculative, not confirmed yet
-    if (!try_settle_locked(s)) break;       // launch order: the later ones are not done either
+    try_settle_locked(s);                   // only if it finished
   }
 }
 

@@ -27,6 +27,19 @@ TEST(SerialExecutor, RunsTasksInSubmissionOrderOffTheCallingThread) {
   EXPECT_EQ(ex.queued(), 0u);
 }
 
+TEST(SerialExecutor, PicksTheMostUrgentQueuedTaskEachTime) {
+  SerialExecutor ex;
+  std::atomic<bool> release{false};
+  std::vector<int> order;
+  ex.submit([&] {  // occupies the thread while the others queue
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  for (int p : {5, 3, 9, 3, 0}) ex.submit([&order, p] { order.push_back(p); }, p);
+  release = true;
+  ex.drain();
+  EXPECT_EQ(order, (std::vector<int>{0, 3, 3, 5, 9}));  // by priority; the two 3s in submission order
+}
+
 TEST(SerialExecutor, SubmitReturnsBeforeTheTaskRuns) {
   SerialExecutor ex;
   std::atomic<bool> release{false};
