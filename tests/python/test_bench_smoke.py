@@ -87,3 +87,16 @@ def test_offload_bench_smoke(tmp_path):
     assert max(losses) - min(losses) < 0.01, losses
     assert (tmp_path / "offload.md").read_text().startswith("gpt-tiny")
     assert (tmp_path / "offload.png").stat().st_size > 0
+
+
+def test_capacity_bench_smoke(tmp_path):
+    """The capacity search's loop and table on tiny models (peers on the CPU, gemini_ext on sim)."""
+    out_json = tmp_path / "capacity.json"
+    out = run_python("bench/capacity.py", "--smoke", "--json-out", str(out_json), timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["plain", "gemini-auto", "gemini-offload-all"]
+    for r in rows:
+        assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
+        assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
+    assert "| gemini-offload-all | small |" in out.stdout

@@ -1,0 +1,98 @@
+"""Capacity: the largest GPT preset each system trains (full AdamW, 3 steps) on this machine.
+
+    python bench/capacity.py                                  # on the H200: 1.3b .. 13b
+    python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
+    python bench/capacity.py --smoke                          # tiny and small, CPU + sim (tests)
+
+Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
+activation checkpointing in every system, presets in ascending size; a system stops at its first
+failure (out of memory, a timeout, a crash), which the table names. Systems:
+  plain               the model on the GPU, fused AdamW on the GPU
+  fsdp2-offload       FSDP2 + CPUOffloadPolicy(pin_memory=True), fused CPU AdamW
+  gemini-auto         gemini_ext's auto policy
+  gemini-offload-all  gemini_ext static with parameters homed on the host and the optimizer state
+                      on the host (the device holds the chunks in use and activations)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offload import GEMINI, PEER, run_system  # noqa: E402  (same directory)
+
+PRESETS = ["1.3b", "6.7b", "13b"]
+
+
+def systems() -> dict[str, tuple[str, list[str]]]:
+    return {
+        "plain": (PEER, ["--plain"]),
+        "fsdp2-offload": (PEER, ["--offload"]),
+        "gemini-auto": (GEMINI, ["--policy", "auto"]),
+        "gemini-offload-all": (GEMINI, ["--policy", "static", "--offload-param-frac", "1.0"]),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default=",".join(PRESETS), help="ascending, comma-separated")
+    p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems()))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per attempt")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny and small on the CPU (sim): the harness only")
+    args = p.parse_args(argv)
+    names = list(systems())
+    presets = [x.strip() for x in args.presets.split(",")]
+    if args.smoke:
+        presets, args.seq, names = ["tiny", "small"], 16, ["plain", "gemini-auto", "gemini-offload-all"]
+    if args.only:
+        names = [n.strip() for n in args.only.split(",")]
+        unknown = set(names) - set(systems())
+        if unknown:
+            p.error(f"--only: unknown systems {sorted(unknown)}; choose from {list(systems())}")
+    rows = []
+    for name in names:
+        script, extra = systems()[name]
+        if args.smoke and script == GEMINI:
+            extra = extra + ["--device", "sim"]
+        row = {"system": name, "attempts": []}
+        for preset in presets:
+            common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(args.batch), "--checkpoint"]
+            if args.seq:
+                common += ["--seq", str(args.seq)]
+            s = run_system(script, extra, common, args.timeout)
+            row["attempts"].append({"preset": preset, **s})
+            status = s.get("error") or f"{s['step_s_median']:.2f} s/step"
+            print(f"{name} {preset}: {status}", flush=True)
+            if "error" in s:
+                row["first_failure"] = {"preset": preset, "error": s["error"]}
+                break
+            row["largest"] = {"preset": preset, **s}
+        rows.append(row)
+    print(f"\nlargest preset trained for {args.steps} steps, batch {args.batch}, activation checkpointing\n")
+    print("| system | largest | parameters | step s | peak device GiB | peak host GiB | first failure |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        big = r.get("largest")
+        fail = r.get("first_failure")
+        fail_text = f"{fail['preset']}: {fail['error'][:80]}" if fail else "-"
+        if big is None:
+            print(f"| {r['system']} | none | | | | | {fail_text} |")
+            continue
+        print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B | {big['step_s_median']:.2f} | "
+              f"{big['peak_device_bytes_max_rank'] / 2**30:.1f} | {big['peak_host_rss_bytes_max_rank'] / 2**30:.1f} | "
+              f"{fail_text} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
