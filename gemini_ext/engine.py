@@ -515,6 +515,13 @@ class GeminiEngine:
                 total += (info["padded_numel"] - info["payload_numel"]) * self.compute_dtype.itemsize
         return total
 
+    def synchronize(self) -> None:
+        """Waits for every CPU optimizer step still running (overlap_optimizer) and for the device.
+        Afterwards a parameter read outside the hooks holds the last step's values wherever its
+        chunk is on the device (the next forward, state_dict() and checkpoints do this themselves)."""
+        self._check_open("synchronize")
+        self._gm.synchronize()
+
     def state_dict(self) -> dict:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
         parameters from their fp32 masters)."""

@@ -177,8 +177,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
-        py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
-        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h).");
+        py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt,
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
+        "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs.");
 
   m.def(
       "static_placement",

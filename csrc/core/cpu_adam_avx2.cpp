@@ -1,6 +1,8 @@
 // CPU Adam, AVX2 + FMA + F16C path (8 floats per step); see cpu_adam.h for the contract.
 #include "cpu_adam.h"
 
+#include <cstdint>
+
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -46,7 +48,23 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
   float* p_out = b.out_param();
   float* m_out = b.out_exp_avg();
   float* v_out = b.out_exp_avg_sq();
+  // Out of place: non-temporal stores (see cpu_adam_avx512.cpp), from the first 32-byte
+  // aligned element on.
+  auto aligned = [&](int64_t k) {
+    return reinterpret_cast<uintptr_t>(p_out + k) % 32 == 0 && reinterpret_cast<uintptr_t>(m_out + k) % 32 == 0 &&
+           reinterpret_cast<uintptr_t>(v_out + k) % 32 == 0;
+  };
   int64_t i = begin;
+  bool nt = false;
+  if (b.param_out != nullptr) {
+    int64_t first = begin;
+    while (first < end && first - begin < 8 && !aligned(first)) ++first;
+    if (first < end && aligned(first)) {
+      cpu_adam_scalar(c, b, begin, first);
+      i = first;
+      nt = true;
+    }
+  }
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load_grad8(b, i), gs);
     __m256 p = _mm256_loadu_ps(b.param + i);
@@ -57,14 +75,21 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
     __m256 v = _mm256_fmadd_ps(omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(beta2, _mm256_loadu_ps(b.exp_avg_sq + i)));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), b2s), eps);
     p = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), p);
-    _mm256_storeu_ps(p_out + i, p);
-    _mm256_storeu_ps(m_out + i, m);
-    _mm256_storeu_ps(v_out + i, v);
+    if (nt) {
+      _mm256_stream_ps(p_out + i, p);
+      _mm256_stream_ps(m_out + i, m);
+      _mm256_stream_ps(v_out + i, v);
+    } else {
+      _mm256_storeu_ps(p_out + i, p);
+      _mm256_storeu_ps(m_out + i, m);
+      _mm256_storeu_ps(v_out + i, v);
+    }
     if (out16 != nullptr) {
       const __m128i h = bf16_out ? to_bf16x8(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), h);
     }
   }
+  if (nt) _mm_sfence();
   cpu_adam_scalar(c, b, i, end);
 }
 

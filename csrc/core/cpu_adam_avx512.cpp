@@ -1,6 +1,8 @@
 // CPU Adam, AVX-512 (F, BW) path (16 floats per step); see cpu_adam.h for the contract.
 #include "cpu_adam.h"
 
+#include <cstdint>
+
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
@@ -44,7 +46,25 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
   float* p_out = b.out_param();
   float* m_out = b.out_exp_avg();
   float* v_out = b.out_exp_avg_sq();
+  // Out of place, the outputs are not read: non-temporal stores skip the read for ownership a
+  // plain store of a line not in cache costs (12 bytes per element). They need 64-byte aligned
+  // addresses: the elements before the first aligned one take the scalar path (same results).
+  auto aligned = [&](int64_t k) {
+    return reinterpret_cast<uintptr_t>(p_out + k) % 64 == 0 && reinterpret_cast<uintptr_t>(m_out + k) % 64 == 0 &&
+           reinterpret_cast<uintptr_t>(v_out + k) % 64 == 0;
+  };
   int64_t i = begin;
+  bool nt = false;
+  if (b.param_out != nullptr) {
+    int64_t first = begin;
+    while (first < end && first - begin < 16 && !aligned(first)) ++first;
+    if (first < end && aligned(first)) {  // else the outputs never align together: plain stores
+      cpu_adam_scalar(c, b, begin, first);
+      i = first;
+      nt = true;
+    }
+  }
+  const bool nt16 = nt && out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 32 == 0;
   for (; i + 16 <= end; i += 16) {
     __m512 g = _mm512_mul_ps(load_grad16(b, i), gs);
     __m512 p = _mm512_loadu_ps(b.param + i);
@@ -55,14 +75,25 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
     __m512 v = _mm512_fmadd_ps(omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), b2s), eps);
     p = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), p);
-    _mm512_storeu_ps(p_out + i, p);
-    _mm512_storeu_ps(m_out + i, m);
-    _mm512_storeu_ps(v_out + i, v);
+    if (nt) {
+      _mm512_stream_ps(p_out + i, p);
+      _mm512_stream_ps(m_out + i, m);
+      _mm512_stream_ps(v_out + i, v);
+    } else {
+      _mm512_storeu_ps(p_out + i, p);
+      _mm512_storeu_ps(m_out + i, m);
+      _mm512_storeu_ps(v_out + i, v);
+    }
     if (out16 != nullptr) {
       const __m256i h = bf16_out ? to_bf16x16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + i), h);
+      if (nt16) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out16 + i), h);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + i), h);
+      }
     }
   }
+  if (nt) _mm_sfence();  // the streamed lines are visible before this range counts as done
   cpu_adam_scalar(c, b, i, end);
 }
 

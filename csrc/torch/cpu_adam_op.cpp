@@ -64,10 +64,22 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
 void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                   const std::string& isa) {
+                   const std::string& isa, const std::optional<std::vector<at::Tensor>>& out) {
   const SimdIsa simd = parse_isa(isa);
-  const CpuAdamWork w = prepare_cpu_adam(param, exp_avg, exp_avg_sq, grad, param16, step, lr, beta1, beta2, eps,
-                                         weight_decay, adamw, grad_scale);
+  CpuAdamWork w = prepare_cpu_adam(param, exp_avg, exp_avg_sq, grad, param16, step, lr, beta1, beta2, eps,
+                                   weight_decay, adamw, grad_scale);
+  if (out.has_value()) {
+    GX_CHECK(out->size() == 3, "cpu_adam_step out: expected (param_out, exp_avg_out, exp_avg_sq_out), got ", out->size(),
+             " tensors.");
+    const char* names[] = {"param_out", "exp_avg_out", "exp_avg_sq_out"};
+    for (size_t k = 0; k < 3; ++k) {
+      GX_CHECK((*out)[k].scalar_type() == at::kFloat, "cpu_adam_step: ", names[k], " must be float32.");
+      check_tensor((*out)[k], names[k], param.numel());
+    }
+    w.buffers.param_out = (*out)[0].data_ptr<float>();
+    w.buffers.exp_avg_out = (*out)[1].data_ptr<float>();
+    w.buffers.exp_avg_sq_out = (*out)[2].data_ptr<float>();
+  }
   gx::cpu_adam_step(w.hyper, w.buffers, simd);
 }
 

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/cpu_adam.h"
 
@@ -25,9 +26,10 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
                              double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                              double grad_scale);
 
+// out: optional (param_out, exp_avg_out, exp_avg_sq_out), all three or none: out of place.
 void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                   const std::string& isa);
+                   const std::string& isa, const std::optional<std::vector<at::Tensor>>& out = std::nullopt);
 
 }  // namespace gx::torch_layer

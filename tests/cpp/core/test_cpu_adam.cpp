@@ -119,19 +119,33 @@ TEST(CpuAdam, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
     std::vector<uint16_t> in_place16(n), out16(n);
     AdamBuffers in_place{p.data(), m.data(), v.data(), g.data(), DType::kFloat32, in_place16.data(), DType::kBFloat16, n};
     cpu_adam_step(h, in_place, isa);
-    std::vector<float> pi = p0, mi = m0, vi = v0, po(n), mo(n), vo(n);
-    AdamBuffers out{pi.data(), mi.data(), vi.data(), g.data(), DType::kFloat32, out16.data(), DType::kBFloat16, n};
-    out.param_out = po.data();
-    out.exp_avg_out = mo.data();
-    out.exp_avg_sq_out = vo.data();
-    cpu_adam_step(h, out, isa);
-    EXPECT_EQ(po, p) << to_string(isa);
-    EXPECT_EQ(mo, m) << to_string(isa);
-    EXPECT_EQ(vo, v) << to_string(isa);
-    EXPECT_EQ(out16, in_place16) << to_string(isa);
-    EXPECT_EQ(pi, p0) << "the inputs are untouched, " << to_string(isa);
-    EXPECT_EQ(mi, m0);
-    EXPECT_EQ(vi, v0);
+    // Outputs 3 elements past 64-byte aligned addresses (the SIMD paths peel to alignment, then
+    // stream) and exactly at them.
+    for (const int64_t shift : {int64_t{3}, int64_t{0}}) {
+      std::vector<float> pi = p0, mi = m0, vi = v0;
+      std::vector<float> buffer(3 * (n + 64));
+      auto base = [&](int k) {
+        float* raw = buffer.data() + k * (n + 64);
+        raw += (64 - reinterpret_cast<uintptr_t>(raw) % 64) % 64 / sizeof(float);
+        return raw + shift;
+      };
+      float* po = base(0);
+      float* mo = base(1);
+      float* vo = base(2);
+      std::fill(out16.begin(), out16.end(), 0);
+      AdamBuffers out{pi.data(), mi.data(), vi.data(), g.data(), DType::kFloat32, out16.data(), DType::kBFloat16, n};
+      out.param_out = po;
+      out.exp_avg_out = mo;
+      out.exp_avg_sq_out = vo;
+      cpu_adam_step(h, out, isa);
+      EXPECT_EQ(std::vector<float>(po, po + n), p) << to_string(isa) << " shift " << shift;
+      EXPECT_EQ(std::vector<float>(mo, mo + n), m) << to_string(isa);
+      EXPECT_EQ(std::vector<float>(vo, vo + n), v) << to_string(isa);
+      EXPECT_EQ(out16, in_place16) << to_string(isa);
+      EXPECT_EQ(pi, p0) << "the inputs are untouched, " << to_string(isa);
+      EXPECT_EQ(mi, m0);
+      EXPECT_EQ(vi, v0);
+    }
   }
   float x = 0, y = 0;
   AdamBuffers partial{&x, &x, &x, &x, DType::kFloat32, nullptr, DType::kBFloat16, 1};
