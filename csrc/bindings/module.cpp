@@ -437,6 +437,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
       .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
       .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
+      .def("set_optimizer_task_delay_us", &GeminiManager::set_optimizer_task_delay_us)
       .def("pending_steps", [](GeminiManager& m) {
         std::lock_guard<OwnedMutex> lock(m.mutex());
         return m.pending_steps();

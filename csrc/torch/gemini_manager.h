@@ -223,8 +223,10 @@ class GeminiManager {
   // The sets in the order the recorded iteration first touches their P chunks (forward order);
   // sets it never touched follow in index order.
   std::vector<int> sets_in_forward_order() const;
-  // Tests: while held, CPU steps wait before they start (so a test sees them pending).
+  // Tests: while held, CPU steps wait before they start (so a test sees them pending); a delay
+  // makes each one take that much longer (a slow host, deterministically).
   void hold_optimizer_thread(bool hold);
+  void set_optimizer_task_delay_us(int64_t delay_us);
   double host_step_seconds() const;  // CPU optimizer time of the settled steps since the last reset
   void reset_host_step_seconds();
 
@@ -325,6 +327,7 @@ class GeminiManager {
     std::mutex mutex;
     std::condition_variable opened;
     bool held = false;
+    int64_t delay_us = 0;
   };
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
   std::unique_ptr<SerialExecutor> optimizer_worker_;  // last: joined first, before the chunks go

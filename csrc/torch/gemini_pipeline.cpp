@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <thread>
 
 #include "core/errors.h"
 #include "torch/gemini_manager.h"
@@ -24,6 +25,7 @@ void GeminiManager::launch_host_step_locked(int set_index, std::function<void()>
       std::unique_lock<std::mutex> lock(gate->mutex);
       gate->opened.wait(lock, [&] { return !gate->held; });
     }
+    if (gate->delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate->delay_us));
     const auto t0 = std::chrono::steady_clock::now();
     compute();
     *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -101,6 +103,11 @@ void GeminiManager::hold_optimizer_thread(bool hold) {
     gate_->held = hold;
   }
   gate_->opened.notify_all();
+}
+
+void GeminiManager::set_optimizer_task_delay_us(int64_t delay_us) {
+  std::lock_guard<std::mutex> lock(gate_->mutex);
+  gate_->delay_us = delay_us;
 }
 
 double GeminiManager::host_step_seconds() const { return host_step_seconds_; }

@@ -265,11 +265,12 @@ void GeminiManager::prefetch_gathers_locked() {
   PrefetchQuery q;
   q.max_prefetch = max_prefetch_;
   q.free_bytes = device_budget_locked() / 2 - mgr_.gathered_bytes().current;
-  q.needs_fetch = [&](ChunkId c) {
-    return set_of_chunk(c) >= 0 && !pending_locked(set_of_chunk(c)) && !mgr_.chunk(c).gathered();
-  };
+  // Not whether a set's CPU step is still pending: that differs between ranks, and a gather is a
+  // collective. A planned gather waits for its set's step instead.
+  q.needs_fetch = [&](ChunkId c) { return set_of_chunk(c) >= 0 && !mgr_.chunk(c).gathered(); };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).chunk_bytes()); };
   for (ChunkId c : plan_prefetch(trace_, q)) {
+    settle_locked(set_of_chunk(c));
     with_room_locked(c, [&] { mgr_.prefetch_gather(c); }, device_bytes_needed_locked(c, /*gather=*/true));
     note_locked('P', c);
   }

@@ -390,3 +390,34 @@ def test_checkpoint_saved_on_two_gpus_loads_on_one_and_two(tmp_path):
     run_torchrun(2, _save_body, str(tmp_path), 1, "cuda", backend="nccl", tmp_dir=str(tmp_path))
     run_torchrun(2, _load_body, str(tmp_path), True, "cuda", backend="nccl", tmp_dir=str(tmp_path))
     _load_body(0, 1, str(tmp_path), False, "cuda")  # one unsharded process, here
+
+
+def _uneven_optimizer_body(rank, world_size):
+    """Rank 0's CPU optimizer steps finish late (each takes 30 ms longer), rank 1's at once.
+    Gathers are collectives: which chunk each rank gathers ahead must not depend on whether its
+    own CPU step has finished, or the ranks gather different chunks and train on wrong values
+    (or hang)."""
+    model, reference = make_models()
+    ref_losses = train_reference(reference, STEPS, torch.device("cpu"), batch_size=GLOBAL_BATCH)
+    losses = []
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        if rank == 0:
+            engine._gm.set_optimizer_task_delay_us(30_000)
+        for step in range(STEPS):
+            x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
+            loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().float().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world_size)
+        stats = engine.stats()
+    assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
+    assert max(max_relative_difference(model, reference).values()) <= PARAM_TOLERANCE
+    assert stats["traffic"]["gather_prefetches"] > 0
+
+
+def test_ranks_whose_cpu_steps_finish_at_different_times_gather_the_same_chunks():
+    run_ranks(2, _uneven_optimizer_body)
