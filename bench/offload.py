@@ -141,7 +141,8 @@ def run_system(script: str, extra: list[str], common: list[str], timeout: int) -
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout} s"}
         if proc.returncode != 0 or not os.path.exists(out_json):
-            return {"error": last_error(proc)}
+            return {"error": f"exit {proc.returncode}" + ("" if os.path.exists(out_json) else ", no summary") +
+                             f": {last_error(proc)}"}
         with open(out_json) as f:
             return json.load(f)
 
