@@ -1,5 +1,7 @@
 #include "cpu_adam.h"
 
+#include <cstdint>
+
 #include <cmath>
 
 #include "errors.h"
@@ -46,6 +48,18 @@ void check_adam_args(const AdamHyper& h, const AdamBuffers& b) {
 }
 
 namespace detail {
+
+int64_t first_streamable(const AdamBuffers& b, int64_t begin, int64_t end, size_t alignment, int64_t width) {
+  if (b.param_out == nullptr) return -1;
+  auto aligned = [&](int64_t k) {
+    return reinterpret_cast<uintptr_t>(b.param_out + k) % alignment == 0 &&
+           reinterpret_cast<uintptr_t>(b.exp_avg_out + k) % alignment == 0 &&
+           reinterpret_cast<uintptr_t>(b.exp_avg_sq_out + k) % alignment == 0;
+  };
+  for (int64_t k = begin; k < end && k - begin < width; ++k)
+    if (aligned(k)) return k;
+  return -1;
+}
 
 void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
   float* p = b.param;

@@ -84,6 +84,10 @@ void cpu_adam_step(const AdamHyper& hyper, const AdamBuffers& buffers);
 void cpu_adam_step(const AdamHyper& hyper, const AdamBuffers& buffers, SimdIsa isa);
 
 namespace detail {
+// Out of place: the first element of [begin, end), within one vector of `width` elements, from
+// which all three fp32 outputs are `alignment`-byte aligned (the SIMD paths stream from there);
+// -1 in place or when the outputs never align together.
+int64_t first_streamable(const AdamBuffers& b, int64_t begin, int64_t end, size_t alignment, int64_t width);
 void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);
 void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);
 void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end);

@@ -50,20 +50,12 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
   float* v_out = b.out_exp_avg_sq();
   // Out of place: non-temporal stores (see cpu_adam_avx512.cpp), from the first 32-byte
   // aligned element on.
-  auto aligned = [&](int64_t k) {
-    return reinterpret_cast<uintptr_t>(p_out + k) % 32 == 0 && reinterpret_cast<uintptr_t>(m_out + k) % 32 == 0 &&
-           reinterpret_cast<uintptr_t>(v_out + k) % 32 == 0;
-  };
   int64_t i = begin;
-  bool nt = false;
-  if (b.param_out != nullptr) {
-    int64_t first = begin;
-    while (first < end && first - begin < 8 && !aligned(first)) ++first;
-    if (first < end && aligned(first)) {
-      cpu_adam_scalar(c, b, begin, first);
-      i = first;
-      nt = true;
-    }
+  const int64_t first = first_streamable(b, begin, end, 32, 8);
+  const bool nt = first >= 0;
+  if (nt) {
+    cpu_adam_scalar(c, b, begin, first);
+    i = first;
   }
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load_grad8(b, i), gs);

@@ -49,20 +49,12 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
   // Out of place, the outputs are not read: non-temporal stores skip the read for ownership a
   // plain store of a line not in cache costs (12 bytes per element). They need 64-byte aligned
   // addresses: the elements before the first aligned one take the scalar path (same results).
-  auto aligned = [&](int64_t k) {
-    return reinterpret_cast<uintptr_t>(p_out + k) % 64 == 0 && reinterpret_cast<uintptr_t>(m_out + k) % 64 == 0 &&
-           reinterpret_cast<uintptr_t>(v_out + k) % 64 == 0;
-  };
   int64_t i = begin;
-  bool nt = false;
-  if (b.param_out != nullptr) {
-    int64_t first = begin;
-    while (first < end && first - begin < 16 && !aligned(first)) ++first;
-    if (first < end && aligned(first)) {  // else the outputs never align together: plain stores
-      cpu_adam_scalar(c, b, begin, first);
-      i = first;
-      nt = true;
-    }
+  const int64_t first = first_streamable(b, begin, end, 64, 16);
+  const bool nt = first >= 0;  // else plain stores
+  if (nt) {
+    cpu_adam_scalar(c, b, begin, first);
+    i = first;
   }
   const bool nt16 = nt && out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 32 == 0;
   for (; i + 16 <= end; i += 16) {

@@ -54,6 +54,7 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   storages_ = std::make_unique<ParamStorages>(mgr_, ctx_->device_for(Tier::kDevice));
   mgr_.set_listener(storages_.get());
   const at::Device dev = ctx_->device_for(Tier::kDevice);
+  refresh_forward_order_locked();  // index order until an iteration is recorded
   reclaimer_id_ = MemoryPressure::instance().add_reclaimer(dev.is_cuda() ? dev.index() : -1,
                                                            [this](size_t bytes) { return reclaim_device_bytes(bytes); });
 }
@@ -100,7 +101,9 @@ at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
 bool GeminiManager::end_iteration() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   note_locked('S', -1);
-  return trace_.end_iteration();
+  const bool repeated = trace_.end_iteration();
+  refresh_forward_order_locked();
+  return repeated;
 }
 
 void GeminiManager::apply_placement() {

@@ -221,8 +221,8 @@ class GeminiManager {
   void set_overlap_optimizer(bool overlap) { overlap_optimizer_ = overlap; }
   bool overlap_optimizer() const { return overlap_optimizer_; }
   // The sets in the order the recorded iteration first touches their P chunks (forward order);
-  // sets it never touched follow in index order.
-  std::vector<int> sets_in_forward_order() const;
+  // sets it never touched follow in index order. Recomputed when an iteration ends.
+  const std::vector<int>& sets_in_forward_order() const { return forward_order_; }
   // Tests: while held, CPU steps wait before they start (so a test sees them pending); a delay
   // makes each one take that much longer (a slow host, deterministically).
   void hold_optimizer_thread(bool hold);
@@ -323,6 +323,9 @@ class GeminiManager {
   double host_step_seconds_ = 0.0;
   bool overlap_optimizer_ = true;
   std::function<void(int)> grads_offloaded_hook_;
+  void refresh_forward_order_locked();
+  std::vector<int> forward_order_;     // sets_in_forward_order()
+  std::vector<int64_t> forward_rank_;  // per set: its position there (the optimizer thread's priority)
   struct Gate {
     std::mutex mutex;
     std::condition_variable opened;

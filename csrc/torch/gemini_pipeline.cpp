@@ -2,7 +2,6 @@
 // background thread in forward order while the caller goes on (zero_grad, the next batch, the
 // next forward); each set is settled (its step waited for, P's other copy made coherent) the
 // first time something needs its chunks. See gemini_manager.h and hybrid_adam.h.
-#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <thread>
@@ -18,8 +17,7 @@ void GeminiManager::launch_host_step_locked(int set_index, std::function<void()>
   if (!optimizer_worker_) optimizer_worker_ = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
   // The next forward's order decides which finished-gradient set the optimizer thread takes next.
-  const std::vector<int> order = sets_in_forward_order();
-  const int64_t priority = std::find(order.begin(), order.end(), set_index) - order.begin();
+  const int64_t priority = forward_rank_.at(static_cast<size_t>(set_index));
   std::shared_future<void> done = optimizer_worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
     {
       std::unique_lock<std::mutex> lock(gate->mutex);
@@ -83,18 +81,19 @@ void GeminiManager::settle_all() {
 
 size_t GeminiManager::pending_steps() const { return pending_.size(); }
 
-std::vector<int> GeminiManager::sets_in_forward_order() const {
-  std::vector<int> order;
+void GeminiManager::refresh_forward_order_locked() {
+  forward_order_.clear();
   std::vector<uint8_t> seen(sets_.size(), 0);
   for (ChunkId c : trace_.recorded()) {
     const int s = set_of_chunk(c);
     if (s < 0 || seen[static_cast<size_t>(s)]) continue;
     seen[static_cast<size_t>(s)] = 1;
-    order.push_back(s);
+    forward_order_.push_back(s);
   }
   for (size_t s = 0; s < sets_.size(); ++s)
-    if (!seen[s]) order.push_back(static_cast<int>(s));
-  return order;
+    if (!seen[s]) forward_order_.push_back(static_cast<int>(s));
+  forward_rank_.assign(sets_.size(), 0);
+  for (size_t k = 0; k < forward_order_.size(); ++k) forward_rank_[static_cast<size_t>(forward_order_[k])] = static_cast<int64_t>(k);
 }
 
 void GeminiManager::hold_optimizer_thread(bool hold) {

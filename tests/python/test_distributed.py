@@ -30,10 +30,12 @@ def _slice(t, rank, world_size):
     return t[rank * per:(rank + 1) * per]
 
 
-def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH):
+def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH, setup=None):
     losses = []
     with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        if setup is not None:
+            setup(engine)
         for step in range(steps):
             x, y = batch(model.cfg, step, engine.compute_device, batch_size=global_batch)
             loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size))
@@ -399,21 +401,8 @@ def _uneven_optimizer_body(rank, world_size):
     (or hang)."""
     model, reference = make_models()
     ref_losses = train_reference(reference, STEPS, torch.device("cpu"), batch_size=GLOBAL_BATCH)
-    losses = []
-    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
-        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        if rank == 0:
-            engine._gm.set_optimizer_task_delay_us(30_000)
-        for step in range(STEPS):
-            x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
-            loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().float().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world_size)
-        stats = engine.stats()
+    slow = (lambda engine: engine._gm.set_optimizer_task_delay_us(30_000)) if rank == 0 else None
+    losses, stats, _ = _train_sharded(model, config("sim"), rank, world_size, setup=slow)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert max(max_relative_difference(model, reference).values()) <= PARAM_TOLERANCE
     assert stats["traffic"]["gather_prefetches"] > 0
