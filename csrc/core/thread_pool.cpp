@@ -10,7 +10,6 @@ namespace gx {
 ThreadPool::ThreadPool(int threads) {
   GX_CHECK(threads >= 1, "ThreadPool threads: expected >= 1, got ", threads, ".");
   for (int i = 0; i + 1 < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
-  ranges_.resize(workers_.size());
 }
 
 ThreadPool::~ThreadPool() {
@@ -38,27 +37,16 @@ ThreadPool& ThreadPool::global() {
   return pool;
 }
 
-void ThreadPool::worker_loop(int index) {
+void ThreadPool::worker_loop(int /*index*/) {
   uint64_t seen = 0;
   for (;;) {
-    std::pair<int64_t, int64_t> range;
-    const std::function<void(int64_t, int64_t)>* fn = nullptr;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
-      range = ranges_[static_cast<size_t>(index)];
-      fn = fn_;
     }
-    std::exception_ptr error;
-    if (range.first < range.second) {
-      try {
-        (*fn)(range.first, range.second);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
+    std::exception_ptr error = run_pieces();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (error && !error_) error_ = error;
@@ -67,34 +55,43 @@ void ThreadPool::worker_loop(int index) {
   }
 }
 
+std::exception_ptr ThreadPool::run_pieces() {
+  std::exception_ptr error;
+  for (;;) {
+    const int64_t piece = next_piece_.fetch_add(1, std::memory_order_relaxed);
+    if (piece >= pieces_) return error;
+    const int64_t begin = piece * piece_items_;
+    try {
+      (*fn_)(begin, std::min(n_, begin + piece_items_));
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+}
+
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  const int64_t pieces = std::min<int64_t>(size(), (n + grain - 1) / grain);
-  if (pieces <= 1 || workers_.empty()) {
+  const int64_t max_pieces = (n + grain - 1) / grain;
+  if (max_pieces <= 1 || workers_.empty()) {
     fn(0, n);
     return;
   }
   std::lock_guard<std::mutex> call_lock(call_mutex_);
-  const int64_t per = (n + pieces - 1) / pieces;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      const int64_t piece = static_cast<int64_t>(i) + 1;  // piece 0 is the caller's
-      ranges_[i] = {std::min(n, piece * per), std::min(n, (piece + 1) * per)};
-    }
+    const int64_t pieces = std::min<int64_t>(max_pieces, size() * kPiecesPerThread);
     fn_ = &fn;
+    n_ = n;
+    piece_items_ = (n + pieces - 1) / pieces;
+    pieces_ = (n + piece_items_ - 1) / piece_items_;
+    next_piece_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
     pending_ = static_cast<int>(workers_.size());
     ++generation_;
   }
   work_cv_.notify_all();
-  std::exception_ptr caller_error;
-  try {
-    fn(0, std::min(n, per));
-  } catch (...) {
-    caller_error = std::current_exception();
-  }
+  std::exception_ptr caller_error = run_pieces();
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] { return pending_ == 0; });
   fn_ = nullptr;

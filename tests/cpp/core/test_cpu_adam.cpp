@@ -1,7 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <climits>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "core/cpu_adam.h"
@@ -196,6 +201,30 @@ TEST(ThreadPool, CoversTheRangeOnceAndRethrows) {
   int calls = 0;
   pool.parallel_for(10, 100, [&](int64_t a, int64_t b) { calls += static_cast<int>(b - a); });
   EXPECT_EQ(calls, 10);  // below one grain: run inline
+}
+
+TEST(ThreadPool, APreemptedThreadHoldsUpOnlyItsOwnPiece) {
+  // Pieces are taken from a shared counter: while the thread that took the first piece stalls,
+  // the others take every remaining piece (a fixed 1/size() split would leave its share waiting).
+  ThreadPool pool(4);
+  std::mutex m;
+  std::map<std::thread::id, int> pieces_by_thread;
+  std::thread::id stalled;
+  int64_t smallest_piece = INT64_MAX;
+  pool.parallel_for(1 << 20, 1 << 10, [&](int64_t a, int64_t b) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      pieces_by_thread[std::this_thread::get_id()] += 1;
+      smallest_piece = std::min(smallest_piece, b - a);
+      if (a == 0) stalled = std::this_thread::get_id();
+    }
+    if (a == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
+  int total = 0;
+  for (const auto& [id, n] : pieces_by_thread) total += n;
+  EXPECT_EQ(total, 4 * 8);                   // up to 8 pieces per thread
+  EXPECT_EQ(pieces_by_thread[stalled], 1);   // the others took the rest meanwhile
+  EXPECT_GE(smallest_piece, 1 << 10);        // never below the grain
 }
 
 }  // namespace
