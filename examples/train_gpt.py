@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--max-prefetch", type=int, default=2)
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--init-device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model is built before enable() takes it into chunks (cuda: a model larger "
+                        "than host memory can hold twice, e.g. 13B)")
     p.add_argument("--no-overlap", action="store_true",
                    help="overlap_optimizer=False: the CPU optimizer step finishes inside optimizer.step()")
     p.add_argument("--seed", type=int, default=0)
@@ -109,7 +112,8 @@ def main(argv=None) -> dict:
                           extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
-    model = GPT(model_cfg)
+    with torch.device(args.init_device):
+        model = GPT(model_cfg)
     if args.checkpoint:
         checkpoint_blocks(model)
     n_params = sum(p.numel() for p in model.parameters())

@@ -99,6 +99,11 @@ def split_groups(group, extra_dp_size: int):
     return zero, replica, index
 
 
+def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:
+    """Whether a chunk of dtype `chunk` represents every value of dtype `orig` exactly."""
+    return orig == chunk or (chunk == torch.float32 and orig in (torch.bfloat16, torch.float16))
+
+
 class GeminiEngine:
     """Owns the chunks and hooks of one model; see enable()."""
 
@@ -179,23 +184,68 @@ class GeminiEngine:
             self._orig.append((p.dtype, p.device))
             for kind in (kinds if p.requires_grad else ["frozen"]):
                 handles[(kind, idx)] = mgr.register_tensor(kind, name, p.numel(), list(p.shape))
-        mgr.finalize()
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        with torch.no_grad():
-            for i, p in enumerate(self._params):
-                value = self._from_rank0(p.detach())
-                # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
-                if p.requires_grad:
-                    mgr.write_slot(handles[("param", i)], host, value)
-                    if has_master:
-                        mgr.write_slot(handles[("master", i)], host, value)
-                    for kind in kinds:
-                        mgr.transition(handles[(kind, i)], _C.TensorState.HOLD)
-                else:
-                    mgr.write_slot(handles[("frozen", i)], host, value)
-                    mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
-
+        mgr.close_chunks()  # the layouts are known from here: plan before any memory is taken
         sets = self._plan_sets(mgr, has_master)
+        # Optimizer state planned for the device is allocated there directly (never on the host);
+        # the gradient chunk of such a set gets no copy yet: its gradients are born on the device.
+        device_sets = [s for s in sets if s["grad"] >= 0 and not s["optim_on_host"]]
+        device_first = [s[k] for s in device_sets for k in ("master", "exp_avg", "exp_avg_sq") if s[k] >= 0]
+        mgr.finalize(device_first, [s["grad"] for s in device_sets])
+        on_device = set(device_first)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        # [Note: releasing the model's own tensors while filling the chunks]
+        # A model that fills most of host memory cannot coexist with a second full copy of itself
+        # in chunks. Unsharded, every parameter's exact value lands in a chunk of this process
+        # (the fp32 master, or the parameter chunk itself under fp32), so the original tensor is
+        # released right after it is copied. If enable() fails later, the values are read back
+        # from those chunks (_restore_released) so the caller's model is intact. Sharded, each rank
+        # holds only its shard: the originals stay until the chunks take over below.
+        exact_kind = "master" if has_master else "param"
+        releasable = self.world_size == 1
+        self._released = []
+        try:
+            with torch.no_grad():
+                for i, p in enumerate(self._params):
+                    value = self._from_rank0(p.detach())
+                    # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
+                    if p.requires_grad:
+                        mgr.write_slot(handles[("param", i)], host, value)
+                        if has_master:
+                            tier = "device" if handles[("master", i)][0] in on_device else host
+                            mgr.write_slot(handles[("master", i)], tier, value)
+                        for kind in kinds:
+                            mgr.transition(handles[(kind, i)], _C.TensorState.HOLD)
+                    else:
+                        mgr.write_slot(handles[("frozen", i)], host, value)
+                        mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
+                    del value
+                    kind = exact_kind if p.requires_grad else "frozen"
+                    if releasable and held_exactly(p.dtype, torch.float32 if kind == "master" else dt):
+                        self._released.append((i, handles[(kind, i)], tuple(p.shape)))
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._finish_init(model, config, mgr, sets, handles, dt)
+        except BaseException:
+            self._restore_released(mgr)
+            raise
+        self._released = []
+        self.setup_seconds = time.perf_counter() - start
+        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
+                    len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
+                    format_bytes(mgr.wasted_bytes()), self.setup_seconds)
+
+    def _restore_released(self, mgr) -> None:
+        """enable() failed after releasing the model's tensors: give each its value back from the
+        chunk holding it exactly (see the note in __init__)."""
+        with torch.no_grad():
+            for i, handle, shape in self._released:
+                tiers = mgr.chunk_info(handle[0])["shard_tiers"]
+                tier = next(t for t in ("device", "pinned_host", "pageable_host") if t in tiers)
+                dtype, device = self._orig[i]
+                self._params[i].data = mgr.tensor_view(handle, tier).reshape(shape).to(device=device, dtype=dtype,
+                                                                                         copy=True)
+        self._released = []
+
+    def _finish_init(self, model, config, mgr, sets, handles, dt) -> None:
         pspecs = []
         for i, p in enumerate(self._params):
             chunk, slot = handles[("param", i) if p.requires_grad else ("frozen", i)]
@@ -221,7 +271,7 @@ class GeminiEngine:
             if p.grad is not None:
                 if not p.requires_grad:
                     warnings.warn(f"gemini_ext: frozen parameter {self._names[i]!r} has a .grad; frozen parameters "
-                                  "have no gradient chunk, so it is dropped.", stacklevel=3)
+                                  "have no gradient chunk, so it is dropped.", stacklevel=4)
                 else:
                     existing.append((i, p.grad.detach()))
             p.data = view
@@ -249,10 +299,6 @@ class GeminiEngine:
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
                               on_backward_start=self._on_backward_start)
         model._gemini_engine = self
-        self.setup_seconds = time.perf_counter() - start
-        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
-                    len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
-                    format_bytes(mgr.wasted_bytes()), self.setup_seconds)
 
     def _build_context(self) -> None:
         config = self.config
@@ -294,7 +340,7 @@ class GeminiEngine:
                     raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): group {k} "
                                            f"has {len(v)} chunks, the parameter group {len(p_ids)}")
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in p_ids]
-            param_frac, optim_frac = self.policy.fractions()
+            param_frac, optim_frac = self.policy.initial_fractions(self, sizes)
             plan = _C.static_placement(sizes, param_frac, optim_frac)
             reshard = self._reshard_plan(sizes)
             for k, c in enumerate(p_ids):

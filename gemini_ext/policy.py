@@ -24,14 +24,22 @@
   reports what it chose in `engine.stats()["placement"]`. When the access trace changes (it is
   re-recorded), it measures the next iteration's non-model peak again and re-places, moving
   optimizer state back to the host if it no longer fits.
+  Host memory bounds it too: when the host cannot hold every optimizer state (MemAvailable less a
+  1/8 margin, shared by the ranks of the node), the warm-up already keeps the state of the front
+  chunk sets on the device (allocated there directly, never on the host) so that the rest fits,
+  and later decisions never move those back. A model whose parameters, gradients and optimizer
+  state exceed the host (13B: 16 bytes per parameter, 208 GB) trains this way, split between
+  host and device.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
+from . import _C
 from ._env import logger
 from ._units import format_bytes
 
@@ -48,6 +56,11 @@ class PlacementPolicy:
     def fractions(self) -> tuple[float, float]:
         """(offload_param_frac, offload_optim_frac) of the initial placement."""
         return self.config.offload_param_frac, self.config.offload_optim_frac
+
+    def initial_fractions(self, engine, param_chunk_bytes: list[int]) -> tuple[float, float]:
+        """The initial placement's fractions, given the 16-bit bytes of each trainable parameter
+        chunk (this rank's shards) in execution order."""
+        return self.fractions()
 
     def device_budget(self, engine) -> int:
         return 0  # the backend's capacity
@@ -95,6 +108,29 @@ def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
     return int(capacity), int(non_model), budget
 
 
+HOST_MARGIN = 1 / 8
+
+
+def host_available_bytes() -> int | None:
+    """Host memory this process may still fill: MemAvailable (Linux) over the ranks of this node
+    (LOCAL_WORLD_SIZE); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def host_optimizer_bytes_per_element(engine) -> int:
+    """Host bytes per element of a chunk set whose optimizer state lives on the host: its 16-bit
+    gradient, the fp32 master (16-bit precisions only), exp_avg and exp_avg_sq."""
+    item = engine.compute_dtype.itemsize
+    return item + (4 if engine.compute_dtype != torch.float32 else 0) + 8
+
+
 def largest_chunk_bytes(engine) -> int:
     mgr = engine._mgr
     item = engine.compute_dtype.itemsize
@@ -134,8 +170,42 @@ class AutoPolicy(PlacementPolicy):
     name = "auto"
     MARGIN = 1 / 16
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.min_device_sets = 0  # trainable sets (from the front) whose state the host cannot hold
+        self.host_plan: dict = {}
+
     def fractions(self):
         return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
+
+    def initial_fractions(self, engine, param_chunk_bytes):
+        # Every optimizer state on the host for the warm-up, unless the host cannot hold it: then
+        # the back of the execution order stays on the host (what fits) and the front goes to
+        # the device from the start.
+        item = engine.compute_dtype.itemsize
+        params_host = sum(param_chunk_bytes)  # the parameter chunks' host copies
+        per_element = host_optimizer_bytes_per_element(engine)
+        optim_host = sum(b // item for b in param_chunk_bytes) * per_element
+        available = host_available_bytes()
+        if available is not None and engine._dp_group is not None:
+            t = torch.tensor([float(available)], dtype=torch.float64,
+                             device=engine.compute_device if engine.device_kind == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=engine._dp_group)
+            available = int(t.item())  # every rank takes the same decision
+        if available is None or params_host + optim_host <= available * (1 - HOST_MARGIN):
+            return 0.0, 1.0
+        allowed = max(0.0, available * (1 - HOST_MARGIN) - params_host)
+        optim_frac = allowed / optim_host
+        plan = _C.static_placement(list(param_chunk_bytes), 0.0, optim_frac)
+        self.min_device_sets = sum(1 for _, on_host in plan if not on_host)
+        self.host_plan = {"host_available_bytes": int(available), "host_optimizer_bytes": int(optim_host),
+                          "param_host_bytes": int(params_host), "optim_frac_on_host": optim_frac,
+                          "optim_sets_kept_on_device": self.min_device_sets}
+        logger.info("auto placement: the host has %s available for %s of parameter copies and %s of optimizer state; "
+                    "the optimizer state of the first %d of %d chunk sets starts on the device",
+                    format_bytes(available), format_bytes(params_host), format_bytes(optim_host),
+                    self.min_device_sets, len(param_chunk_bytes))
+        return 0.0, optim_frac
 
     def device_budget(self, engine) -> int:
         return 0  # the warm-up runs with the whole device
@@ -154,14 +224,23 @@ class AutoPolicy(PlacementPolicy):
         remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
         master = 4 if engine.compute_dtype != torch.float32 else 0
         on_device = set()
+        trainable_seen = 0
         for index, p in enumerate(placements):  # from the front of the execution order
             if not p["trainable"]:
                 continue
             cost = shard[p["param_chunk"]] * (master + 4 + 4 + item)  # master, m, v, gradient
-            if cost > remaining:
+            host_bound = trainable_seen < self.min_device_sets  # the host cannot hold it
+            trainable_seen += 1
+            if cost > remaining and not host_bound:
                 break
             remaining -= cost
             on_device.add(index)
+        if remaining < 0:
+            warnings.warn(f"gemini_ext auto placement: the host cannot hold the optimizer state of the first "
+                          f"{self.min_device_sets} chunk sets and the device budget ({format_bytes(budget)}) cannot "
+                          f"hold it beside the parameters either ({format_bytes(-remaining)} short); parameter chunks "
+                          "will be evicted and fetched as needed. Lower the batch size or use activation "
+                          "checkpointing.", stacklevel=3)
         # Shrink first (states going to the host free device bytes), then grow.
         for index, p in enumerate(placements):
             if p["trainable"] and not p["optim_on_host"] and index not in on_device:
@@ -173,6 +252,7 @@ class AutoPolicy(PlacementPolicy):
         self.decision = {"device_capacity_bytes": capacity, "non_model_peak_bytes": non_model,
                          "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
                          "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
+                         "optim_sets_kept_on_device_for_host": self.min_device_sets,
                          "trace_rerecordings": rerecordings,
                          "decisions": self.decision.get("decisions", 0) + 1}
         logger.info("auto placement (decision %d): capacity %s, non-model peak %s, chunk budget %s, parameter chunks "

@@ -281,7 +281,12 @@ PYBIND11_MODULE(_C, m) {
              auto h = p.mgr->register_tensor(group, name, numel, shape);
              return py::make_tuple(h.chunk_id, h.slot_index);
            })
-      .def("finalize", [](PyChunkManager& p) { p.mgr->finalize(); })
+      .def("close_chunks", [](PyChunkManager& p) { p.mgr->close_chunks(); })
+      .def("finalize",
+           [](PyChunkManager& p, const std::vector<ChunkId>& device_first, const std::vector<ChunkId>& without_copy) {
+             p.mgr->finalize(device_first, without_copy);
+           },
+           py::arg("device_first") = std::vector<ChunkId>{}, py::arg("without_copy") = std::vector<ChunkId>{})
       .def("access", [](PyChunkManager& p, ChunkId id) { p.ctx->sync_compute_stream(); p.mgr->access(id); },
            py::call_guard<py::gil_scoped_release>())
       .def("release", [](PyChunkManager& p, ChunkId id, bool reshard) { p.mgr->release(id, reshard); },

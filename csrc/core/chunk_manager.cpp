@@ -1,6 +1,8 @@
 #include "chunk_manager.h"
 
 #include <algorithm>
+#include <array>
+#include <optional>
 #include <cstring>
 
 #include "errors.h"
@@ -84,27 +86,53 @@ TensorHandle ChunkManager::register_tensor(const std::string& group, const std::
   return TensorHandle{id, *slot};
 }
 
-void ChunkManager::finalize() {
-  GX_CHECK(!finalized_, "finalize(): already finalized.");
-  std::vector<uint8_t> zeros;  // source for zeroing device shards, as large as the largest
+void ChunkManager::close_chunks() {
   for (auto& c : chunks_) c->close();
-  // Each group's first copies come from one reservation of its home tier's arena (one upstream
-  // allocation per group, not one per chunk); a group that later leaves the tier entirely
-  // leaves a wholly free extent that trim() gives back.
+}
+
+void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std::vector<ChunkId>& without_copy) {
+  GX_CHECK(!finalized_, "finalize(): already finalized.");
+  close_chunks();
+  std::vector<std::optional<Tier>> first_tier(chunks_.size());
+  for (const auto& c : chunks_) first_tier[static_cast<size_t>(c->id())] = groups_.at(c->group()).home_tier;
+  auto check_id = [&](ChunkId id, const char* list) {
+    GX_CHECK(id >= 0 && static_cast<size_t>(id) < chunks_.size(), "finalize(", list, "): chunk ", id,
+             " does not exist (", chunks_.size(), " chunks).");
+  };
+  for (ChunkId id : device_first) {
+    check_id(id, "device_first");
+    GX_CHECK(allocator_.has_tier(Tier::kDevice), "finalize(device_first): the ", backend_.name(),
+             " backend has no device tier.");
+    first_tier[static_cast<size_t>(id)] = Tier::kDevice;
+  }
+  for (ChunkId id : without_copy) {
+    check_id(id, "without_copy");
+    first_tier[static_cast<size_t>(id)] = std::nullopt;
+  }
+  std::vector<uint8_t> zeros;  // source for zeroing device shards, as large as the largest
+  // Each group's first copies on a tier come from one reservation of that tier's arena (one
+  // upstream allocation per group and tier, not one per chunk); a group that later leaves the
+  // tier entirely leaves a wholly free extent that trim() gives back.
   for (const auto& [name, g] : groups_) {
-    size_t bytes = 0;
-    for (ChunkId id : g.chunk_ids) bytes += round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
-    if (bytes > 0) allocator_.reserve_arena(g.home_tier, bytes);
+    std::array<size_t, kNumTiers> bytes{};
+    for (ChunkId id : g.chunk_ids) {
+      const auto& tier = first_tier[static_cast<size_t>(id)];
+      if (tier) bytes[static_cast<size_t>(*tier)] += round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
+    }
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (bytes[static_cast<size_t>(t)] > 0) allocator_.reserve_arena(static_cast<Tier>(t), bytes[static_cast<size_t>(t)]);
+    }
   }
   for (auto& c : chunks_) {
-    const Tier home = groups_.at(c->group()).home_tier;
-    add_copy(*c, home);
+    if (!first_tier[static_cast<size_t>(c->id())]) continue;
+    const Tier first = *first_tier[static_cast<size_t>(c->id())];
+    add_copy(*c, first);
     // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.
-    if (home == Tier::kDevice) {
+    if (first == Tier::kDevice) {
       if (zeros.size() < c->shard_bytes()) zeros.assign(c->shard_bytes(), 0);
-      backend_.copy_async(c->shard_ptr(home), zeros.data(), c->shard_bytes(), StreamKind::kHostToDevice);
+      backend_.copy_async(c->shard_ptr(first), zeros.data(), c->shard_bytes(), StreamKind::kHostToDevice);
     } else {
-      std::memset(c->shard_ptr(home), 0, c->shard_bytes());
+      std::memset(c->shard_ptr(first), 0, c->shard_bytes());
     }
   }
   backend_.synchronize(StreamKind::kHostToDevice);  // `zeros` must outlive the copies

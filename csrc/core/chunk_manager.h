@@ -4,9 +4,12 @@
 //  * Registration. Tensors are registered into named groups (one dtype and chunk size per
 //    group) in the order they will be used. A group appends to its open chunk until a tensor
 //    does not fit, then opens the next one; a tensor larger than the chunk size gets a chunk of
-//    its own. `finalize()` closes every chunk and gives each shard a pool slot on its group's
-//    home tier, zero-filled, so padding never holds garbage. Slots start FREE; whoever fills a
-//    tensor's payload moves it to HOLD.
+//    its own. `close_chunks()` freezes the layouts (shard sizes are known from then on, so a
+//    policy can plan before any memory is taken); `finalize()` closes every chunk and gives each
+//    shard a pool slot, zero-filled so padding never holds garbage, on its group's home tier or,
+//    for the chunks the caller names, directly on the device (state planned to live on the
+//    device never passes through host memory: a model whose state exceeds the host's needs
+//    that) or nowhere yet (content that is born later). Slots start FREE; whoever fills a tensor's payload moves it to HOLD.
 //  * Operations (each validates the chunk's predicates and the tensor states):
 //      access(c)   make c gathered on the device for compute; fetches if its shard is not on the
 //                  device; a prefetch in flight is waited for by the compute stream, not the host.
@@ -118,7 +121,11 @@ class ChunkManager {
                     int64_t alignment_numel = 0);
   TensorHandle register_tensor(const std::string& group, const std::string& name, int64_t numel,
                                const std::vector<int64_t>& shape);
-  void finalize();
+  void close_chunks();  // freezes every chunk's layout (idempotent; finalize() does it too)
+  // `device_first`: chunks whose first copy goes to the device instead of their group's home;
+  // `without_copy`: chunks that start with no copy at all (content born later, e.g. gradients
+  // written on the device in backward; allocate_copy gives them their first one).
+  void finalize(const std::vector<ChunkId>& device_first = {}, const std::vector<ChunkId>& without_copy = {});
   bool finalized() const { return finalized_; }
   // Makes the manager sharded (before finalize): its world size and rank must be the
   // config's. The communicator must outlive the manager.

@@ -119,7 +119,11 @@ void GeminiManager::apply_placement() {
         if (id < 0) continue;
         with_room_locked(id, [&] { mgr_.move(id, Tier::kDevice); });
       }
-      mgr_.discard_copy(spec.grad, host);  // gradients are born on the device and stay there
+      // Gradients are born on the device in backward and stay there: until then the chunk holds
+      // no copy (the engine creates it without one; a first copy elsewhere carries nothing).
+      for (Tier t : {host, Tier::kDevice}) {
+        if (mgr_.chunk(spec.grad).shard_tiers().contains(t)) mgr_.discard_copy(spec.grad, t);
+      }
     }
     if (spec.param_home_on_host) continue;
     if (device_truth) {

@@ -11,8 +11,8 @@ from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
 
 
 def _cfg(device, **kw):
-    return gx.GeminiConfig(device=device, precision="fp32", offload_optim_frac=0.0, min_chunk_size_m=0.01,
-                           search_range_m=0.02, **kw)
+    kw.setdefault("precision", "fp32")
+    return gx.GeminiConfig(device=device, offload_optim_frac=0.0, min_chunk_size_m=0.01, search_range_m=0.02, **kw)
 
 
 def _train(model, opt, steps, device, backward):
@@ -41,10 +41,15 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
         assert model.head.weight is model.tok_emb.weight, "tied weights stay tied"
         stats = engine.stats()
         assert stats["tier_bytes"]["device"]["current"] > 0
-        # offload_optim_frac=0: parameter and optimizer-state chunks went to the device once each
-        moved = sum(engine._mgr.chunk_info(c)["shard_numel"] * 4
-                    for g in ("param", "exp_avg", "exp_avg_sq") for c in engine._mgr.group_chunk_ids(g))
+        # offload_optim_frac=0: parameter chunks went to the device once each; the optimizer state
+        # was allocated there directly (no copy, nothing of it on the host)
+        moved = sum(engine._mgr.chunk_info(c)["shard_numel"] * 4 for c in engine._mgr.group_chunk_ids("param"))
         assert stats["traffic"]["h2d_bytes"] == moved
+        for g in ("exp_avg", "exp_avg_sq"):
+            for c in engine._mgr.group_chunk_ids(g):
+                assert engine._mgr.chunk_info(c)["shard_tiers"] == "device", (g, c)
+        for c in engine._mgr.group_chunk_ids("grad"):  # born on the device in backward
+            assert engine._mgr.chunk_info(c)["shard_tiers"] == "none", c
 
 
 def test_close_restores_ordinary_parameters_on_their_original_device():
@@ -60,6 +65,35 @@ def test_close_restores_ordinary_parameters_on_their_original_device():
     with pytest.raises(RuntimeError, match="closed"):
         engine.optimizer(torch.optim.AdamW)
     assert engine.stats()["num_chunks"] > 0  # a snapshot taken at close
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_enable_releases_the_models_tensors_and_gives_them_back_when_it_fails(monkeypatch, precision):
+    """enable() releases each original tensor once its exact value is in a chunk (a model filling
+    most of host memory cannot exist twice); when enable() fails after that, every parameter gets
+    its value, dtype, shape and device back from the chunks."""
+    model = GPT(GPT_PRESETS["tiny"])
+    model.blocks[0].ln1.weight.requires_grad_(False)  # a frozen one too
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = {}
+
+    def fail(self, *args, **kwargs):
+        seen.update({n: p.numel() for n, p in model.named_parameters()})
+        raise RuntimeError("injected failure after the chunks were filled")
+
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_finish_init", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        gx.enable(model, _cfg("sim", precision=precision))
+    if precision == "fp32":  # fp32 originals are held exactly by their chunks: all released
+        assert all(n == 0 for n in seen.values()), seen
+    else:  # bf16: trainable ones are exact in their fp32 masters; the frozen one is not (bf16 chunk)
+        assert seen["blocks.0.ln1.weight"] > 0 and seen["blocks.0.qkv.weight"] == 0, seen
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.device.type == "cpu"
+        assert torch.equal(p.detach(), before[name]), name
+    monkeypatch.undo()
+    with gx.enable(model, _cfg("sim")):  # and the model is usable again
+        pass
 
 
 def test_existing_gradients_follow_their_parameters():

@@ -1,5 +1,7 @@
 """The scheduler and the placement policies on the sim device (the same tests run on cuda)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -196,6 +198,50 @@ def test_auto_keeps_what_does_not_fit_on_the_host():
     moved = stats["placement"]["decision"]["optim_sets_moved_to_device"]
     assert 0 < moved < stats["num_param_chunks"]
     assert stats["placement"]["optim_chunks_on_device"] == moved
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("capacity_chunks", [None, 30])
+def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacity_chunks):
+    """A host too small for every optimizer state: the front chunk sets' state starts on the
+    device (allocated there, it never passes through the host), the host never holds more than
+    it has, later decisions keep that state on the device even when the device budget is tight
+    (30 chunks: a warning, parameters are evicted instead), and training matches torch."""
+    from gemini_ext import policy
+    model, reference = make_models()
+    train_reference(reference, 6, torch.device("cpu"))
+    with gx.enable(make_models()[0], config("sim")) as probe:  # the layout, to size the host
+        sizes = [probe._mgr.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe._gm.set_placements()]
+    params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
+    limit = params_host + optim_host // 2  # room for half the optimizer state
+    monkeypatch.setattr(policy, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
+    kw = {"sim_capacity": capacity_chunks * CHUNK_BYTES} if capacity_chunks else {}
+    cfg = config("sim", placement_policy="auto", **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gx.enable(model, cfg) as engine:
+            forced = engine.policy.min_device_sets
+            assert 0 < forced < len(sizes)
+            placements = engine._gm.set_placements()
+            assert [p["optim_on_host"] for p in placements] == [i >= forced for i in range(len(sizes))]
+            for p in placements[:forced]:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    chunk = engine._mgr.group_chunk_ids(kind)[placements.index(p)]
+                    assert engine._mgr.chunk_info(chunk)["shard_tiers"] == "device"
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+            for step in range(6):
+                x, y = batch_of(model, step, 16)
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            host_peak = engine._mgr.tier_bytes(engine._mgr.host_tier)["peak"]
+            stats = engine.stats()
+    assert host_peak <= limit, (host_peak, limit)
+    decision = stats["placement"]["decision"]
+    assert decision["optim_sets_kept_on_device_for_host"] == forced
+    assert decision["optim_sets_moved_to_device"] >= forced
+    tight = [w for w in caught if "the host cannot hold" in str(w.message)]
+    assert bool(tight) == (capacity_chunks is not None)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 

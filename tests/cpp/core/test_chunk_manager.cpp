@@ -194,6 +194,30 @@ TEST_F(ChunkManagerTest, DeviceCapacityIsOutOfMemoryNamingTheKnob) {
   EXPECT_TRUE(mgr.chunk(2).shard_tiers().contains(Tier::kPageableHost));
 }
 
+TEST_F(ChunkManagerTest, FinalizePlacesNamedChunksOnTheDeviceOrNowhereInsteadOfTheirHome) {
+  mgr.create_group("param", DType::kFloat32, 100, Tier::kPageableHost);
+  std::vector<TensorHandle> hs;
+  for (int i = 0; i < 3; ++i) hs.push_back(mgr.register_tensor("param", "t" + std::to_string(i), 100, {100}));
+  mgr.close_chunks();
+  EXPECT_EQ(mgr.chunk(1).shard_numel(), 112) << "layouts are known before any memory is taken";
+  EXPECT_EQ(mgr.tier_bytes(Tier::kPageableHost).current, 0);
+  mgr.finalize({1}, {2});
+  EXPECT_TRUE(mgr.chunk(0).shard_tiers().contains(Tier::kPageableHost));
+  EXPECT_TRUE(mgr.chunk(2).shard_tiers().empty()) << "without a copy until someone allocates one";
+  EXPECT_TRUE(mgr.chunk(1).shard_tiers().contains(Tier::kDevice));
+  EXPECT_FALSE(mgr.chunk(1).shard_tiers().contains(Tier::kPageableHost));
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 112 * 4);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kPageableHost).current, 112 * 4);
+  mgr.allocate_copy(2, Tier::kDevice);
+  EXPECT_TRUE(mgr.chunk(2).shard_tiers().contains(Tier::kDevice));
+  // The device copy starts zeroed like a host one, and moves like any other copy.
+  const auto* zero = static_cast<const float*>(mgr.tensor_ptr(hs[1], Tier::kDevice));
+  for (int k = 0; k < 112; ++k) ASSERT_EQ(zero[k], 0.0f);
+  mgr.move(1, Tier::kPageableHost);
+  EXPECT_EQ(mgr.tier_bytes(Tier::kDevice).current, 112 * 4);
+  EXPECT_THROW(mgr.finalize({0}), UsageError) << "already finalized";
+}
+
 TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
   EXPECT_THROW(mgr.register_tensor("nope", "w", 4, {4}), UsageError);
   mgr.create_group("param", DType::kFloat32, 100, Tier::kDevice);
@@ -202,6 +226,7 @@ TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
       << "sim has no pinned tier";
   auto h = mgr.register_tensor("param", "w", 4, {4});
   EXPECT_THROW(mgr.access(h.chunk_id), UsageError) << "not finalized";
+  EXPECT_THROW(mgr.finalize({7}), UsageError) << "no chunk 7 to place on the device";
   mgr.finalize();
   EXPECT_THROW(mgr.register_tensor("param", "late", 4, {4}), UsageError);
   EXPECT_THROW(mgr.chunk(99), UsageError);
