@@ -223,6 +223,8 @@ class GeminiEngine:
                     if releasable and held_exactly(p.dtype, torch.float32 if kind == "master" else dt):
                         self._released.append((i, handles[(kind, i)], tuple(p.shape)))
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if any(self._orig[i][1].type == "cuda" for i, _, _ in self._released):
+                torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
             self._finish_init(model, config, mgr, sets, handles, dt)
         except BaseException:
             self._restore_released(mgr)
