@@ -253,6 +253,7 @@ class GeminiEngine:
             chunk, slot = handles[("param", i) if p.requires_grad else ("frozen", i)]
             pspecs.append((chunk, slot, bool(p.requires_grad)))
         self._gm = _C.GeminiManager(mgr, sets, pspecs, config.placement_policy)
+        self._set_chunks = [{k: s[k] for k in ("grad", "master", "exp_avg", "exp_avg_sq")} for s in sets]
         if self._replica_comm is not None:
             self._gm.set_replica_communicator(self._replica_comm)
         self._gm.set_device_budget(self.policy.device_budget(self))
@@ -630,10 +631,25 @@ class GeminiEngine:
         self._gm.synchronize()
         self._stats_at_close = self.stats()
         with torch.no_grad():
-            values = [self._gm.read("param", i) for i in range(len(self._params))]
-            for p, value, (dtype, device) in zip(self._params, values, self._orig):
-                p.data = value.to(device=device, dtype=dtype)
-                p.grad = None
+            # [Note: closing a model that fills memory]
+            # A model that needed chunks split over host and device has no room for its restored
+            # tensors beside all of its chunks (13B: the fp32 parameters going back to the GPU
+            # while the optimizer state of half the model is still there). Parameters come back
+            # one chunk set at a time, the sets whose optimizer state is on the device first, and
+            # unsharded each set's optimizer-state and gradient chunks are dropped right after
+            # (the optimizer is detached at close), so memory is given back as it is taken.
+            placements = self._gm.set_placements()
+            set_of_chunk = {p["param_chunk"]: s for s, p in enumerate(placements)}
+            params_of_set = {}
+            for i, (chunk, _) in enumerate(self._slots):
+                params_of_set.setdefault(set_of_chunk[chunk], []).append(i)
+            for s in sorted(params_of_set, key=lambda s: placements[s]["optim_on_host"]):
+                for i in params_of_set[s]:
+                    dtype, device = self._orig[i]
+                    self._params[i].data = self._gm.read("param", i).to(device=device, dtype=dtype)
+                    self._params[i].grad = None
+                if self.world_size == 1:
+                    self._drop_set_state(self._set_chunks[s])
             for module, key, dtype, device in self._buffers:
                 buf = module._buffers.get(key)
                 if buf is not None:
@@ -646,6 +662,17 @@ class GeminiEngine:
         del self._gm  # unbinds the parameter storages; then the pools go
         del self._mgr
         del self._ctx
+
+    def _drop_set_state(self, chunks: dict) -> None:
+        """Frees every copy of a chunk set's gradient and optimizer-state chunks (at close)."""
+        for kind in ("grad", "master", "exp_avg", "exp_avg_sq"):
+            cid = chunks[kind]
+            if cid < 0:
+                continue
+            tiers = self._mgr.chunk_info(cid)["shard_tiers"]
+            for tier in ("device", "pinned_host", "pageable_host"):
+                if tier in tiers:
+                    self._mgr.discard_copy(cid, tier)
 
     def __enter__(self) -> "GeminiEngine":
         return self

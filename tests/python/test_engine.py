@@ -12,7 +12,8 @@ from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
 
 def _cfg(device, **kw):
     kw.setdefault("precision", "fp32")
-    return gx.GeminiConfig(device=device, offload_optim_frac=0.0, min_chunk_size_m=0.01, search_range_m=0.02, **kw)
+    kw.setdefault("offload_optim_frac", 0.0)
+    return gx.GeminiConfig(device=device, min_chunk_size_m=0.01, search_range_m=0.02, **kw)
 
 
 def _train(model, opt, steps, device, backward):
@@ -94,6 +95,37 @@ def test_enable_releases_the_models_tensors_and_gives_them_back_when_it_fails(mo
     monkeypatch.undo()
     with gx.enable(model, _cfg("sim")):  # and the model is usable again
         pass
+
+
+def test_close_gives_memory_back_one_chunk_set_at_a_time(monkeypatch):
+    """close() restores the sets whose optimizer state is on the device first and drops each
+    set's optimizer-state and gradient chunks right after its parameters are back (a model that
+    fills memory has no room for all of its chunks and its restored tensors at once)."""
+    model = GPT(GPT_PRESETS["tiny"])
+    engine = gx.enable(model, _cfg("sim", offload_optim_frac=0.5))
+    opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+    x, y = synthetic_batch(model.cfg, 2, 16, 0, engine.compute_device)
+    model(x, y).backward()
+    opt.step()
+    engine.synchronize()  # the CPU steps may still be running (direct reads need it)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    on_host = [p["optim_on_host"] for p in engine._gm.set_placements()]
+    assert any(on_host) and not all(on_host)
+    dropped, device_bytes = [], []
+    real = gx.engine.GeminiEngine._drop_set_state
+
+    def spy(self, chunks):
+        dropped.append(self._set_chunks.index(chunks))
+        real(self, chunks)
+        device_bytes.append(self._mgr.tier_bytes("device")["current"])
+
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_drop_set_state", spy)
+    engine.close()
+    assert sorted(dropped) == list(range(len(on_host)))
+    assert [on_host[s] for s in dropped] == sorted(on_host), "device-state sets first"
+    assert device_bytes == sorted(device_bytes, reverse=True) and device_bytes[0] > device_bytes[-1]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
 
 
 def test_existing_gradients_follow_their_parameters():
