@@ -669,6 +669,7 @@ class GeminiEngine:
             cid = chunks[kind]
             if cid < 0:
                 continue
+            self._mgr.wait(cid)  # a move in flight (a gradient offload) finishes first
             tiers = self._mgr.chunk_info(cid)["shard_tiers"]
             for tier in ("device", "pinned_host", "pageable_host"):
                 if tier in tiers:
