@@ -110,7 +110,6 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
     check_id(id, "without_copy");
     first_tier[static_cast<size_t>(id)] = std::nullopt;
   }
-  std::vector<uint8_t> zeros;  // source for zeroing device shards, as large as the largest
   // Each group's first copies on a tier come from one reservation of that tier's arena (one
   // upstream allocation per group and tier, not one per chunk); a group that later leaves the
   // tier entirely leaves a wholly free extent that trim() gives back.
@@ -130,8 +129,7 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
     add_copy(*c, first);
     // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.
     if (first == Tier::kDevice) {
-      if (zeros.size() < c->shard_bytes()) zeros.assign(c->shard_bytes(), 0);
-      backend_.copy_async(c->shard_ptr(first), zeros.data(), c->shard_bytes(), StreamKind::kHostToDevice);
+      backend_.zero_async(c->shard_ptr(first), c->shard_bytes(), StreamKind::kHostToDevice);
     } else {
       // On every core: a model that fills the host zeroes about 100 GB here.
       auto* bytes = static_cast<uint8_t*>(c->shard_ptr(first));
@@ -141,7 +139,7 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
       });
     }
   }
-  backend_.synchronize(StreamKind::kHostToDevice);  // `zeros` must outlive the copies
+  backend_.synchronize(StreamKind::kHostToDevice);  // the device shards are zero before anyone uses them
   finalized_ = true;
 }
 

@@ -54,6 +54,8 @@ class DeviceBackend {
   virtual bool host_memory_is_pinned() const = 0;
 
   virtual void copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) = 0;
+  // Zeroes `bytes` of device memory at `dst`, in `stream`'s order (no host buffer involved).
+  virtual void zero_async(void* dst, size_t bytes, StreamKind stream) = 0;
   virtual std::shared_ptr<Event> record_event(StreamKind stream) = 0;
   virtual void stream_wait_event(StreamKind stream, const std::shared_ptr<Event>& event) = 0;
   virtual void synchronize(StreamKind stream) = 0;

@@ -79,6 +79,14 @@ void SimBackend::copy_async(void* dst, const void* src, size_t bytes, StreamKind
   });
 }
 
+void SimBackend::zero_async(void* dst, size_t bytes, StreamKind stream) {
+  if (stream == StreamKind::kCompute) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  worker(stream).submit([dst, bytes] { std::memset(dst, 0, bytes); });
+}
+
 std::shared_ptr<Event> SimBackend::record_event(StreamKind stream) {
   auto event = std::make_shared<SimEvent>();
   if (stream == StreamKind::kCompute) {

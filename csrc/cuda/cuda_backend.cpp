@@ -163,6 +163,11 @@ void CudaBackend::copy_async(void* dst, const void* src, size_t bytes, StreamKin
   GX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream(kind)));
 }
 
+void CudaBackend::zero_async(void* dst, size_t bytes, StreamKind kind) {
+  DeviceGuard guard(config_.device);
+  GX_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream(kind)));
+}
+
 std::shared_ptr<Event> CudaBackend::record_event(StreamKind kind) {
   return std::make_shared<CudaEvent>(config_.device, stream(kind));
 }

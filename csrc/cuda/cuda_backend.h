@@ -94,6 +94,7 @@ class CudaBackend final : public DeviceBackend {
   bool host_memory_is_pinned() const override { return true; }
 
   void copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) override;
+  void zero_async(void* dst, size_t bytes, StreamKind stream) override;
   std::shared_ptr<Event> record_event(StreamKind stream) override;
   void stream_wait_event(StreamKind stream, const std::shared_ptr<Event>& event) override;
   void synchronize(StreamKind stream) override;

@@ -89,6 +89,29 @@ TEST_P(BackendConformance, OneStreamRunsInSubmissionOrder) {
   backend_->device_memory().deallocate(dev, kBytes);
 }
 
+// zero_async zeroes device memory in its stream's order: after a copy of a pattern, before a
+// copy back.
+TEST_P(BackendConformance, ZeroAsyncZeroesInStreamOrder) {
+  constexpr size_t kBytes = 1 << 20;
+  void* dev = backend_->device_memory().allocate(kBytes);
+  void* host = backend_->host_memory().allocate(kBytes);
+  auto src = pattern(kBytes, 3);
+  std::memcpy(host, src.data(), kBytes);
+  backend_->copy_async(dev, host, kBytes, StreamKind::kHostToDevice);
+  backend_->zero_async(static_cast<uint8_t*>(dev) + 4096, kBytes - 8192, StreamKind::kHostToDevice);
+  backend_->stream_wait_event(StreamKind::kDeviceToHost, backend_->record_event(StreamKind::kHostToDevice));
+  backend_->synchronize(StreamKind::kHostToDevice);  // the H2D copy reads `host`: reuse it after
+  std::memset(host, 0xEE, kBytes);
+  backend_->copy_async(host, dev, kBytes, StreamKind::kDeviceToHost);
+  backend_->synchronize(StreamKind::kDeviceToHost);
+  const auto* out = static_cast<const uint8_t*>(host);
+  EXPECT_EQ(std::memcmp(out, src.data(), 4096), 0) << "bytes before the zeroed range keep the copy";
+  EXPECT_EQ(std::memcmp(out + kBytes - 4096, src.data() + kBytes - 4096, 4096), 0);
+  for (size_t i = 4096; i < kBytes - 4096; ++i) ASSERT_EQ(out[i], 0) << i;
+  backend_->device_memory().deallocate(dev, kBytes);
+  backend_->host_memory().deallocate(host, kBytes);
+}
+
 // The compute stream waiting on a copy's event sees the copied bytes.
 TEST_P(BackendConformance, ComputeWaitingOnEventSeesCopy) {
   constexpr size_t kBytes = 256 << 10;
