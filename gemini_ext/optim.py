@@ -30,20 +30,9 @@ import math
 import torch
 
 from . import _C
+from .policy import mem_available_bytes
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def _available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 where it cannot be read: no speculation then)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 _IGNORED_FLAGS = ("foreach", "fused", "capturable")  # implementation choices; ours are fixed
 _REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")  # accepted only as False
 
@@ -191,7 +180,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
         needed = self._hybrid.spare_bytes_needed()
-        if needed > 0 and needed > _available_host_bytes() // 2:
+        if needed > 0 and needed > (mem_available_bytes() or 0) // 2:  # unreadable: no speculation
             return
         self._hybrid.arm(self._hyper())
 

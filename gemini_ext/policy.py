@@ -111,17 +111,25 @@ def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
 HOST_MARGIN = 1 / 8
 
 
-def host_available_bytes() -> int | None:
-    """Host memory this process may still fill: MemAvailable (Linux) over the ranks of this node
-    (LOCAL_WORLD_SIZE); None where it cannot be read."""
+def mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux) in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return None
+
+
+def host_available_bytes() -> int | None:
+    """Host memory this process may still fill: MemAvailable over the ranks of this node
+    (LOCAL_WORLD_SIZE); None where it cannot be read."""
+    available = mem_available_bytes()
+    if available is None:
+        return None
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def host_optimizer_bytes_per_element(engine) -> int:
@@ -173,7 +181,6 @@ class AutoPolicy(PlacementPolicy):
     def __init__(self, config):
         super().__init__(config)
         self.min_device_sets = 0  # trainable sets (from the front) whose state the host cannot hold
-        self.host_plan: dict = {}
 
     def fractions(self):
         return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
@@ -198,9 +205,6 @@ class AutoPolicy(PlacementPolicy):
         optim_frac = allowed / optim_host
         plan = _C.static_placement(list(param_chunk_bytes), 0.0, optim_frac)
         self.min_device_sets = sum(1 for _, on_host in plan if not on_host)
-        self.host_plan = {"host_available_bytes": int(available), "host_optimizer_bytes": int(optim_host),
-                          "param_host_bytes": int(params_host), "optim_frac_on_host": optim_frac,
-                          "optim_sets_kept_on_device": self.min_device_sets}
         logger.info("auto placement: the host has %s available for %s of parameter copies and %s of optimizer state; "
                     "the optimizer state of the first %d of %d chunk sets starts on the device",
                     format_bytes(available), format_bytes(params_host), format_bytes(optim_host),
