@@ -633,23 +633,32 @@ class GeminiEngine:
         with torch.no_grad():
             # [Note: closing a model that fills memory]
             # A model that needed chunks split over host and device has no room for its restored
-            # tensors beside all of its chunks (13B: the fp32 parameters going back to the GPU
-            # while the optimizer state of half the model is still there). Parameters come back
-            # one chunk set at a time, the sets whose optimizer state is on the device first, and
-            # unsharded each set's optimizer-state and gradient chunks are dropped right after
-            # (the optimizer is detached at close), so memory is given back as it is taken.
+            # tensors beside all of its chunks (13B: 52 GB of fp32 parameters going back to the
+            # GPU while the optimizer state of 38 of 62 chunk sets fills it). The optimizer is
+            # detached at close, so, unsharded, its moments, the gradients and the speculative
+            # spares are dropped first and their memory (whole arena extents: one per chunk
+            # group and tier) goes back to the system before any tensor is restored. Parameters
+            # then come back a chunk set at a time, the sets whose master is on the device first,
+            # each set's master dropped right after, so memory is given back as it is taken.
             placements = self._gm.set_placements()
             set_of_chunk = {p["param_chunk"]: s for s, p in enumerate(placements)}
             params_of_set = {}
             for i, (chunk, _) in enumerate(self._slots):
                 params_of_set.setdefault(set_of_chunk[chunk], []).append(i)
+            unsharded = self.world_size == 1
+            if unsharded:
+                if self._optimizer is not None:
+                    self._optimizer._hybrid.release_spares()
+                for chunks in self._set_chunks:
+                    self._drop_set_state(chunks, ("grad", "exp_avg", "exp_avg_sq"))
+                self._trim_chunk_memory()
             for s in sorted(params_of_set, key=lambda s: placements[s]["optim_on_host"]):
                 for i in params_of_set[s]:
                     dtype, device = self._orig[i]
                     self._params[i].data = self._gm.read("param", i).to(device=device, dtype=dtype)
                     self._params[i].grad = None
-                if self.world_size == 1:
-                    self._drop_set_state(self._set_chunks[s])
+                if unsharded:
+                    self._drop_set_state(self._set_chunks[s], ("master",))
             for module, key, dtype, device in self._buffers:
                 buf = module._buffers.get(key)
                 if buf is not None:
@@ -663,9 +672,10 @@ class GeminiEngine:
         del self._mgr
         del self._ctx
 
-    def _drop_set_state(self, chunks: dict) -> None:
-        """Frees every copy of a chunk set's gradient and optimizer-state chunks (at close)."""
-        for kind in ("grad", "master", "exp_avg", "exp_avg_sq"):
+    def _drop_set_state(self, chunks: dict, kinds: tuple[str, ...]) -> None:
+        """Frees every copy of the given kinds of a chunk set's gradient and optimizer-state
+        chunks (at close)."""
+        for kind in kinds:
             cid = chunks[kind]
             if cid < 0:
                 continue
@@ -674,6 +684,12 @@ class GeminiEngine:
             for tier in ("device", "pinned_host", "pageable_host"):
                 if tier in tiers:
                     self._mgr.discard_copy(cid, tier)
+
+    def _trim_chunk_memory(self) -> None:
+        """Gives the chunk pools' free slots and wholly free arena extents back to the system."""
+        self._gm.synchronize()  # the freed slots' last uses are complete
+        for tier in ("device", "pinned_host", "pageable_host"):
+            self._mgr.trim(tier)
 
     def __enter__(self) -> "GeminiEngine":
         return self

@@ -240,11 +240,15 @@ class AutoPolicy(PlacementPolicy):
             remaining -= cost
             on_device.add(index)
         if remaining < 0:
-            warnings.warn(f"gemini_ext auto placement: the host cannot hold the optimizer state of the first "
-                          f"{self.min_device_sets} chunk sets and the device budget ({format_bytes(budget)}) cannot "
-                          f"hold it beside the parameters either ({format_bytes(-remaining)} short); parameter chunks "
-                          "will be evicted and fetched as needed. Lower the batch size or use activation "
-                          "checkpointing.", stacklevel=3)
+            if self.min_device_sets:
+                why = (f"the host cannot hold the optimizer state of the first {self.min_device_sets} chunk sets and the "
+                       f"device budget ({format_bytes(budget)}) cannot hold it beside the parameters either "
+                       f"({format_bytes(-remaining)} short)")
+            else:
+                why = (f"the parameter chunks ({format_bytes(p_bytes)}) and two chunks in flight do not fit the device "
+                       f"budget ({format_bytes(budget)})")
+            warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. "
+                          "Lower the batch size or use activation checkpointing.", stacklevel=3)
         # Shrink first (states going to the host free device bytes), then grow.
         for index, p in enumerate(placements):
             if p["trainable"] and not p["optim_on_host"] and index not in on_device:

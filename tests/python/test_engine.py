@@ -97,33 +97,45 @@ def test_enable_releases_the_models_tensors_and_gives_them_back_when_it_fails(mo
         pass
 
 
-def test_close_gives_memory_back_one_chunk_set_at_a_time(monkeypatch):
-    """close() restores the sets whose optimizer state is on the device first and drops each
-    set's optimizer-state and gradient chunks right after its parameters are back (a model that
-    fills memory has no room for all of its chunks and its restored tensors at once)."""
+def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(monkeypatch):
+    """close() first drops every gradient and moment chunk and gives their arena memory back,
+    then restores the sets whose master is on the device first, dropping each set's master right
+    after its parameters are back (a model that fills memory has no room for its chunks and its
+    restored tensors at once)."""
     model = GPT(GPT_PRESETS["tiny"])
-    engine = gx.enable(model, _cfg("sim", offload_optim_frac=0.5))
+    engine = gx.enable(model, _cfg("sim", precision="bf16", offload_optim_frac=0.5))
     opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
     x, y = synthetic_batch(model.cfg, 2, 16, 0, engine.compute_device)
     model(x, y).backward()
     opt.step()
     engine.synchronize()  # the CPU steps may still be running (direct reads need it)
-    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # bf16 training: close() gives back the fp32 masters' values
+    expected = {n: engine._gm.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
     on_host = [p["optim_on_host"] for p in engine._gm.set_placements()]
     assert any(on_host) and not all(on_host)
-    dropped, device_bytes = [], []
-    real = gx.engine.GeminiEngine._drop_set_state
+    reserved_before = engine._mgr.reserved_bytes("device")["current"]
+    calls, reserved, device_bytes = [], [], []
+    real_drop, real_trim = gx.engine.GeminiEngine._drop_set_state, gx.engine.GeminiEngine._trim_chunk_memory
 
-    def spy(self, chunks):
-        dropped.append(self._set_chunks.index(chunks))
-        real(self, chunks)
+    def drop(self, chunks, kinds):
+        calls.append((self._set_chunks.index(chunks), kinds))
+        real_drop(self, chunks, kinds)
         device_bytes.append(self._mgr.tier_bytes("device")["current"])
 
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_drop_set_state", spy)
+    def trim(self):
+        real_trim(self)
+        reserved.append(self._mgr.reserved_bytes("device")["current"])
+
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_drop_set_state", drop)
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_trim_chunk_memory", trim)
     engine.close()
-    assert sorted(dropped) == list(range(len(on_host)))
-    assert [on_host[s] for s in dropped] == sorted(on_host), "device-state sets first"
-    assert device_bytes == sorted(device_bytes, reverse=True) and device_bytes[0] > device_bytes[-1]
+    n = len(on_host)
+    assert calls[:n] == [(s, ("grad", "exp_avg", "exp_avg_sq")) for s in range(n)], "state first, every set"
+    masters = calls[n:]
+    assert sorted(s for s, _ in masters) == list(range(n)) and all(k == ("master",) for _, k in masters)
+    assert [on_host[s] for s, _ in masters] == sorted(on_host), "device-state sets first"
+    assert len(reserved) == 1 and reserved[0] < reserved_before, "the moments' device memory went back"
+    assert device_bytes == sorted(device_bytes, reverse=True) and device_bytes[n - 1] > device_bytes[-1]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
 

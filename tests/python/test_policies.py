@@ -201,6 +201,16 @@ def test_auto_keeps_what_does_not_fit_on_the_host():
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
+def test_auto_warns_when_the_parameters_do_not_fit_and_still_trains():
+    model, reference = make_models()
+    train_reference(reference, 4, torch.device("cpu"))
+    with pytest.warns(UserWarning, match=r"the parameter chunks \(.*\) and two chunks in flight do not fit"):
+        _, stats = train_gemini(model, 4, config("sim", placement_policy="auto", sim_capacity=6 * CHUNK_BYTES))
+    assert stats["placement"]["decision"]["params_fit"] is False
+    assert stats["placement"]["decision"]["optim_sets_moved_to_device"] == 0
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
 @pytest.mark.parametrize("capacity_chunks", [None, 30])
 def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacity_chunks):
     """A host too small for every optimizer state: the front chunk sets' state starts on the
