@@ -652,10 +652,18 @@ class GeminiEngine:
                 for chunks in self._set_chunks:
                     self._drop_set_state(chunks, ("grad", "exp_avg", "exp_avg_sq"))
                 self._trim_chunk_memory()
+            # What still does not fit on the device (arena extents that other groups' chunks keep
+            # partly in use) waits on the host until every chunk is freed below.
+            staged = []
             for s in sorted(params_of_set, key=lambda s: placements[s]["optim_on_host"]):
                 for i in params_of_set[s]:
                     dtype, device = self._orig[i]
-                    self._params[i].data = self._gm.read("param", i).to(device=device, dtype=dtype)
+                    value = self._gm.read("param", i)
+                    try:
+                        self._params[i].data = value.to(device=device, dtype=dtype)
+                    except torch.OutOfMemoryError:
+                        self._params[i].data = value.to(device="cpu", dtype=dtype)
+                        staged.append(i)
                     self._params[i].grad = None
                 if unsharded:
                     self._drop_set_state(self._set_chunks[s], ("master",))
@@ -671,6 +679,12 @@ class GeminiEngine:
         del self._gm  # unbinds the parameter storages; then the pools go
         del self._mgr
         del self._ctx
+        self._close_staged_params = len(staged)  # for tests and logs
+        if staged:
+            logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
+            with torch.no_grad():
+                for i in staged:
+                    self._params[i].data = self._params[i].data.to(self._orig[i][1])
 
     def _drop_set_state(self, chunks: dict, kinds: tuple[str, ...]) -> None:
         """Frees every copy of the given kinds of a chunk set's gradient and optimizer-state

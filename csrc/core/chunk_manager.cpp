@@ -111,8 +111,10 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
     first_tier[static_cast<size_t>(id)] = std::nullopt;
   }
   // Each group's first copies on a tier come from one reservation of that tier's arena (one
-  // upstream allocation per group and tier, not one per chunk); a group that later leaves the
-  // tier entirely leaves a wholly free extent that trim() gives back.
+  // upstream allocation per group and tier, not one per chunk), carved right after it is taken
+  // so that the extent holds that group alone (slot sizes are shared between groups: the fp32
+  // master and moments would otherwise interleave first-fit). A group that later leaves the tier
+  // entirely (the optimizer state dropped at close) leaves a wholly free extent that trim() gives back.
   for (const auto& [name, g] : groups_) {
     std::array<size_t, kNumTiers> bytes{};
     for (ChunkId id : g.chunk_ids) {
@@ -120,13 +122,17 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
       if (tier) bytes[static_cast<size_t>(*tier)] += round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
     }
     for (int t = 0; t < kNumTiers; ++t) {
-      if (bytes[static_cast<size_t>(t)] > 0) allocator_.reserve_arena(static_cast<Tier>(t), bytes[static_cast<size_t>(t)]);
+      if (bytes[static_cast<size_t>(t)] == 0) continue;
+      allocator_.reserve_arena(static_cast<Tier>(t), bytes[static_cast<size_t>(t)]);
+      for (ChunkId id : g.chunk_ids) {
+        const auto& tier = first_tier[static_cast<size_t>(id)];
+        if (tier && static_cast<int>(*tier) == t) add_copy(mutable_chunk(id), *tier);
+      }
     }
   }
   for (auto& c : chunks_) {
     if (!first_tier[static_cast<size_t>(c->id())]) continue;
     const Tier first = *first_tier[static_cast<size_t>(c->id())];
-    add_copy(*c, first);
     // Zero the shard so padding never holds garbage. The slot is fresh, nothing else uses it.
     if (first == Tier::kDevice) {
       backend_.zero_async(c->shard_ptr(first), c->shard_bytes(), StreamKind::kHostToDevice);

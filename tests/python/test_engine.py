@@ -140,6 +140,28 @@ def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+def test_close_parks_on_the_host_what_the_device_has_no_room_for():
+    """With the device full (another tensor took what the chunks left free), close() cannot
+    restore every parameter next to the chunks: those wait on the host until the chunks are
+    freed, then go back to the GPU with their values."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
+    model.requires_grad_(False)  # no gradient or optimizer chunks whose dropping would make room
+    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    engine = gx.enable(model, _cfg("cuda", min_chunk_size_m=4, search_range_m=8))
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - (64 << 20), dtype=torch.uint8, device="cuda")
+    try:
+        engine.close()
+    finally:
+        del filler
+    assert engine._close_staged_params > 0, "the device had no room: some parameters waited on the host"
+    for name, p in model.named_parameters():
+        assert p.device.type == "cuda", name
+        assert p.untyped_storage().nbytes() == p.numel() * 4, "an ordinary tensor, not a chunk view"
+        torch.testing.assert_close(p.detach().cpu(), expected[name], rtol=0, atol=0)
+
+
 def test_existing_gradients_follow_their_parameters():
     model = torch.nn.Linear(4, 4)
     model(torch.randn(2, 4)).sum().backward()

@@ -218,6 +218,29 @@ TEST_F(ChunkManagerTest, FinalizePlacesNamedChunksOnTheDeviceOrNowhereInsteadOfT
   EXPECT_THROW(mgr.finalize({0}), UsageError) << "already finalized";
 }
 
+TEST_F(ChunkManagerTest, FinalizeGivesEachGroupItsOwnExtentSoADroppedGroupIsTrimmedWhole) {
+  // Two groups with one slot size, registered interleaved (as a model's master and moments are):
+  // each group's first copies must fill its own reservation, so that dropping one group (the
+  // optimizer state at close) leaves an extent that trim() gives back whole.
+  mgr.create_group("a", DType::kFloat32, 100, Tier::kDevice);
+  mgr.create_group("b", DType::kFloat32, 100, Tier::kDevice);
+  std::vector<ChunkId> b_chunks;
+  for (int i = 0; i < 3; ++i) {
+    mgr.register_tensor("a", "a" + std::to_string(i), 100, {100});
+    b_chunks.push_back(mgr.register_tensor("b", "b" + std::to_string(i), 100, {100}).chunk_id);
+  }
+  mgr.finalize();
+  const int64_t reserved = mgr.allocator().reserved_bytes(Tier::kDevice).current;
+  ASSERT_EQ(mgr.allocator().arena_extents(Tier::kDevice), 2u);
+  EXPECT_EQ(mgr.trim(Tier::kDevice), 0u) << "nothing is free yet";
+  for (ChunkId id : b_chunks) mgr.discard_copy(id, Tier::kDevice);
+  sim.synchronize_all();
+  const size_t released = mgr.trim(Tier::kDevice);
+  EXPECT_EQ(released, static_cast<size_t>(reserved / 2)) << "group b's whole extent";
+  EXPECT_EQ(mgr.allocator().reserved_bytes(Tier::kDevice).current, reserved / 2);
+  EXPECT_EQ(mgr.allocator().arena_extents(Tier::kDevice), 1u);
+}
+
 TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
   EXPECT_THROW(mgr.register_tensor("nope", "w", 4, {4}), UsageError);
   mgr.create_group("param", DType::kFloat32, 100, Tier::kDevice);
