@@ -148,7 +148,7 @@ def test_close_parks_on_the_host_what_the_device_has_no_room_for():
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
     model.requires_grad_(False)  # no gradient or optimizer chunks whose dropping would make room
     expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
-    engine = gx.enable(model, _cfg("cuda", min_chunk_size_m=4, search_range_m=8))
+    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8))
     torch.cuda.empty_cache()
     filler = torch.empty(torch.cuda.mem_get_info()[0] - (64 << 20), dtype=torch.uint8, device="cuda")
     try:
