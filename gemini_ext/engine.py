@@ -672,6 +672,7 @@ class GeminiEngine:
                 if buf is not None:
                     module._buffers[key] = buf.to(device=device, dtype=dtype)
         self._hooks.remove()
+        self._hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         self._closed = True
         self.model._gemini_engine = None
         for opt in ([self._optimizer] if self._optimizer is not None else []):

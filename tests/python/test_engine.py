@@ -1,6 +1,7 @@
 """enable(): parameters live in chunks, training matches plain PyTorch, close restores them."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -58,8 +59,11 @@ def test_close_restores_ordinary_parameters_on_their_original_device():
     engine = gx.enable(model, _cfg("sim"))
     with torch.no_grad():
         model.weight.fill_(2.0)
+    gm = engine._gm
     engine.close()
     engine.close()  # idempotent
+    assert sys.getrefcount(gm) == 2, "nothing but this test holds the manager: its chunks are freed at close"
+    del gm
     assert model.weight.device.type == "cpu" and model.weight.eq(2.0).all()
     storage = model.weight.untyped_storage()
     assert storage.nbytes() == model.weight.numel() * 4, "an ordinary tensor, not a view into a chunk"
