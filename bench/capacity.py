@@ -2,6 +2,7 @@
 
     python bench/capacity.py                                  # on the H200: 1.3b .. 13b
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
+    python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --smoke                          # tiny and small, CPU + sim (tests)
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
@@ -28,8 +29,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offload import GEMINI, PEER, run_system  # noqa: E402  (same directory)
+from scaling import run as run_torchrun  # noqa: E402
 
 PRESETS = ["1.3b", "6.7b", "13b"]
+MULTI_GPU_PRESETS = ["13b", "20b", "30b"]
 
 
 def systems() -> dict[str, tuple[str, list[str]]]:
@@ -43,7 +46,11 @@ def systems() -> dict[str, tuple[str, list[str]]]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default=",".join(PRESETS), help="ascending, comma-separated")
+    p.add_argument("--presets", default=None,
+                   help="ascending, comma-separated (default: " + ",".join(PRESETS) + "; with --gpus > 1: " +
+                        ",".join(MULTI_GPU_PRESETS) + ")")
+    p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) per attempt, launched with torchrun; the model is "
+                   "sharded over them (gemini_ext ZeRO-3, FSDP2); plain needs 1")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=None)
@@ -53,14 +60,20 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--smoke", action="store_true", help="tiny and small on the CPU (sim): the harness only")
     args = p.parse_args(argv)
     names = list(systems())
-    presets = [x.strip() for x in args.presets.split(",")]
+    if args.gpus > 1:
+        names.remove("plain")  # one process, no sharding
+    presets = [x.strip() for x in (args.presets or ",".join(MULTI_GPU_PRESETS if args.gpus > 1 else PRESETS)).split(",")]
     if args.smoke:
         presets, args.seq, names = ["tiny", "small"], 16, ["plain", "gemini-auto", "gemini-offload-all"]
+        names = names[1:] if args.gpus > 1 else names
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
         unknown = set(names) - set(systems())
         if unknown:
             p.error(f"--only: unknown systems {sorted(unknown)}; choose from {list(systems())}")
+        if args.gpus > 1 and "plain" in names:
+            p.error("--only plain with --gpus > 1: plain PyTorch runs on one GPU; leave it out or use --gpus 1")
+    cores = os.cpu_count() or 1
     rows = []
     for name in names:
         script, extra = systems()[name]
@@ -71,7 +84,10 @@ def main(argv=None) -> list[dict]:
             common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(args.batch), "--checkpoint"]
             if args.seq:
                 common += ["--seq", str(args.seq)]
-            s = run_system(script, extra, common, args.timeout)
+            if args.gpus > 1:
+                s = run_torchrun(script, extra, common, args.gpus, max(1, cores // args.gpus), args.timeout)
+            else:
+                s = run_system(script, extra, common, args.timeout)
             row["attempts"].append({"preset": preset, **s})
             status = s.get("error") or f"{s['step_s_median']:.2f} s/step"
             print(f"{name} {preset}: {status}", flush=True)
@@ -80,8 +96,10 @@ def main(argv=None) -> list[dict]:
                 break
             row["largest"] = {"preset": preset, **s}
         rows.append(row)
-    print(f"\nlargest preset trained for {args.steps} steps, batch {args.batch}, activation checkpointing\n")
-    print("| system | largest | parameters | step s | peak device GiB | peak host GiB | first failure |")
+    print(f"\nlargest preset trained for {args.steps} steps on {args.gpus} GPU(s), batch {args.batch} per GPU, "
+          "activation checkpointing\n")
+    print("| system | largest | parameters | step s | peak device GiB (worst rank) | peak host GiB (all ranks) "
+          "| first failure |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         big = r.get("largest")
@@ -91,7 +109,7 @@ def main(argv=None) -> list[dict]:
             print(f"| {r['system']} | none | | | | | {fail_text} |")
             continue
         print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B | {big['step_s_median']:.2f} | "
-              f"{big['peak_device_bytes_max_rank'] / 2**30:.1f} | {big['peak_host_rss_bytes_max_rank'] / 2**30:.1f} | "
+              f"{big['peak_device_bytes_max_rank'] / 2**30:.1f} | {big['peak_host_rss_bytes_all_ranks'] / 2**30:.1f} | "
               f"{fail_text} |")
     if args.json_out:
         with open(args.json_out, "w") as f:

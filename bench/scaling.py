@@ -82,6 +82,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--budget", default="16GiB", help="const_gpu_budget of gemini-const")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every system")
+    p.add_argument("--init-device", choices=["cpu", "cuda"], default="cuda",
+                   help="where every system builds the model (cuda: seconds instead of minutes at 6.7B; the smoke "
+                        "run uses cpu)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems("")))
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on the CPU (sim), 1 and 2 ranks over gloo")
@@ -90,6 +93,7 @@ def main(argv=None) -> list[dict]:
     names = list(systems(args.budget))
     if args.smoke:
         args.preset, args.gpus, args.steps, args.batch, args.seq = "tiny", "1,2", 3, 2, 16
+        args.init_device = "cpu"
         names = ["gemini-static", "gemini-auto", "fsdp2"]
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
@@ -102,6 +106,7 @@ def main(argv=None) -> list[dict]:
         common += ["--seq", str(args.seq)]
     if args.checkpoint:
         common.append("--checkpoint")
+    common += ["--init-device", args.init_device]
     cores = os.cpu_count() or 1
     print(f"gpt-{args.preset}, {args.batch} sequences per GPU, {args.steps} steps (timed after the first), "
           f"{cores} cores shared by the ranks" + (", activation checkpointing" if args.checkpoint else "") + "\n",

@@ -42,6 +42,9 @@ GPT_PRESETS = {
     "1.3b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=2048, n_layers=24, n_heads=16, tie_embeddings=False),
     "6.7b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=4096, n_layers=32, n_heads=32, tie_embeddings=False),
     "13b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=40, n_heads=40, tie_embeddings=False),
+    # Beyond one GPU (bench/capacity.py --gpus N): 20.3B and 30.1B parameters.
+    "20b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=6144, n_layers=44, n_heads=48, tie_embeddings=False),
+    "30b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=7168, n_layers=48, n_heads=56, tie_embeddings=False),
 }
 
 

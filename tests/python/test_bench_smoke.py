@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import run_python
 
 
@@ -90,14 +92,19 @@ def test_offload_bench_smoke(tmp_path):
     assert (tmp_path / "offload.png").stat().st_size > 0
 
 
-def test_capacity_bench_smoke(tmp_path):
-    """The capacity search's loop and table on tiny models (peers on the CPU, gemini_ext on sim)."""
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_capacity_bench_smoke(tmp_path, gpus):
+    """The capacity search's loop and table on tiny models (peers on the CPU, gemini_ext on sim),
+    one process or two ranks under torchrun (sharded; plain PyTorch left out)."""
     out_json = tmp_path / "capacity.json"
-    out = run_python("bench/capacity.py", "--smoke", "--json-out", str(out_json), timeout=900)
+    out = run_python("bench/capacity.py", "--smoke", "--gpus", str(gpus), "--json-out", str(out_json), timeout=900)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["system"] for r in rows] == ["plain", "gemini-auto", "gemini-offload-all"]
+    expected = ["plain", "gemini-auto", "gemini-offload-all"]
+    assert [r["system"] for r in rows] == (expected if gpus == 1 else expected[1:])
+    assert f"on {gpus} GPU(s)" in out.stdout
     for r in rows:
+        assert r["largest"].get("ranks", 1) == gpus, r["largest"]
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
         assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
     assert "| gemini-offload-all | small |" in out.stdout
