@@ -199,10 +199,14 @@ class GeminiEngine:
         # (the fp32 master, or the parameter chunk itself under fp32), so the original tensor is
         # released right after it is copied. If enable() fails later, the values are read back
         # from those chunks (_restore_released) so the caller's model is intact. Sharded, each rank
-        # holds only its shard: the originals stay until the chunks take over below.
+        # keeps only its shard, and every rank holds a whole model to begin with (a 20B model in
+        # fp32 is 81 GB per GPU): the originals are released too, but a failure cannot give them
+        # back without the other ranks (a collective a failed rank may never join), so it says
+        # that the model must be built again instead.
         exact_kind = "master" if has_master else "param"
-        releasable = self.world_size == 1
+        sharded = self.world_size > 1
         self._released = []
+        self._released_sharded = 0
         try:
             with torch.no_grad():
                 for i, p in enumerate(self._params):
@@ -220,13 +224,21 @@ class GeminiEngine:
                         mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
                     del value
                     kind = exact_kind if p.requires_grad else "frozen"
-                    if releasable and held_exactly(p.dtype, torch.float32 if kind == "master" else dt):
+                    if sharded:
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                        self._released_sharded += 1
+                    elif held_exactly(p.dtype, torch.float32 if kind == "master" else dt):
                         self._released.append((i, handles[(kind, i)], tuple(p.shape)))
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            if any(self._orig[i][1].type == "cuda" for i, _, _ in self._released):
+            if any(device.type == "cuda" for _, device in self._orig):
                 torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
             self._finish_init(model, config, mgr, sets, handles, dt)
-        except BaseException:
+        except BaseException as exc:
+            if self._released_sharded:
+                exc.add_note(f"gemini_ext: enable() failed after taking {self._released_sharded} of the model's "
+                             f"{len(self._params)} parameters into chunks sharded over {self.world_size} ranks; each "
+                             "rank held only its shard, so those parameters are now empty tensors. Build the model "
+                             "again before retrying.")
             self._restore_released(mgr)
             raise
         self._released = []

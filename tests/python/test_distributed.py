@@ -357,6 +357,39 @@ def test_every_rank_starts_from_rank_zeros_values():
     run_ranks(2, _rank0_init_body)
 
 
+def _sharded_release_body(rank, world_size):
+    model, _ = make_models(seed=0)
+    seen = {}
+
+    def fail(self, *args, **kwargs):
+        seen.update({n: p.numel() for n, p in model.named_parameters()})
+        raise RuntimeError("injected failure after the chunks were filled")
+
+    real = gx.engine.GeminiEngine._finish_init
+    gx.engine.GeminiEngine._finish_init = fail
+    try:
+        with pytest.raises(RuntimeError, match="injected") as info:
+            gx.enable(model, config("sim"), process_group=dist.group.WORLD)
+    finally:
+        gx.engine.GeminiEngine._finish_init = real
+    assert seen and all(n == 0 for n in seen.values()), "every original released before the chunks took over"
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"sharded over {world_size} ranks" in note and "Build the model again" in note, note
+    assert all(p.numel() == 0 for p in model.parameters())
+    model, reference = make_models(seed=0)  # built again, it trains
+    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+        state = engine.state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_sharded_enable_releases_the_originals_and_says_so_when_it_fails():
+    """Sharded, each rank releases its whole copy of every parameter once its shard is in a
+    chunk (a model that fills a GPU cannot sit beside its chunks); a later failure cannot gather
+    the values back from the other ranks, so the error says the model must be built again."""
+    run_ranks(2, _sharded_release_body)
+
+
 # --- two GPUs over NCCL, launched with torchrun (nvidia-h200-x2) ---------------------------------
 
 def _on_cuda(overrides: dict) -> dict:
