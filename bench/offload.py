@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,9 +121,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torchrun's own failure report: lines that say "error" without saying which
+TORCHRUN_REPORT = ("error_file:", "To enable traceback see", "ChildFailedError", "elastic/errors")
+
+
 def last_error(proc: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln]
-    return (lines or (proc.stderr.strip().splitlines() or ["?"]))[-1]
+    """The cause of a failed run, in one line: the child's last exception line (e.g.
+    "torch.OutOfMemoryError: CUDA out of memory ..."), else the signal torchrun saw (a child killed
+    by the host's out-of-memory killer raises nothing), else the last line of stderr."""
+    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()]
+    exceptions = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:", ln)
+                  and not any(noise in ln for noise in TORCHRUN_REPORT)]
+    if exceptions:
+        return exceptions[-1]
+    signals = [ln for ln in lines if re.search(r"Signal \d+ \(\w+\) received", ln)]
+    if signals:
+        return signals[-1].split(":", 1)[-1].strip() + ", no Python exception"
+    rest = [ln for ln in lines if ln]
+    return rest[-1] if rest else "?"
+
+
+def failure(proc: subprocess.CompletedProcess, summary_written: bool) -> dict:
+    """A failed run's record: the exit code, the cause, and stderr's tail to read the rest."""
+    return {"error": f"exit {proc.returncode}" + ("" if summary_written else ", no summary") + f": {last_error(proc)}",
+            "stderr_tail": proc.stderr[-3000:]}
 
 
 def run_system(script: str, extra: list[str], common: list[str], timeout: int) -> dict:
@@ -141,8 +163,7 @@ def run_system(script: str, extra: list[str], common: list[str], timeout: int) -
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout} s"}
         if proc.returncode != 0 or not os.path.exists(out_json):
-            return {"error": f"exit {proc.returncode}" + ("" if os.path.exists(out_json) else ", no summary") +
-                             f": {last_error(proc)}"}
+            return failure(proc, os.path.exists(out_json))
         with open(out_json) as f:
             return json.load(f)
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offload import failure, free_port  # noqa: E402  (same directory)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMINI = os.path.join(REPO, "examples", "train_gpt.py")
@@ -40,12 +42,6 @@ def systems(budget: str) -> dict[str, tuple[str, list[str]]]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
@@ -63,9 +59,7 @@ def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: 
         # FSDP2 alone too, see fsdp2_train.py): the summary is complete, the row records it.
         teardown_abort = "terminate called without an active exception" in proc.stderr
         if not os.path.exists(out_json) or (proc.returncode != 0 and not teardown_abort):
-            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln]
-            last = (lines or (proc.stderr.strip().splitlines() or ["?"]))[-1]
-            return {"error": f"exit {proc.returncode}" + ("" if os.path.exists(out_json) else ", no summary") + f": {last}"}
+            return failure(proc, os.path.exists(out_json))
         with open(out_json) as f:
             summary = json.load(f)
         if proc.returncode != 0:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import run_python
+from conftest import REPO, run_python
 
 
 def test_chunk_moves_bench_smoke(tmp_path):
@@ -108,3 +108,30 @@ def test_capacity_bench_smoke(tmp_path, gpus):
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
         assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
     assert "| gemini-offload-all | small |" in out.stdout
+
+
+@pytest.mark.parametrize("child, expected", [
+    ("raise RuntimeError('CUDA out of memory. Tried to allocate 9.00 GiB')",
+     "RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "Signal 9 (SIGKILL) received by PID"),
+])
+def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, child, expected):
+    """A child that raises is named by its exception; one killed by a signal (the host's
+    out-of-memory killer sends SIGKILL) by the signal: torchrun's own report ("error_file: <N/A>",
+    "To enable traceback see ...") says neither."""
+    import os
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from offload import failure, free_port
+
+    script = tmp_path / "child.py"
+    script.write_text(child + "\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                           str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    record = failure(proc, summary_written=False)
+    assert record["error"].startswith(f"exit {proc.returncode}, no summary: ") and expected in record["error"], record
+    assert "error_file" not in record["error"] and "To enable traceback" not in record["error"]
+    assert record["stderr_tail"] == proc.stderr[-3000:]

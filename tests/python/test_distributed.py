@@ -357,8 +357,10 @@ def test_every_rank_starts_from_rank_zeros_values():
     run_ranks(2, _rank0_init_body)
 
 
-def _sharded_release_body(rank, world_size):
+def _sharded_release_body(rank, world_size, device="sim"):
     model, _ = make_models(seed=0)
+    if device == "cuda":
+        model = model.cuda()  # built on the GPU, as a model that fills it must be
     seen = {}
 
     def fail(self, *args, **kwargs):
@@ -369,7 +371,7 @@ def _sharded_release_body(rank, world_size):
     gx.engine.GeminiEngine._finish_init = fail
     try:
         with pytest.raises(RuntimeError, match="injected") as info:
-            gx.enable(model, config("sim"), process_group=dist.group.WORLD)
+            gx.enable(model, config(device), process_group=dist.group.WORLD)
     finally:
         gx.engine.GeminiEngine._finish_init = real
     assert seen and all(n == 0 for n in seen.values()), "every original released before the chunks took over"
@@ -377,10 +379,11 @@ def _sharded_release_body(rank, world_size):
     assert f"sharded over {world_size} ranks" in note and "Build the model again" in note, note
     assert all(p.numel() == 0 for p in model.parameters())
     model, reference = make_models(seed=0)  # built again, it trains
-    with gx.enable(model, config("sim"), process_group=dist.group.WORLD) as engine:
+    with gx.enable(model.cuda() if device == "cuda" else model, config(device),
+                   process_group=dist.group.WORLD) as engine:
         state = engine.state_dict()
     for key, value in reference.state_dict().items():
-        assert torch.equal(state[key], value), key
+        assert torch.equal(state[key].cpu(), value), key
 
 
 def test_sharded_enable_releases_the_originals_and_says_so_when_it_fails():
@@ -427,15 +430,15 @@ def test_checkpoint_saved_on_two_gpus_loads_on_one_and_two(tmp_path):
     _load_body(0, 1, str(tmp_path), False, "cuda")  # one unsharded process, here
 
 
-def _uneven_optimizer_body(rank, world_size):
+def _uneven_optimizer_body(rank, world_size, device="sim"):
     """Rank 0's CPU optimizer steps finish late (each takes 30 ms longer), rank 1's at once.
     Gathers are collectives: which chunk each rank gathers ahead must not depend on whether its
     own CPU step has finished, or the ranks gather different chunks and train on wrong values
     (or hang)."""
     model, reference = make_models()
-    ref_losses = train_reference(reference, STEPS, torch.device("cpu"), batch_size=GLOBAL_BATCH)
+    ref_losses = train_reference(reference, STEPS, torch_device(device), batch_size=GLOBAL_BATCH)
     slow = (lambda engine: engine._gm.set_optimizer_task_delay_us(30_000)) if rank == 0 else None
-    losses, stats, _ = _train_sharded(model, config("sim"), rank, world_size, setup=slow)
+    losses, stats, _ = _train_sharded(model, config(device), rank, world_size, setup=slow)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert max(max_relative_difference(model, reference).values()) <= PARAM_TOLERANCE
     assert stats["traffic"]["gather_prefetches"] > 0
@@ -443,3 +446,15 @@ def _uneven_optimizer_body(rank, world_size):
 
 def test_ranks_whose_cpu_steps_finish_at_different_times_gather_the_same_chunks():
     run_ranks(2, _uneven_optimizer_body)
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_gather_the_same_chunks_when_cpu_steps_finish_at_different_times(tmp_path):
+    run_torchrun(2, _uneven_optimizer_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_release_the_originals_of_a_model_built_on_them(tmp_path):
+    run_torchrun(2, _sharded_release_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
