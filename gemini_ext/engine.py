@@ -647,7 +647,7 @@ class GeminiEngine:
             # A model that needed chunks split over host and device has no room for its restored
             # tensors beside all of its chunks (13B: 52 GB of fp32 parameters going back to the
             # GPU while the optimizer state of 38 of 62 chunk sets fills it). The optimizer is
-            # detached at close, so, unsharded, its moments, the gradients and the speculative
+            # detached at close, so its moments, the gradients and the speculative
             # spares are dropped first and their memory (whole arena extents: one per chunk
             # group and tier) goes back to the system before any tensor is restored. Parameters
             # then come back a chunk set at a time, the sets whose master is on the device first,
@@ -657,13 +657,13 @@ class GeminiEngine:
             params_of_set = {}
             for i, (chunk, _) in enumerate(self._slots):
                 params_of_set.setdefault(set_of_chunk[chunk], []).append(i)
-            unsharded = self.world_size == 1
-            if unsharded:
-                if self._optimizer is not None:
-                    self._optimizer._hybrid.release_spares()
-                for chunks in self._set_chunks:
-                    self._drop_set_state(chunks, ("grad", "exp_avg", "exp_avg_sq"))
-                self._trim_chunk_memory()
+            # Sharded, every rank does the same drops in the same order (reads below are
+            # all-gathers); a model sharded because it did not fit one GPU needs the room most.
+            if self._optimizer is not None:
+                self._optimizer._hybrid.release_spares()
+            for chunks in self._set_chunks:
+                self._drop_set_state(chunks, ("grad", "exp_avg", "exp_avg_sq"))
+            self._trim_chunk_memory()
             # What still does not fit on the device (arena extents that other groups' chunks keep
             # partly in use) waits on the host until every chunk is freed below.
             staged = []
@@ -677,8 +677,7 @@ class GeminiEngine:
                         self._params[i].data = value.to(device="cpu", dtype=dtype)
                         staged.append(i)
                     self._params[i].grad = None
-                if unsharded:
-                    self._drop_set_state(self._set_chunks[s], ("master",))
+                self._drop_set_state(self._set_chunks[s], ("master",))
             for module, key, dtype, device in self._buffers:
                 buf = module._buffers.get(key)
                 if buf is not None:
@@ -693,11 +692,33 @@ class GeminiEngine:
         del self._mgr
         del self._ctx
         self._close_staged_params = len(staged)  # for tests and logs
+        self._close_params_left_on_host = 0
         if staged:
             logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
-            with torch.no_grad():
-                for i in staged:
+            self._move_staged_params(staged)
+
+    def _move_staged_params(self, staged: list[int]) -> None:
+        """The last step of close(): parameters that waited on the host go to their device now
+        that the chunks are freed. A model sharded because one GPU cannot hold it cannot come
+        back whole onto one GPU: what does not fit stays on the host, holding its values, and a
+        warning says so (nothing is lost; raising here would leave the model half-moved)."""
+        left = []
+        with torch.no_grad():
+            for i in staged:
+                try:
                     self._params[i].data = self._params[i].data.to(self._orig[i][1])
+                except torch.OutOfMemoryError:
+                    left.append(i)
+        self._close_params_left_on_host = len(left)
+        if left:
+            nbytes = sum(self._params[i].numel() * self._params[i].element_size() for i in left)
+            device = self._orig[left[0]][1]
+            warnings.warn(
+                f"gemini_ext close(): {len(left)} of {len(self._params)} parameters ({format_bytes(nbytes)}) stay on "
+                f"the host: {device} has no room for the whole model once its chunks are freed (sharded over "
+                f"{self.world_size} rank(s), the model did not have to fit one device). They hold the trained values; "
+                "to keep a model this size, call engine.save_checkpoint() or engine.state_dict() inside the `with` "
+                "block, or move the parameters yourself where they fit.", stacklevel=3)
 
     def _drop_set_state(self, chunks: dict, kinds: tuple[str, ...]) -> None:
         """Frees every copy of the given kinds of a chunk set's gradient and optimizer-state

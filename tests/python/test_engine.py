@@ -167,6 +167,38 @@ def test_close_parks_on_the_host_what_the_device_has_no_room_for():
         torch.testing.assert_close(p.detach().cpu(), expected[name], rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+def test_close_leaves_on_the_host_what_the_device_cannot_hold_even_without_chunks():
+    """A model sharded because one GPU cannot hold it cannot come back whole onto one GPU at
+    close: what does not fit once the chunks are freed stays on the host with its values, and a
+    warning says so. Here a second filler takes the room the chunks gave back."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
+    model.requires_grad_(False)
+    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8))
+    torch.cuda.empty_cache()
+    fillers = [torch.empty(torch.cuda.mem_get_info()[0] - (64 << 20), dtype=torch.uint8, device="cuda")]
+    move = engine._move_staged_params
+
+    def fill_then_move(staged):
+        fillers.append(torch.empty(torch.cuda.mem_get_info()[0] - (16 << 20), dtype=torch.uint8, device="cuda"))
+        move(staged)
+
+    engine._move_staged_params = fill_then_move
+    try:
+        with pytest.warns(UserWarning, match=r"parameters \(.*\) stay on the host.*save_checkpoint"):
+            engine.close()
+    finally:
+        fillers.clear()
+        torch.cuda.empty_cache()
+    assert engine._close_params_left_on_host > 0
+    on_host = [n for n, p in model.named_parameters() if p.device.type == "cpu"]
+    assert len(on_host) == engine._close_params_left_on_host
+    for name, p in model.named_parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * 4, "an ordinary tensor, not a chunk view"
+        torch.testing.assert_close(p.detach().cpu(), expected[name], rtol=0, atol=0)
+
+
 def test_existing_gradients_follow_their_parameters():
     model = torch.nn.Linear(4, 4)
     model(torch.randn(2, 4)).sum().backward()
