@@ -3,6 +3,7 @@
     python bench/capacity.py                                  # on the H200: 1.3b .. 13b
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
+    python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
     python bench/capacity.py --smoke                          # tiny and small, CPU + sim (tests)
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
@@ -17,7 +18,10 @@ failure (out of memory, a timeout, a crash), which the table names. Systems:
 Every system builds the model on the GPU (--init-device cuda; on the host, initialising a 13B model
 took over two minutes on the H200 machine's 16 cores): gemini_ext's enable() takes it into
 chunks, releasing each original tensor as it goes; FSDP2's fully_shard moves each shard to the
-host under CPUOffloadPolicy; plain keeps it there.
+host under CPUOffloadPolicy; plain keeps it there. With several GPUs gemini_ext builds it on the
+meta device instead (--gemini-init meta, the default there): enable() gives each module storage
+as it reaches it, so no rank holds the whole model (80B in fp32 is 324 GB); the peers still
+build a whole model on every GPU.
 """
 
 from __future__ import annotations
@@ -32,25 +36,33 @@ from offload import GEMINI, PEER, run_system  # noqa: E402  (same directory)
 from scaling import run as run_torchrun  # noqa: E402
 
 PRESETS = ["1.3b", "6.7b", "13b"]
-MULTI_GPU_PRESETS = ["13b", "20b", "30b"]
+MULTI_GPU_PRESETS = {2: ["13b", "20b", "30b"], 4: ["20b", "30b", "40b"], 8: ["30b", "40b", "80b"]}
 
 
-def systems() -> dict[str, tuple[str, list[str]]]:
+def systems(gemini_init: str = "cuda") -> dict[str, tuple[str, list[str]]]:
     return {
         "plain": (PEER, ["--plain", "--init-device", "cuda"]),
         "fsdp2-offload": (PEER, ["--offload", "--init-device", "cuda"]),
-        "gemini-auto": (GEMINI, ["--policy", "auto", "--init-device", "cuda"]),
-        "gemini-offload-all": (GEMINI, ["--policy", "static", "--offload-param-frac", "1.0", "--init-device", "cuda"]),
+        "gemini-auto": (GEMINI, ["--policy", "auto", "--init-device", gemini_init]),
+        "gemini-offload-all": (GEMINI, ["--policy", "static", "--offload-param-frac", "1.0", "--init-device", gemini_init]),
     }
+
+
+def default_presets(gpus: int) -> list[str]:
+    if gpus == 1:
+        return PRESETS
+    return MULTI_GPU_PRESETS[max(k for k in MULTI_GPU_PRESETS if k <= gpus)]
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default=None,
-                   help="ascending, comma-separated (default: " + ",".join(PRESETS) + "; with --gpus > 1: " +
-                        ",".join(MULTI_GPU_PRESETS) + ")")
+                   help="ascending, comma-separated (default: " + ",".join(PRESETS) + "; with --gpus N > 1: " +
+                        "; ".join(f"{n}+: {','.join(v)}" for n, v in MULTI_GPU_PRESETS.items()) + ")")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) per attempt, launched with torchrun; the model is "
                    "sharded over them (gemini_ext ZeRO-3, FSDP2); plain needs 1")
+    p.add_argument("--gemini-init", choices=["cuda", "meta"], default=None,
+                   help="where gemini_ext's model is built (default: cuda on one GPU, meta on several)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=None)
@@ -62,7 +74,8 @@ def main(argv=None) -> list[dict]:
     names = list(systems())
     if args.gpus > 1:
         names.remove("plain")  # one process, no sharding
-    presets = [x.strip() for x in (args.presets or ",".join(MULTI_GPU_PRESETS if args.gpus > 1 else PRESETS)).split(",")]
+    presets = [x.strip() for x in args.presets.split(",")] if args.presets else default_presets(args.gpus)
+    gemini_init = args.gemini_init = args.gemini_init or ("meta" if args.gpus > 1 else "cuda")
     if args.smoke:
         presets, args.seq, names = ["tiny", "small"], 16, ["plain", "gemini-auto", "gemini-offload-all"]
         names = names[1:] if args.gpus > 1 else names
@@ -76,7 +89,7 @@ def main(argv=None) -> list[dict]:
     cores = os.cpu_count() or 1
     rows = []
     for name in names:
-        script, extra = systems()[name]
+        script, extra = systems(gemini_init)[name]
         if args.smoke:  # a CPU machine: the model is built on the CPU, gemini_ext runs on sim
             extra = [x if x != "cuda" else "cpu" for x in extra] + (["--device", "sim"] if script == GEMINI else [])
         row = {"system": name, "attempts": []}

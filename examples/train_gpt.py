@@ -46,9 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--max-prefetch", type=int, default=2)
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
-    p.add_argument("--init-device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built before enable() takes it into chunks (cuda: a model larger "
-                        "than host memory can hold twice, e.g. 13B)")
+                        "than host memory can hold twice, e.g. 13B; meta: no whole copy anywhere, enable() "
+                        "gives each module storage and GPT.init_weights values as it reaches it, e.g. a "
+                        "model sharded over GPUs that no one GPU can hold)")
     p.add_argument("--no-overlap", action="store_true",
                    help="overlap_optimizer=False: the CPU optimizer step finishes inside optimizer.step()")
     p.add_argument("--seed", type=int, default=0)
@@ -119,7 +121,8 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
 
     losses, step_seconds, exposed_optimizer = [], [], []
-    with gx.enable(model, cfg) as engine:
+    init_fn = model.init_weights if args.init_device == "meta" else None
+    with gx.enable(model, cfg, param_init_fn=init_fn) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
         dev = engine.compute_device
         if dev.type == "cuda":

@@ -31,6 +31,7 @@ import torch
 from . import _C, allocator, checkpoint
 from ._env import SETTINGS, logger
 from ._hooks import HookSet
+from ._materialize import MetaMaterializer
 from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
@@ -107,7 +108,7 @@ def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:
 class GeminiEngine:
     """Owns the chunks and hooks of one model; see enable()."""
 
-    def __init__(self, model: torch.nn.Module, config: GeminiConfig, process_group=None):
+    def __init__(self, model: torch.nn.Module, config: GeminiConfig, process_group=None, param_init_fn=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable(model): expected a torch.nn.Module, got {type(model).__name__}.")
         if getattr(model, "_gemini_engine", None) is not None:
@@ -162,6 +163,7 @@ class GeminiEngine:
         self._build_context()
         mgr = self._mgr
         host = mgr.host_tier
+        meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
 
         dt = self.compute_dtype
         has_master = dt != torch.float32
@@ -181,7 +183,7 @@ class GeminiEngine:
             idx = len(self._params)
             self._names.append(name)
             self._params.append(p)
-            self._orig.append((p.dtype, p.device))
+            self._orig.append((p.dtype, self.compute_device if p.is_meta else p.device))
             for kind in (kinds if p.requires_grad else ["frozen"]):
                 handles[(kind, idx)] = mgr.register_tensor(kind, name, p.numel(), list(p.shape))
         mgr.close_chunks()  # the layouts are known from here: plan before any memory is taken
@@ -210,6 +212,7 @@ class GeminiEngine:
         try:
             with torch.no_grad():
                 for i, p in enumerate(self._params):
+                    meta.ensure(p)  # a meta-built model gets this parameter's module group now
                     value = self._from_rank0(p.detach())
                     # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
                     if p.requires_grad:
@@ -230,6 +233,7 @@ class GeminiEngine:
                     elif held_exactly(p.dtype, torch.float32 if kind == "master" else dt):
                         self._released.append((i, handles[(kind, i)], tuple(p.shape)))
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                meta.materialize_rest()  # modules with meta buffers only
             if any(device.type == "cuda" for _, device in self._orig):
                 torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
             self._finish_init(model, config, mgr, sets, handles, dt)
@@ -239,6 +243,10 @@ class GeminiEngine:
                              f"{len(self._params)} parameters into chunks sharded over {self.world_size} ranks; each "
                              "rank held only its shard, so those parameters are now empty tensors. Build the model "
                              "again before retrying.")
+            if meta:
+                exc.add_note(f"gemini_ext: the model was built on the meta device; enable() had given "
+                             f"{meta.materialized_modules} of its modules storage on {self.compute_device} when it "
+                             "failed, the others are still on the meta device. Build the model again before retrying.")
             self._restore_released(mgr)
             raise
         self._released = []
@@ -758,12 +766,17 @@ class GeminiEngine:
                                "gx.enable(model, config) again.")
 
 
-def enable(model: torch.nn.Module, config: GeminiConfig | None = None, *, process_group=None,
+def enable(model: torch.nn.Module, config: GeminiConfig | None = None, *, process_group=None, param_init_fn=None,
            **overrides) -> GeminiEngine:
-    """Places `model`'s parameters in chunks; use as `with gx.enable(model, cfg) as engine:`."""
+    """Places `model`'s parameters in chunks; use as `with gx.enable(model, cfg) as engine:`.
+
+    A model built under `torch.device("meta")` gets storage on the compute device one module
+    group at a time as its values go into chunks (see gemini_ext/_materialize.py):
+    `param_init_fn(module)` initialises each module that owns meta tensors (default: the module's
+    reset_parameters())."""
     if config is not None and not isinstance(config, GeminiConfig):
         raise TypeError(f"enable(config=...): expected a GeminiConfig, got {type(config).__name__}.")
     config = config or GeminiConfig()
     if overrides:
         config = config.replace(**overrides)
-    return GeminiEngine(model, config, process_group)
+    return GeminiEngine(model, config, process_group, param_init_fn)

@@ -42,9 +42,12 @@ GPT_PRESETS = {
     "1.3b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=2048, n_layers=24, n_heads=16, tie_embeddings=False),
     "6.7b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=4096, n_layers=32, n_heads=32, tie_embeddings=False),
     "13b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=40, n_heads=40, tie_embeddings=False),
-    # Beyond one GPU (bench/capacity.py --gpus N): 20.3B and 30.1B parameters.
+    # Beyond one GPU (bench/capacity.py --gpus N): 20.3B, 30.1B, 40.8B and 81.0B parameters; the
+    # two largest are built on the meta device (no GPU holds them whole in fp32).
     "20b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=6144, n_layers=44, n_heads=48, tie_embeddings=False),
     "30b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=7168, n_layers=48, n_heads=56, tie_embeddings=False),
+    "40b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=8192, n_layers=50, n_heads=64, tie_embeddings=False),
+    "80b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=8192, n_layers=100, n_heads=64, tie_embeddings=False),
 }
 
 
@@ -58,6 +61,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc1 = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.proj.residual_projection = self.fc2.residual_projection = True  # scaled at init (GPT-2)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,17 +84,24 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("fc2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self.apply(self.init_weights)
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own tensors, in place: N(0, 0.02) weights
+        (0.02 / sqrt(2 n_layers) for the projections into the residual stream), zero biases,
+        LayerNorm at identity. The constructor applies it to every module; a model built on the
+        meta device passes it to gx.enable(..., param_init_fn=model.init_weights), which calls it
+        module by module in the order of `model.apply`: from the same random state, the values
+        equal `model.apply(model.init_weights)` on a model built on that device."""
+        if module is self.head and self.cfg.tie_embeddings:
+            return  # its weight is the token embedding's, initialised there
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            scaled = getattr(module, "residual_projection", False)
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers) if scaled else 0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]

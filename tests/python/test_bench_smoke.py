@@ -108,6 +108,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
         assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
     assert "| gemini-offload-all | small |" in out.stdout
+    assert json.loads(out_json.read_text())["args"]["gemini_init"] == ("cuda" if gpus == 1 else "meta")
 
 
 @pytest.mark.parametrize("child, expected", [

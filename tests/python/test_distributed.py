@@ -30,9 +30,10 @@ def _slice(t, rank, world_size):
     return t[rank * per:(rank + 1) * per]
 
 
-def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH, setup=None):
+def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH, setup=None,
+                   param_init_fn=None):
     losses = []
-    with gx.enable(model, cfg, process_group=dist.group.WORLD) as engine:
+    with gx.enable(model, cfg, process_group=dist.group.WORLD, param_init_fn=param_init_fn) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         if setup is not None:
             setup(engine)
