@@ -18,10 +18,11 @@ failure (out of memory, a timeout, a crash), which the table names. Systems:
 Every system builds the model on the GPU (--init-device cuda; on the host, initialising a 13B model
 took over two minutes on the H200 machine's 16 cores): gemini_ext's enable() takes it into
 chunks, releasing each original tensor as it goes; FSDP2's fully_shard moves each shard to the
-host under CPUOffloadPolicy; plain keeps it there. With several GPUs gemini_ext builds it on the
-meta device instead (--gemini-init meta, the default there): enable() gives each module storage
-as it reaches it, so no rank holds the whole model (80B in fp32 is 324 GB); the peers still
-build a whole model on every GPU.
+host under CPUOffloadPolicy; plain keeps it there. With several GPUs every system builds it on the
+meta device instead (--init-device meta, the default there), so that no rank holds the whole model
+(80B in fp32 is 324 GB): gemini_ext's enable() gives each module storage as it reaches it;
+FSDP2 shards the meta model, then to_empty() gives each rank storage for its shards and
+GPT.init_weights fills them.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ PRESETS = ["1.3b", "6.7b", "13b"]
 MULTI_GPU_PRESETS = {2: ["13b", "20b", "30b"], 4: ["20b", "30b", "40b"], 8: ["30b", "40b", "80b"]}
 
 
-def systems(gemini_init: str = "cuda") -> dict[str, tuple[str, list[str]]]:
+def systems(init: str = "cuda") -> dict[str, tuple[str, list[str]]]:
     return {
-        "plain": (PEER, ["--plain", "--init-device", "cuda"]),
-        "fsdp2-offload": (PEER, ["--offload", "--init-device", "cuda"]),
-        "gemini-auto": (GEMINI, ["--policy", "auto", "--init-device", gemini_init]),
-        "gemini-offload-all": (GEMINI, ["--policy", "static", "--offload-param-frac", "1.0", "--init-device", gemini_init]),
+        "plain": (PEER, ["--plain", "--init-device", init]),
+        "fsdp2-offload": (PEER, ["--offload", "--init-device", init]),
+        "gemini-auto": (GEMINI, ["--policy", "auto", "--init-device", init]),
+        "gemini-offload-all": (GEMINI, ["--policy", "static", "--offload-param-frac", "1.0", "--init-device", init]),
     }
 
 
@@ -61,8 +62,8 @@ def main(argv=None) -> list[dict]:
                         "; ".join(f"{n}+: {','.join(v)}" for n, v in MULTI_GPU_PRESETS.items()) + ")")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) per attempt, launched with torchrun; the model is "
                    "sharded over them (gemini_ext ZeRO-3, FSDP2); plain needs 1")
-    p.add_argument("--gemini-init", choices=["cuda", "meta"], default=None,
-                   help="where gemini_ext's model is built (default: cuda on one GPU, meta on several)")
+    p.add_argument("--init-device", choices=["cuda", "meta"], default=None,
+                   help="where every system builds the model (default: cuda on one GPU, meta on several)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=None)
@@ -75,7 +76,7 @@ def main(argv=None) -> list[dict]:
     if args.gpus > 1:
         names.remove("plain")  # one process, no sharding
     presets = [x.strip() for x in args.presets.split(",")] if args.presets else default_presets(args.gpus)
-    gemini_init = args.gemini_init = args.gemini_init or ("meta" if args.gpus > 1 else "cuda")
+    init = args.init_device = args.init_device or ("meta" if args.gpus > 1 else "cuda")
     if args.smoke:
         presets, args.seq, names = ["tiny", "small"], 16, ["plain", "gemini-auto", "gemini-offload-all"]
         names = names[1:] if args.gpus > 1 else names
@@ -89,7 +90,7 @@ def main(argv=None) -> list[dict]:
     cores = os.cpu_count() or 1
     rows = []
     for name in names:
-        script, extra = systems(gemini_init)[name]
+        script, extra = systems(init)[name]
         if args.smoke:  # a CPU machine: the model is built on the CPU, gemini_ext runs on sim
             extra = [x if x != "cuda" else "cpu" for x in extra] + (["--device", "sim"] if script == GEMINI else [])
         row = {"system": name, "attempts": []}

@@ -59,9 +59,11 @@ def parse_args(argv=None):
                    help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init-device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built: cuda initialises a 13B model in seconds instead of minutes; "
-                        "fully_shard then moves the shards to the host under --offload")
+                        "fully_shard then moves the shards to the host under --offload. meta: FSDP2's "
+                        "meta-device flow (fully_shard on meta, to_empty, then GPT.init_weights on the shards): "
+                        "no rank holds the whole model")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -93,7 +95,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     if args.init_device == "cuda" and not on_cuda:
         raise SystemExit("fsdp2_train.py --init-device cuda: this machine has no CUDA device; use --init-device cpu.")
-    with torch.device(dev if args.init_device == "cuda" else "cpu"):
+    with torch.device({"cuda": dev, "cpu": torch.device("cpu"), "meta": torch.device("meta")}[args.init_device]):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if args.checkpoint:
@@ -104,7 +106,8 @@ def main(argv=None) -> dict:
     if args.plain:
         if world != 1:
             raise SystemExit("fsdp2_train.py --plain: one rank only (plain PyTorch has no sharding).")
-        model.to(dev)
+        if args.init_device != "meta":
+            model.to(dev)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else \
             MixedPrecisionPolicy()
@@ -112,6 +115,16 @@ def main(argv=None) -> dict:
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    if args.init_device == "meta":  # storage for this rank's shards only (the whole model under --plain)
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)  # same Parameter objects: ties hold
+        try:
+            model.to_empty(device="cpu" if args.offload else dev)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+        torch.manual_seed(args.seed)
+        with torch.no_grad():
+            model.apply(model.init_weights)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=on_cuda or None)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(dev)

@@ -76,9 +76,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--budget", default="16GiB", help="const_gpu_budget of gemini-const")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every system")
-    p.add_argument("--init-device", choices=["cpu", "cuda"], default="cuda",
-                   help="where every system builds the model (cuda: seconds instead of minutes at 6.7B; the smoke "
-                        "run uses cpu)")
+    p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cuda",
+                   help="where every system builds the model (cuda: seconds instead of minutes at 6.7B; meta: no "
+                        "rank holds the whole model, for sizes no GPU holds; the smoke run uses cpu)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems("")))
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on the CPU (sim), 1 and 2 ranks over gloo")

@@ -108,7 +108,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
         assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
     assert "| gemini-offload-all | small |" in out.stdout
-    assert json.loads(out_json.read_text())["args"]["gemini_init"] == ("cuda" if gpus == 1 else "meta")
+    assert json.loads(out_json.read_text())["args"]["init_device"] == ("cuda" if gpus == 1 else "meta")
 
 
 @pytest.mark.parametrize("child, expected", [
@@ -136,3 +136,19 @@ def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, 
     assert record["error"].startswith(f"exit {proc.returncode}, no summary: ") and expected in record["error"], record
     assert "error_file" not in record["error"] and "To enable traceback" not in record["error"]
     assert record["stderr_tail"] == proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks, mode", [(2, []), (1, ["--plain"])])
+def test_the_peer_builds_on_the_meta_device_and_initialises_what_it_keeps(tmp_path, ranks, mode):
+    """FSDP2's meta-device flow (fully_shard on meta, to_empty, GPT.init_weights on the shards)
+    and plain PyTorch's (to_empty keeping the tied head): a GPT initialised near zero predicts
+    almost uniformly, so the first loss is close to ln(vocab); uninitialised memory is not."""
+    import math
+
+    out_json = tmp_path / "peer.json"
+    out = run_python("-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "bench/fsdp2_train.py",
+                     "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--init-device", "meta",
+                     *mode, "--json-out", str(out_json), timeout=600)
+    summary = json.loads(out_json.read_text())  # written before a possible gloo teardown abort
+    assert summary["ranks"] == ranks, out.stderr[-2000:]
+    assert abs(summary["first_loss"] - math.log(256)) < 0.1, summary["first_loss"]
