@@ -36,6 +36,7 @@ from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
+from . import policy as _policy
 from .policy import make_policy
 from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters
 
@@ -178,11 +179,12 @@ class GeminiEngine:
         if frozen:
             mgr.create_group("frozen", dt, chunk_size, host, ALIGNMENT_NUMEL)
         handles = {}  # (kind, parameter index) -> (chunk, slot)
-        self._names, self._params, self._orig = [], [], []
+        self._names, self._params, self._orig, self._numels = [], [], [], []
         for name, p in trainable + frozen:
             idx = len(self._params)
             self._names.append(name)
             self._params.append(p)
+            self._numels.append(p.numel())
             self._orig.append((p.dtype, self.compute_device if p.is_meta else p.device))
             for kind in (kinds if p.requires_grad else ["frozen"]):
                 handles[(kind, idx)] = mgr.register_tensor(kind, name, p.numel(), list(p.shape))
@@ -251,6 +253,14 @@ class GeminiEngine:
             raise
         self._released = []
         self.setup_seconds = time.perf_counter() - start
+        whole, room = self._whole_model_bytes(), self._restore_room_bytes(after_chunks=True)
+        if room is not None and whole > room:
+            warnings.warn(
+                f"gemini_ext: the whole model ({format_bytes(whole)} in its original dtypes) is larger than this "
+                f"rank's device and host memory ({format_bytes(room)}), so leaving the `with` block cannot give it "
+                "back as ordinary tensors: close() will leave the parameters empty. Keep the trained values with "
+                "engine.save_checkpoint(dir) (sharded; loads at any world size) or engine.state_dict() inside the "
+                "block.", stacklevel=3)
         logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
                     len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
                     format_bytes(mgr.wasted_bytes()), self.setup_seconds)
@@ -672,6 +682,13 @@ class GeminiEngine:
             for chunks in self._set_chunks:
                 self._drop_set_state(chunks, ("grad", "exp_avg", "exp_avg_sq"))
             self._trim_chunk_memory()
+            # A model sharded because no device holds it may not fit this rank's device and host
+            # even once the chunks are freed (80B in fp32 is 324 GB, on every rank). The reads
+            # below are collective, so every rank skips them if any rank lacks the room.
+            whole, room = self._whole_model_bytes(), self._restore_room_bytes(after_chunks=False)
+            if not self._all_ranks_agree(room is None or whole <= room):
+                self._close_without_values(whole, room)
+                return
             # What still does not fit on the device (arena extents that other groups' chunks keep
             # partly in use) waits on the host until every chunk is freed below.
             staged = []
@@ -686,6 +703,63 @@ class GeminiEngine:
                         staged.append(i)
                     self._params[i].grad = None
                 self._drop_set_state(self._set_chunks[s], ("master",))
+        self._release_engine()
+        self._close_staged_params = len(staged)  # for tests and logs
+        self._close_params_left_on_host = 0
+        if staged:
+            logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
+            self._move_staged_params(staged)
+
+    def _whole_model_bytes(self) -> int:
+        return sum(p_numel * dtype.itemsize for p_numel, (dtype, _) in zip(self._numels, self._orig))
+
+    def _restore_room_bytes(self, after_chunks: bool) -> int | None:
+        """Memory this rank can give the whole model at close: host MemAvailable over the ranks of
+        this node, plus, on cuda, the device's free memory and what the chunks hold there (freed
+        as the parameters come back). With after_chunks, the host chunks count as freed too
+        (the estimate made at enable). None where host memory cannot be read."""
+        host = _policy.host_available_bytes()
+        if host is None:
+            return None
+        room = host
+        if after_chunks:
+            room += sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
+        if self.device_kind == "cuda":
+            room += torch.cuda.mem_get_info(self.compute_device)[0] + self._mgr.tier_bytes("device")["current"]
+        return room
+
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank of the data-parallel group (itself unsharded)."""
+        if self._dp_group is None:
+            return ok
+        device = self.compute_device if self.device_kind == "cuda" else torch.device("cpu")
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self._dp_group)
+        return bool(flag.item())
+
+    def _close_without_values(self, whole: int, room: int | None) -> None:
+        """close() for a model no rank has room for: the chunks are freed and each parameter is
+        left an empty tensor of its original dtype and device (see the warning at enable)."""
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                dtype, device = self._orig[i]
+                p.data = torch.empty(0, dtype=dtype, device=device)
+                p.grad = None
+        here = f"{format_bytes(room)} here" if room is not None else "unknown here"
+        warnings.warn(
+            f"gemini_ext close(): the whole model ({format_bytes(whole)}) does not fit the device and host memory of "
+            f"every rank once its chunks are freed ({here}); the {len(self._params)} parameters are left empty and "
+            "their trained values were not kept by close(). Save them inside the `with` block with "
+            "engine.save_checkpoint(dir) (sharded; loads at any world size), then load that checkpoint into a "
+            "model built on the meta device.", stacklevel=3)
+        self._close_params_left_on_host = 0
+        self._close_staged_params = 0
+        self._release_engine()
+
+    def _release_engine(self) -> None:
+        """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
+        freed with the engine's last references to the manager."""
+        with torch.no_grad():
             for module, key, dtype, device in self._buffers:
                 buf = module._buffers.get(key)
                 if buf is not None:
@@ -699,11 +773,6 @@ class GeminiEngine:
         del self._gm  # unbinds the parameter storages; then the pools go
         del self._mgr
         del self._ctx
-        self._close_staged_params = len(staged)  # for tests and logs
-        self._close_params_left_on_host = 0
-        if staged:
-            logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
-            self._move_staged_params(staged)
 
     def _move_staged_params(self, staged: list[int]) -> None:
         """The last step of close(): parameters that waited on the host go to their device now

@@ -394,6 +394,26 @@ def test_sharded_enable_releases_the_originals_and_says_so_when_it_fails():
     run_ranks(2, _sharded_release_body)
 
 
+def _no_room_on_one_rank_body(rank, world_size):
+    """Only rank 1 lacks the room to restore the model: the reads at close are collective, so
+    neither rank restores it (one rank reading alone would hang the other)."""
+    import warnings
+
+    model, _ = make_models(seed=0)
+    if rank == 1:
+        gx.engine.GeminiEngine._restore_room_bytes = lambda self, after_chunks: 0 if not after_chunks else 1 << 60
+    engine = gx.enable(model, config("sim"), process_group=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.close()
+    assert any("left empty" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_close_restores_on_no_rank_when_one_rank_has_no_room():
+    run_ranks(2, _no_room_on_one_rank_body)
+
+
 # --- two GPUs over NCCL, launched with torchrun (nvidia-h200-x2) ---------------------------------
 
 def _on_cuda(overrides: dict) -> dict:

@@ -199,6 +199,23 @@ def test_close_leaves_on_the_host_what_the_device_cannot_hold_even_without_chunk
         torch.testing.assert_close(p.detach().cpu(), expected[name], rtol=0, atol=0)
 
 
+def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_say_so(monkeypatch):
+    """When the whole model cannot fit the device and host once the chunks are freed (a model
+    sharded because nothing holds it whole), enable() warns while the values can still be saved
+    and close() frees the chunks and leaves each parameter an empty tensor of its dtype and device."""
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_restore_room_bytes", lambda self, after_chunks: 1000)
+    model = GPT(GPT_PRESETS["tiny"])
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    with pytest.warns(UserWarning, match=r"larger than this rank's device and host memory.*save_checkpoint"):
+        engine = gx.enable(model, _cfg("sim"))
+    with pytest.warns(UserWarning, match=r"does not fit .* left empty .*save_checkpoint"):
+        engine.close()
+    for name, p in model.named_parameters():
+        assert p.numel() == 0 and p.dtype == torch.float32 and p.device.type == "cpu", name
+    assert model.scale.dtype == torch.float64 and torch.equal(model.scale, torch.ones(3, dtype=torch.float64))
+    assert model._gemini_engine is None and engine._closed
+
+
 def test_existing_gradients_follow_their_parameters():
     model = torch.nn.Linear(4, 4)
     model(torch.randn(2, 4)).sum().backward()
