@@ -185,3 +185,24 @@ def test_two_ranks_train_a_meta_built_model_from_rank_zeros_values():
 @pytest.mark.multigpu
 def test_two_gpus_over_nccl_train_a_meta_built_model_from_rank_zeros_values(tmp_path):
     run_torchrun(2, _sharded_meta_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+def test_a_checkpoint_loads_into_a_meta_built_model(tmp_path):
+    """The way back for a model close() cannot restore: save inside the block, build the model
+    on the meta device again, enable it and load the checkpoint."""
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    with gx.enable(model, config("sim")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        opt.step()
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        trained = engine.state_dict()
+    again = _meta_gpt()
+    with gx.enable(again, config("sim"), param_init_fn=again.init_weights) as engine:
+        engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        loaded = engine.state_dict()
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value), key
