@@ -74,9 +74,9 @@ def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_dec
 
 
 def train_gemini(model, steps, cfg, lr=LR, weight_decay=WD, opt_cls=torch.optim.AdamW, micro_batches=1,
-                 use_no_sync=False):
+                 use_no_sync=False, param_init_fn=None):
     losses = []
-    with gx.enable(model, cfg) as engine:
+    with gx.enable(model, cfg, param_init_fn=param_init_fn) as engine:
         opt = engine.optimizer(opt_cls, lr=lr, weight_decay=weight_decay)
         for step in range(steps):
             total = 0.0

@@ -7,7 +7,8 @@ import torch
 import gemini_ext as gx
 from dist_utils import run_ranks, run_torchrun
 from gemini_ext.models import GPT
-from parity_utils import SMALL, batch, config, max_relative_difference, torch_device, train_reference
+from parity_utils import (SMALL, batch, config, max_relative_difference, torch_device, train_gemini,
+                          train_reference)
 from test_distributed import GLOBAL_BATCH, PARAM_TOLERANCE, STEPS, _train_sharded
 
 
@@ -32,23 +33,18 @@ def test_a_meta_built_gpt_gets_the_values_of_its_initialiser_and_trains_like_one
     torch.manual_seed(3)
     with gx.enable(model, config(device), param_init_fn=model.init_weights) as engine:
         state = engine.state_dict()
-        for key, value in reference.state_dict().items():
-            assert torch.equal(state[key], value.cpu()), key
-        assert model.head.weight is model.tok_emb.weight, "the tie survives materialisation"
-        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-        losses = []
-        for step in range(3):
-            x, y = batch(model.cfg, step, engine.compute_device)
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key], value.cpu()), key
+    assert model.head.weight is model.tok_emb.weight, "the tie survives materialisation"
+    for name, p in model.named_parameters():
+        assert not p.is_meta and p.device == torch_device(device), name
+
+    model = _meta_gpt()  # and it trains like the model built on the device
+    torch.manual_seed(3)
+    losses, _ = train_gemini(model, 3, config(device), lr=1e-3, weight_decay=0.1, param_init_fn=model.init_weights)
     ref_losses = train_reference(reference, 3, torch_device(device), lr=1e-3, weight_decay=0.1)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
-    for name, p in model.named_parameters():
-        assert not p.is_meta and p.device == torch_device(device), name
 
 
 def test_by_default_each_module_is_reset_by_its_own_reset_parameters():
