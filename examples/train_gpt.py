@@ -180,6 +180,8 @@ def main(argv=None) -> dict:
         "last_optimizer_step": stats.get("last_step"),
         "skipped_steps": stats["skipped_steps"],
         "policy": args.policy,
+        "init_device": args.init_device,
+        "setup_seconds": stats["setup_seconds"],  # enable(): total and per phase
         "per_step": stats["steps"],
     }
     if rank == 0:
@@ -198,6 +200,9 @@ def main(argv=None) -> dict:
         if world > 1:
             print(f"   collectives     {t['all_gathers']} chunk all-gathers, {t['reduce_scatters']} gradient "
                   f"reduce-scatters on rank 0 (ZeRO group of {world // args.extra_dp_size} ranks)")
+        setup = stats["setup_seconds"]
+        print(f"   enable()        {setup['total']:.2f} s (" +
+              ", ".join(f"{k} {v:.2f}" for k, v in setup.items() if k != "total") + ")")
         pl, ls = stats["placement"], stats.get("last_step") or {}
         print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
               f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")

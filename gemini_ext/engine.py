@@ -142,6 +142,14 @@ class GeminiEngine:
         self._optimizer_steps = 0
         self._skipped_steps = 0
         start = time.perf_counter()
+        # seconds per phase of enable(), for the log and stats(): where a large model's set-up goes
+        self.setup_phases = {}
+        last = [start]
+
+        def phase_done(name: str) -> None:
+            now = time.perf_counter()
+            self.setup_phases[name] = now - last[0]
+            last[0] = now
 
         named = unique_parameters(model)
         if not named:
@@ -194,7 +202,9 @@ class GeminiEngine:
         # the gradient chunk of such a set gets no copy yet: its gradients are born on the device.
         device_sets = [s for s in sets if s["grad"] >= 0 and not s["optim_on_host"]]
         device_first = [s[k] for s in device_sets for k in ("master", "exp_avg", "exp_avg_sq") if s[k] >= 0]
+        phase_done("plan")  # chunk size, layouts, placement plan
         mgr.finalize(device_first, [s["grad"] for s in device_sets])
+        phase_done("allocate")  # every chunk's first copy, zeroed
         on_device = set(device_first)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         # [Note: releasing the model's own tensors while filling the chunks]
@@ -238,7 +248,9 @@ class GeminiEngine:
                 meta.materialize_rest()  # modules with meta buffers only
             if any(device.type == "cuda" for _, device in self._orig):
                 torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
+            phase_done("fill")  # the parameters' values into chunks (materialising a meta-built model)
             self._finish_init(model, config, mgr, sets, handles, dt)
+            phase_done("place")  # the placement applied, parameter views, buffers, hooks
         except BaseException as exc:
             if self._released_sharded:
                 exc.add_note(f"gemini_ext: enable() failed after taking {self._released_sharded} of the model's "
@@ -261,9 +273,10 @@ class GeminiEngine:
                 "back as ordinary tensors: close() will leave the parameters empty. Keep the trained values with "
                 "engine.save_checkpoint(dir) (sharded; loads at any world size) or engine.state_dict() inside the "
                 "block.", stacklevel=3)
-        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s",
+        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s (%s)",
                     len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
-                    format_bytes(mgr.wasted_bytes()), self.setup_seconds)
+                    format_bytes(mgr.wasted_bytes()), self.setup_seconds,
+                    ", ".join(f"{k} {v:.2f} s" for k, v in self.setup_phases.items()))
 
     def _restore_released(self, mgr) -> None:
         """enable() failed after releasing the model's tensors: give each its value back from the
@@ -563,6 +576,7 @@ class GeminiEngine:
             "skipped_steps": self._skipped_steps,
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
             "steps": list(self._steps_log[-100:]),
+            "setup_seconds": {"total": self.setup_seconds, **self.setup_phases},
             "device_budget_bytes": gm.device_budget,
             "trace": {k: v for k, v in gm.trace_info().items() if k != "recorded"},
             "distributed": {"zero_world_size": self.world_size, "zero_rank": self.rank,

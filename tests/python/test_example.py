@@ -21,6 +21,9 @@ def test_train_gpt_example_on_sim(tmp_path):
     assert summary["last_optimizer_step"]["host_params"] > 0
     # gradients go down and updated parameters come up every step
     assert summary["chunk_traffic"]["d2h_bytes"] > 0 and summary["chunk_traffic"]["h2d_bytes"] > 0
+    setup = summary["setup_seconds"]
+    assert set(setup) == {"total", "plan", "allocate", "fill", "place"} and "enable()" in out.stdout
+    assert sum(v for k, v in setup.items() if k != "total") == pytest.approx(setup["total"], abs=0.05)
 
 
 def test_train_gpt_example_with_a_tiny_budget_and_checkpointing(tmp_path):
