@@ -36,8 +36,7 @@ from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
-from . import policy as _policy
-from .policy import make_policy
+from .policy import host_available_bytes, make_policy
 from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -265,7 +264,7 @@ class GeminiEngine:
             raise
         self._released = []
         self.setup_seconds = time.perf_counter() - start
-        whole, room = self._whole_model_bytes(), self._restore_room_bytes(after_chunks=True)
+        whole, room = self._whole_model_bytes(), self._restore_room_bytes()
         if room is not None and whole > room:
             warnings.warn(
                 f"gemini_ext: the whole model ({format_bytes(whole)} in its original dtypes) is larger than this "
@@ -698,8 +697,10 @@ class GeminiEngine:
             self._trim_chunk_memory()
             # A model sharded because no device holds it may not fit this rank's device and host
             # even once the chunks are freed (80B in fp32 is 324 GB, on every rank). The reads
-            # below are collective, so every rank skips them if any rank lacks the room.
-            whole, room = self._whole_model_bytes(), self._restore_room_bytes(after_chunks=False)
+            # below are collective, so every rank skips them if any rank lacks the room. The
+            # remaining chunks count as room (masters go set by set as parameters come back):
+            # only a model that cannot fit at all is refused.
+            whole, room = self._whole_model_bytes(), self._restore_room_bytes()
             if not self._all_ranks_agree(room is None or whole <= room):
                 self._close_without_values(whole, room)
                 return
@@ -727,17 +728,15 @@ class GeminiEngine:
     def _whole_model_bytes(self) -> int:
         return sum(p_numel * dtype.itemsize for p_numel, (dtype, _) in zip(self._numels, self._orig))
 
-    def _restore_room_bytes(self, after_chunks: bool) -> int | None:
+    def _restore_room_bytes(self) -> int | None:
         """Memory this rank can give the whole model at close: host MemAvailable over the ranks of
-        this node, plus, on cuda, the device's free memory and what the chunks hold there (freed
-        as the parameters come back). With after_chunks, the host chunks count as freed too
-        (the estimate made at enable). None where host memory cannot be read."""
-        host = _policy.host_available_bytes()
+        this node and what the host chunks hold, plus, on cuda, the device's free memory and what
+        the chunks hold there (all freed as the parameters come back, or after). None where host
+        memory cannot be read."""
+        host = host_available_bytes()
         if host is None:
             return None
-        room = host
-        if after_chunks:
-            room += sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
+        room = host + sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
         if self.device_kind == "cuda":
             room += torch.cuda.mem_get_info(self.compute_device)[0] + self._mgr.tier_bytes("device")["current"]
         return room
