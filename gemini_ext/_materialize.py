@@ -3,7 +3,7 @@ enable() reaches them.
 
 [Note: models too large to build anywhere]
 Sharded, every rank starts enable() with a whole model and keeps a shard of it. An 80B model in
-fp32 is 320 GB: no GPU holds it, and eight ranks' host copies would not fit the host either. Built
+fp32 is 324 GB: no GPU holds it, and eight ranks' host copies would not fit the host either. Built
 under `torch.device("meta")`, the model has shapes and no storage; enable() gives a module's
 tensors storage on the compute device only when it reaches the module's first parameter, runs the
 initialiser on it, writes the values into this rank's shards and releases them before going on.
@@ -66,12 +66,10 @@ class MetaMaterializer:
         for shared in owners.values():
             for other in shared[1:]:
                 parent[root(other)] = root(shared[0])
-        groups: dict[int, list[int]] = {}
+        self._groups: dict[int, list[int]] = {}  # root module index -> member module indices
         for i in range(len(self._modules)):
-            groups.setdefault(root(i), []).append(i)
-        self._group_of_module = {i: g for g, members in groups.items() for i in members}
-        self._groups = groups
-        self._group_of_tensor = {t: self._group_of_module[shared[0]] for t, shared in owners.items()}
+            self._groups.setdefault(root(i), []).append(i)
+        self._group_of_tensor = {t: root(shared[0]) for t, shared in owners.items()}
         self._done: set[int] = set()
         if param_init_fn is None:
             missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in self._modules
