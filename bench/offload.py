@@ -128,12 +128,22 @@ TORCHRUN_REPORT = ("error_file:", "To enable traceback see", "ChildFailedError",
 def last_error(proc: subprocess.CompletedProcess) -> str:
     """The cause of a failed run, in one line: the child's last exception line (e.g.
     "torch.OutOfMemoryError: CUDA out of memory ..."), else the signal torchrun saw (a child killed
-    by the host's out-of-memory killer raises nothing), else the last line of stderr."""
-    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()]
-    exceptions = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:", ln)
-                  and not any(noise in ln for noise in TORCHRUN_REPORT)]
-    if exceptions:
-        return exceptions[-1]
+    by the host's out-of-memory killer raises nothing), else the last line of stderr. Once a process
+    group exists torchrun's children prefix their lines with "[rankN]:"; the rank whose traceback
+    came first is the cause (the others fail after it, waiting on it), so its last exception is named."""
+    first_seen: dict[str, int] = {}
+    last_exception: dict[str, str] = {}
+    lines = []
+    for i, raw in enumerate((proc.stderr + proc.stdout).splitlines()):
+        m = re.match(r"^\[(rank\d+)\]:\s*(.*)$", raw.strip())
+        rank, ln = (m.group(1), m.group(2).strip()) if m else ("", raw.strip())
+        lines.append(ln)
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:", ln) and not any(n in ln for n in TORCHRUN_REPORT):
+            first_seen.setdefault(rank, i)
+            last_exception[rank] = ln
+    if last_exception:
+        rank = min(first_seen, key=first_seen.get)
+        return (f"[{rank}] " if rank else "") + last_exception[rank]
     signals = [ln for ln in lines if re.search(r"Signal \d+ \(\w+\) received", ln)]
     if signals:
         return signals[-1].split(":", 1)[-1].strip() + ", no Python exception"

@@ -111,12 +111,16 @@ def test_capacity_bench_smoke(tmp_path, gpus):
     assert json.loads(out_json.read_text())["args"]["init_device"] == ("cuda" if gpus == 1 else "meta")
 
 
-@pytest.mark.parametrize("child, expected", [
-    ("raise RuntimeError('CUDA out of memory. Tried to allocate 9.00 GiB')",
+@pytest.mark.parametrize("ranks, child, expected", [
+    (1, "raise RuntimeError('CUDA out of memory. Tried to allocate 9.00 GiB')",
      "RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "Signal 9 (SIGKILL) received by PID"),
+    (1, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "Signal 9 (SIGKILL) received by PID"),
+    # with a process group, lines carry "[rankN]:"; rank 0 fails after rank 1, in the barrier
+    (2, "import os, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "if os.environ['RANK'] == '1': raise MemoryError('rank 1 ran out')\ndist.barrier()",
+     "[rank1] MemoryError: rank 1 ran out"),
 ])
-def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, child, expected):
+def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, ranks, child, expected):
     """A child that raises is named by its exception; one killed by a signal (the host's
     out-of-memory killer sends SIGKILL) by the signal: torchrun's own report ("error_file: <N/A>",
     "To enable traceback see ...") says neither."""
@@ -129,7 +133,7 @@ def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, 
 
     script = tmp_path / "child.py"
     script.write_text(child + "\n")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                            str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     record = failure(proc, summary_written=False)
