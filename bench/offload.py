@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -157,6 +158,51 @@ def failure(proc: subprocess.CompletedProcess, summary_written: bool) -> dict:
             "stderr_tail": proc.stderr[-3000:]}
 
 
+class JobTimedOut(Exception):
+    """A job outlived its timeout; every process of it has been killed. Carries stderr so far."""
+
+    def __init__(self, timeout: int, stderr: str):
+        super().__init__(f"timed out after {timeout} s")
+        self.record = {"error": f"timed out after {timeout} s (all of its processes killed)", "stderr_tail": stderr[-3000:]}
+
+
+def process_tree(root: int) -> list[int]:
+    """root and every process below it (Linux /proc); children found before any is killed."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parent_of.items() if ppid in frontier]
+        tree += frontier
+    return tree
+
+
+def run_job(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs cmd to completion. On timeout every process under it is killed: killing torchrun alone
+    leaves its ranks running (it starts each in a session of its own), holding the GPUs' memory
+    (seen on the two-H200 machine: a timed-out 30B attempt made every later two-GPU test run out
+    of device memory)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in process_tree(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = proc.communicate()
+        raise JobTimedOut(timeout, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_system(script: str, extra: list[str], common: list[str], timeout: int) -> dict:
     if script in ("deepspeed", "colossalai"):
         if importlib.util.find_spec(script) is None:
@@ -169,9 +215,9 @@ def run_system(script: str, extra: list[str], common: list[str], timeout: int) -
         if script == GEMINI:
             cmd.append("--no-progress")
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout} s"}
+            proc = run_job(cmd, timeout)
+        except JobTimedOut as e:
+            return e.record
         if proc.returncode != 0 or not os.path.exists(out_json):
             return failure(proc, os.path.exists(out_json))
         with open(out_json) as f:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offload import failure, free_port  # noqa: E402  (same directory)
+from offload import JobTimedOut, failure, free_port, run_job  # noqa: E402  (same directory)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMINI = os.path.join(REPO, "examples", "train_gpt.py")
@@ -51,9 +50,9 @@ def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: 
             cmd.append("--no-progress")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout} s"}
+            proc = run_job(cmd, timeout, env)
+        except JobTimedOut as e:
+            return e.record
         # torch 2.13's CPU build over gloo sometimes aborts in interpreter teardown after a run
         # completed ("terminate called without an active exception", no Python frame; seen with
         # FSDP2 alone too, see fsdp2_train.py): the summary is complete, the row records it.

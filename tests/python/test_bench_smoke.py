@@ -156,3 +156,38 @@ def test_the_peer_builds_on_the_meta_device_and_initialises_what_it_keeps(tmp_pa
     summary = json.loads(out_json.read_text())  # written before a possible gloo teardown abort
     assert summary["ranks"] == ranks, out.stderr[-2000:]
     assert abs(summary["first_loss"] - math.log(256)) < 0.1, summary["first_loss"]
+
+
+def test_a_timed_out_job_leaves_none_of_its_ranks_running(tmp_path):
+    """Killing torchrun alone orphans its ranks, which keep the GPUs' memory: the next attempt
+    then runs out of it. run_job kills the whole session."""
+    import os
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from offload import JobTimedOut, free_port, run_job
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                      "print('rank up', file=sys.stderr, flush=True)\ntime.sleep(600)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(script)]
+    with pytest.raises(JobTimedOut) as timed_out:
+        run_job(cmd, timeout=30)
+    assert timed_out.value.record["error"].startswith("timed out after 30 s"), timed_out.value.record
+    assert "rank up" in timed_out.value.record["stderr_tail"]
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 10  # a killed rank is reaped by init, not at once
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), pids
