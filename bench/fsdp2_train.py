@@ -95,6 +95,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     if args.init_device == "cuda" and not on_cuda:
         raise SystemExit("fsdp2_train.py --init-device cuda: this machine has no CUDA device; use --init-device cpu.")
+    setup_started = time.perf_counter()  # model built, sharded and initialised: enable()'s counterpart
     with torch.device({"cuda": dev, "cpu": torch.device("cpu"), "meta": torch.device("meta")}[args.init_device]):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -129,6 +130,7 @@ def main(argv=None) -> dict:
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(dev)
 
+    setup_seconds = {"total": time.perf_counter() - setup_started}
     losses, step_seconds, optimizer_seconds = [], [], []
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.plain and on_cuda)
     for step in range(args.steps):
@@ -168,6 +170,7 @@ def main(argv=None) -> dict:
         "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
         "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
         "step_s_median": sorted(timed)[len(timed) // 2],
+        "step_seconds": step_seconds, "setup_seconds": setup_seconds,
         # clipping, the optimizer step and zero_grad after backward: all on the critical path here
         "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
         "peak_device_bytes_max_rank": int(worst[0].item()),  # torch's allocations: all of FSDP2's

@@ -165,6 +165,7 @@ def main(argv=None) -> dict:
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         "first_loss": losses[0], "last_loss": losses[-1],
         "tokens_per_s": tokens_per_s, "step_s_median": sorted(timed)[len(timed) // 2],
+        "step_seconds": step_seconds,  # every step, the first (warm-up, auto's decision) included
         "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],
         "overlap_optimizer": not args.no_overlap,
         "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],

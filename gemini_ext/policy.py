@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import torch
@@ -250,6 +251,7 @@ class AutoPolicy(PlacementPolicy):
             warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. "
                           "Lower the batch size or use activation checkpointing.", stacklevel=3)
         # Shrink first (states going to the host free device bytes), then grow.
+        moves_started = time.perf_counter()
         for index, p in enumerate(placements):
             if p["trainable"] and not p["optim_on_host"] and index not in on_device:
                 gm.set_optim_on_host(index, True)
@@ -262,11 +264,12 @@ class AutoPolicy(PlacementPolicy):
                          "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
                          "optim_sets_kept_on_device_for_host": self.min_device_sets,
                          "trace_rerecordings": rerecordings,
+                         "move_seconds": time.perf_counter() - moves_started,  # the state moved to its tiers
                          "decisions": self.decision.get("decisions", 0) + 1}
         logger.info("auto placement (decision %d): capacity %s, non-model peak %s, chunk budget %s, parameter chunks "
-                    "%s, optimizer state of %d chunk sets on the device", self.decision["decisions"],
+                    "%s, optimizer state of %d chunk sets on the device (moves took %.1f s)", self.decision["decisions"],
                     format_bytes(capacity), format_bytes(non_model), format_bytes(budget), format_bytes(p_bytes),
-                    len(on_device))
+                    len(on_device), self.decision["move_seconds"])
 
 
 def make_policy(config) -> PlacementPolicy:

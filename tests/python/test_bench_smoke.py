@@ -107,6 +107,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
         assert r["largest"].get("ranks", 1) == gpus, r["largest"]
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"] and "first_failure" not in r, r
         assert r["largest"]["preset"] == "small" and r["largest"]["parameters"] > 1e6
+        assert r["largest"]["setup_seconds"]["total"] > 0 and len(r["largest"]["step_seconds"]) == 3
     assert "| gemini-offload-all | small |" in out.stdout
     assert json.loads(out_json.read_text())["args"]["init_device"] == ("cuda" if gpus == 1 else "meta")
 

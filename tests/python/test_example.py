@@ -24,6 +24,8 @@ def test_train_gpt_example_on_sim(tmp_path):
     setup = summary["setup_seconds"]
     assert set(setup) == {"total", "plan", "allocate", "fill", "place"} and "enable()" in out.stdout
     assert sum(v for k, v in setup.items() if k != "total") == pytest.approx(setup["total"], abs=0.05)
+    assert len(summary["step_seconds"]) == 15 and all(s > 0 for s in summary["step_seconds"])
+    assert summary["step_s_median"] in summary["step_seconds"][1:], "the median leaves the warm-up step out"
 
 
 def test_train_gpt_example_with_a_tiny_budget_and_checkpointing(tmp_path):

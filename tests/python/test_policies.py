@@ -186,6 +186,7 @@ def test_auto_moves_optimizer_state_to_the_device_when_it_fits(device):
     decision = stats["placement"]["decision"]
     assert decision["params_fit"] and decision["optim_sets_moved_to_device"] == stats["num_param_chunks"]
     assert stats["placement"]["optim_chunks_on_device"] == stats["num_param_chunks"]
+    assert decision["move_seconds"] > 0, "moving every set's state to the device takes time"
     assert stats["steps"][-1]["d2h_bytes"] == 0, "after the warm-up nothing goes to the host"
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
