@@ -84,21 +84,6 @@ void CudaDeviceMemoryResource::do_deallocate(void* ptr, size_t bytes) {
   count_device_bytes(device_, -static_cast<int64_t>(bytes));
 }
 
-void* PinnedHostMemoryResource::do_allocate(size_t bytes) {
-  void* ptr = nullptr;
-  const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
-  if (status == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    throw OutOfMemoryError(detail::concat("pinned_host out of memory: cudaHostAlloc of ", bytes,
-                                          " bytes failed. Free host memory, lower the offloaded fraction or set "
-                                          "pin_memory=False."));
-  }
-  GX_CUDA_CHECK(status);
-  return ptr;
-}
-
-void PinnedHostMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) { GX_CUDA_CHECK(cudaFreeHost(ptr)); }
-
 CudaEvent::CudaEvent(int device, cudaStream_t stream) {
   DeviceGuard guard(device);
   // Timing enabled: the manager measures how long compute waited for a copy (seconds_after).

@@ -3,9 +3,10 @@
 // Design note.
 //  * Memory. The device tier is cudaMalloc'd memory under a LimitingAdaptor whose limit is
 //    `memory_limit_bytes` (gpu_memory_limit / GEMINI_EXT_GPU_LIMIT) or the device's total
-//    memory. Host memory is page-locked with cudaHostAlloc at the exact size asked (no
-//    power-of-two rounding, unlike PyTorch's pinned caching allocator), so a host arena of
-//    chunk slots costs what the chunks need.
+//    memory. Host memory is page-locked at the exact size asked (no power-of-two rounding,
+//    unlike PyTorch's pinned caching allocator), so a host arena of chunk slots costs what the
+//    chunks need; large requests are mapped, touched in parallel and registered
+//    (pinned_host_resource.h).
 //  * Streams. kHostToDevice and kDeviceToHost are two non-blocking streams created here, so
 //    they never synchronise implicitly with the legacy default stream; kCompute is the stream
 //    the framework computes on, set by the torch layer (`set_compute_stream`), the legacy
@@ -27,6 +28,7 @@
 
 #include "core/device_backend.h"
 #include "core/resource_adaptors.h"
+#include "cuda/pinned_host_resource.h"
 
 namespace gx {
 
@@ -55,14 +57,6 @@ class CudaDeviceMemoryResource final : public MemoryResource {
   int device_;
 };
 
-class PinnedHostMemoryResource final : public MemoryResource {
- public:
-  std::string name() const override { return "pinned_host"; }
-
- protected:
-  void* do_allocate(size_t bytes) override;
-  void do_deallocate(void* ptr, size_t bytes) override;
-};
 
 class CudaEvent final : public Event {
  public:

@@ -48,7 +48,14 @@ INSTANTIATE_TEST_SUITE_P(
                                         auto r = std::make_shared<PinnedHostMemoryResource>();
                                         keep.push_back(r);
                                         return r.get();
-                                      }, 1 << 20}),
+                                      }, 1 << 20},
+                      // requests this large take the mapped + registered path
+                      ResourceFactory{"pinned_host_mapped", [](auto& keep) -> MemoryResource* {
+                                        if (!have_gpu()) return nullptr;
+                                        auto r = std::make_shared<PinnedHostMemoryResource>();
+                                        keep.push_back(r);
+                                        return r.get();
+                                      }, PinnedHostMemoryResource::kRegisterMinBytes}),
     [](const auto& info) { return info.param.name; });
 
 TEST(CudaChunkManager, MovesBetweenGpuAndPinnedHostPreserveBytes) {
@@ -98,6 +105,54 @@ TEST(CudaChunkManager, AccessFetchesAndComputeStreamSeesTheBytes) {
   for (int k = 0; k < (1 << 16); k += 101) ASSERT_EQ(back[k], static_cast<float>(k));
   mgr.transition(h, TensorState::kHold);
   mgr.release(h.chunk_id);
+}
+
+TEST(PinnedHost, LargeRequestsAreMappedTouchedAndRegistered) {
+  SKIP_WITHOUT_GPU();
+  PinnedHostMemoryResource pinned;
+  const size_t bytes = PinnedHostMemoryResource::kRegisterMinBytes + 4096;
+  auto* host = static_cast<uint8_t*>(pinned.allocate(bytes));
+  EXPECT_EQ(pinned.registered_ranges(), 1u);
+  cudaPointerAttributes attributes{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, host), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost) << "page-locked, known to CUDA";
+  for (size_t b = 0; b < bytes; b += 1 << 20) ASSERT_EQ(host[b], 0) << "fresh mapped pages read as zero, byte " << b;
+  ASSERT_EQ(host[bytes - 1], 0);
+  for (size_t b = 0; b < bytes; b += 4099) host[b] = static_cast<uint8_t>(b * 7);
+  void* device = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  std::memset(host, 0xff, bytes);
+  ASSERT_EQ(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(device);
+  for (size_t b = 0; b < bytes; b += 4099) ASSERT_EQ(host[b], static_cast<uint8_t>(b * 7)) << "byte " << b;
+  pinned.deallocate(host, bytes);
+  EXPECT_EQ(pinned.registered_ranges(), 0u);
+}
+
+TEST(PinnedHost, SmallRequestsUseCudaHostAlloc) {
+  SKIP_WITHOUT_GPU();
+  PinnedHostMemoryResource pinned;
+  void* p = pinned.allocate(1 << 20);
+  EXPECT_EQ(pinned.registered_ranges(), 0u);
+  cudaPointerAttributes attributes{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, p), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
+  pinned.deallocate(p, 1 << 20);
+}
+
+TEST(PinnedHost, ARequestAboveWhatTheHostHasIsRefusedBeforeTouchingIt) {
+  SKIP_WITHOUT_GPU();
+  const int64_t available = host_available_bytes();
+  ASSERT_GT(available, 0) << "/proc/meminfo has MemAvailable on Linux";
+  PinnedHostMemoryResource pinned;
+  try {
+    pinned.allocate(static_cast<size_t>(available) + (size_t{1} << 30));
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("MemAvailable"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(pinned.registered_ranges(), 0u);
 }
 
 TEST(CudaBackend, LimitAboveTheDeviceIsRefused) {
