@@ -35,6 +35,13 @@ INSTANTIATE_TEST_SUITE_P(
                       }}),
     [](const auto& info) { return info.param.name; });
 
+MemoryResource* make_pinned(std::vector<std::shared_ptr<void>>& keep) {
+  if (!have_gpu()) return nullptr;
+  auto r = std::make_shared<PinnedHostMemoryResource>();
+  keep.push_back(r);
+  return r.get();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cuda, ResourceConformance,
     ::testing::Values(ResourceFactory{"cuda_device", [](auto& keep) -> MemoryResource* {
@@ -43,19 +50,9 @@ INSTANTIATE_TEST_SUITE_P(
                                         keep.push_back(r);
                                         return r.get();
                                       }, 1 << 20},
-                      ResourceFactory{"pinned_host", [](auto& keep) -> MemoryResource* {
-                                        if (!have_gpu()) return nullptr;
-                                        auto r = std::make_shared<PinnedHostMemoryResource>();
-                                        keep.push_back(r);
-                                        return r.get();
-                                      }, 1 << 20},
+                      ResourceFactory{"pinned_host", make_pinned, 1 << 20},
                       // requests this large take the mapped + registered path
-                      ResourceFactory{"pinned_host_mapped", [](auto& keep) -> MemoryResource* {
-                                        if (!have_gpu()) return nullptr;
-                                        auto r = std::make_shared<PinnedHostMemoryResource>();
-                                        keep.push_back(r);
-                                        return r.get();
-                                      }, PinnedHostMemoryResource::kRegisterMinBytes}),
+                      ResourceFactory{"pinned_host_mapped", make_pinned, PinnedHostMemoryResource::kRegisterMinBytes}),
     [](const auto& info) { return info.param.name; });
 
 TEST(CudaChunkManager, MovesBetweenGpuAndPinnedHostPreserveBytes) {
