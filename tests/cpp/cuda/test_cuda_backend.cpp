@@ -3,6 +3,8 @@
 // there; the H200 runs it for real: see the README).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include "common/backend_conformance.h"
@@ -136,6 +138,13 @@ TEST(PinnedHost, SmallRequestsUseCudaHostAlloc) {
   ASSERT_EQ(cudaPointerGetAttributes(&attributes, p), cudaSuccess);
   EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
   pinned.deallocate(p, 1 << 20);
+}
+
+TEST(PinnedHost, HostAvailableBytesReadsMemAvailable) {  // no GPU needed
+  const int64_t available = host_available_bytes();
+  ASSERT_GT(available, 0);
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  EXPECT_LE(available, static_cast<int64_t>(pages) * page) << "available cannot exceed physical memory";
 }
 
 TEST(PinnedHost, ARequestAboveWhatTheHostHasIsRefusedBeforeTouchingIt) {
