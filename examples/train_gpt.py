@@ -183,6 +183,7 @@ def main(argv=None) -> dict:
         "policy": args.policy,
         "init_device": args.init_device,
         "setup_seconds": stats["setup_seconds"],  # enable(): total and per phase
+        "setup_fill_seconds": stats["setup_fill_seconds"],  # its fill phase: materialise, rank 0's values, write
         "per_step": stats["steps"],
     }
     if rank == 0:

@@ -220,11 +220,28 @@ class GeminiEngine:
         sharded = self.world_size > 1
         self._released = []
         self._released_sharded = 0
+        # The fill phase in parts (stats()["setup_fill_seconds"]): materialising meta-built modules,
+        # taking rank 0's values, writing the shards. The device is synchronised at each part's
+        # end, so that asynchronous kernels are counted where they were launched.
+        fill_parts = dict.fromkeys(("materialize", "from_rank0", "write"), 0.0)
+        on_cuda = any(device.type == "cuda" for _, device in self._orig)
+        sync = self.compute_device.type == "cuda"
+
+        def part_done(name: str, since: float) -> float:
+            if sync:
+                torch.cuda.synchronize(self.compute_device)
+            now = time.perf_counter()
+            fill_parts[name] += now - since
+            return now
+
         try:
             with torch.no_grad():
                 for i, p in enumerate(self._params):
+                    t = time.perf_counter()
                     meta.ensure(p)  # a meta-built model gets this parameter's module group now
+                    t = part_done("materialize", t)
                     value = self._from_rank0(p.detach())
+                    t = part_done("from_rank0", t)
                     # Each rank fills the part of each tensor that lies in its shard (all of it unsharded).
                     if p.requires_grad:
                         mgr.write_slot(handles[("param", i)], host, value)
@@ -237,6 +254,7 @@ class GeminiEngine:
                         mgr.write_slot(handles[("frozen", i)], host, value)
                         mgr.transition(handles[("frozen", i)], _C.TensorState.HOLD)
                     del value
+                    part_done("write", t)
                     kind = exact_kind if p.requires_grad else "frozen"
                     if sharded:
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -245,8 +263,9 @@ class GeminiEngine:
                         self._released.append((i, handles[(kind, i)], tuple(p.shape)))
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 meta.materialize_rest()  # modules with meta buffers only
-            if any(device.type == "cuda" for _, device in self._orig):
+            if on_cuda:
                 torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
+            self.setup_fill_parts = fill_parts
             phase_done("fill")  # the parameters' values into chunks (materialising a meta-built model)
             self._finish_init(model, config, mgr, sets, handles, dt)
             phase_done("place")  # the placement applied, parameter views, buffers, hooks
@@ -576,6 +595,7 @@ class GeminiEngine:
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
             "steps": list(self._steps_log[-100:]),
             "setup_seconds": {"total": self.setup_seconds, **self.setup_phases},
+            "setup_fill_seconds": dict(self.setup_fill_parts),  # the fill phase in parts
             "device_budget_bytes": gm.device_budget,
             "trace": {k: v for k, v in gm.trace_info().items() if k != "recorded"},
             "distributed": {"zero_world_size": self.world_size, "zero_rank": self.rank,
