@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -22,16 +23,18 @@ namespace {
 
 constexpr size_t kTouchGrainBytes = size_t{64} << 20;
 
-// Zeroes [base, base + bytes) from several threads: each page is faulted in by whichever
-// thread writes it first, so the kernel's per-page work (allocate, zero, map) runs in parallel.
+// Faults in [base, base + bytes) from several threads, one write per page: the kernel's per-page
+// work (allocate, zero, map) runs in parallel, and the pages read as zero. Filling them is left to
+// the caller (ChunkManager::finalize zeroes every first copy on every core anyway).
 void touch_in_parallel(uint8_t* base, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t pieces = (bytes + kTouchGrainBytes - 1) / kTouchGrainBytes;
   const size_t threads = std::min<size_t>(static_cast<size_t>(ThreadPool::default_threads()), pieces);
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i = next.fetch_add(1); i < pieces; i = next.fetch_add(1)) {
-      const size_t begin = i * kTouchGrainBytes;
-      std::memset(base + begin, 0, std::min(kTouchGrainBytes, bytes - begin));
+      const size_t end = std::min(bytes, (i + 1) * kTouchGrainBytes);
+      for (size_t b = i * kTouchGrainBytes; b < end; b += page) static_cast<volatile uint8_t*>(base)[b] = 0;
     }
   };
   std::vector<std::thread> helpers;
@@ -126,8 +129,8 @@ void PinnedHostMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) {
     return;
   }
   GX_CUDA_CHECK(cudaHostUnregister(ptr));
-  GX_CHECK(munmap(ptr, mapped) == 0, "munmap of a pinned_host range of ", mapped, " bytes failed: ",
-           std::strerror(errno), " (a bug: the range was mapped by this resource).");
+  GX_INTERNAL_ASSERT(munmap(ptr, mapped) == 0, "munmap of a pinned_host range of ", mapped, " bytes failed: ",
+                     std::strerror(errno), " (the range was mapped by this resource).");
 }
 
 }  // namespace gx

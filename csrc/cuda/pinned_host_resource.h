@@ -6,8 +6,9 @@
 //    group whose first copy is on the host), tens of GB for a model that fills the host: at 20B on
 //    two H200s, enable() spent 109 s of 174 s in that phase (117 GB per rank). A request of at
 //    least kRegisterMinBytes is therefore mapped anonymously (mmap), advised to use transparent
-//    huge pages (512 times fewer faults where the kernel allows them), first-touched by several
-//    threads at once, then page-locked with cudaHostRegister, which then walks resident pages only.
+//    huge pages (512 times fewer faults where the kernel allows them), faulted in by several
+//    threads at once (one write per page), then page-locked with cudaHostRegister, which then
+//    walks resident pages only.
 //    PyTorch's pinned allocator offers the same idea behind `pinned_use_cuda_host_register`.
 //    Smaller requests (slots created after enable(), spares) keep cudaHostAlloc.
 //  * Contents. Memory of the mapped path reads as zero (fresh anonymous pages); the cudaHostAlloc
