@@ -1,15 +1,16 @@
 #include "cuda/pinned_host_resource.h"
 
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <thread>
 #include <vector>
 
@@ -47,15 +48,29 @@ void touch_in_parallel(uint8_t* base, size_t bytes) {
 }  // namespace
 
 int64_t host_available_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t value = 0;
-  std::string unit;
-  while (meminfo >> key >> value) {
-    std::getline(meminfo, unit);
-    if (key == "MemAvailable:") return value * 1024;  // reported in kB
+  // POSIX reads and strtoll, not std::ifstream: extracting an integer through an istream inside
+  // the extension segfaulted on the GPU machine (cuda-gdb, 2026-11-30), as ostream did before
+  // (core/errors.h).
+  const int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char text[8192];
+  size_t length = 0;
+  for (ssize_t n; length < sizeof(text) - 1 && (n = read(fd, text + length, sizeof(text) - 1 - length)) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    length += static_cast<size_t>(n);
   }
-  return -1;
+  close(fd);
+  text[length] = '\0';
+  constexpr char kKey[] = "MemAvailable:";
+  const char* line = std::strstr(text, kKey);
+  if (line == nullptr) return -1;
+  char* end = nullptr;
+  const long long kib = std::strtoll(line + sizeof(kKey) - 1, &end, 10);  // reported in kB
+  if (end == line + sizeof(kKey) - 1 || kib < 0) return -1;
+  return static_cast<int64_t>(kib) * 1024;
 }
 
 size_t PinnedHostMemoryResource::registered_ranges() const {

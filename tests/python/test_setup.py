@@ -22,3 +22,21 @@ def test_build_kind_is_announced():
     out = run_python("setup.py", "--version", env={"GEMINI_EXT_CUDA": "0"})
     assert out.returncode == 0, out.stderr
     assert "building CPU-only extension" in out.stderr
+
+
+def test_extension_sources_use_no_iostreams():
+    """Formatting or parsing an integer through a std::ostream or std::istream inside the
+    extension segfaulted on the GPU machine (torch 2.11, GCC 13; seen twice with cuda-gdb, in
+    ostream::operator<<(long) and istream::operator>>(long)). The extension's sources therefore
+    format with core/errors.h's concat and parse with POSIX calls; tests and benchmarks, which are
+    their own programs, may use streams."""
+    import pathlib
+    import re
+
+    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+    stream_headers = re.compile(r"#\s*include\s*<(iostream|[io]?fstream|[io]?stringstream|sstream|istream|ostream)>")
+    offenders = [f"{path.relative_to(csrc)}: {m.group(0)}" for path in sorted(csrc.rglob("*"))
+                 if path.suffix in {".h", ".cpp", ".cu", ".cuh"}
+                 for m in stream_headers.finditer(path.read_text())]
+    assert list(csrc.rglob("*.cpp")), f"no C++ sources found under {csrc}"
+    assert offenders == [], "use detail::concat / POSIX I/O instead of iostreams in the extension: " + "; ".join(offenders)

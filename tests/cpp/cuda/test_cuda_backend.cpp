@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "common/backend_conformance.h"
 #include "common/resource_conformance.h"
@@ -145,6 +147,13 @@ TEST(PinnedHost, HostAvailableBytesReadsMemAvailable) {  // no GPU needed
   ASSERT_GT(available, 0);
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   EXPECT_LE(available, static_cast<int64_t>(pages) * page) << "available cannot exceed physical memory";
+  std::ifstream meminfo("/proc/meminfo");  // the test may use iostreams; the extension may not
+  std::string key, unit;
+  int64_t kib = -1;
+  while (meminfo >> key >> kib && key != "MemAvailable:") std::getline(meminfo, unit);
+  ASSERT_EQ(key, "MemAvailable:");
+  EXPECT_NEAR(static_cast<double>(available), static_cast<double>(kib) * 1024, double(size_t{256} << 20))
+      << "the same field, read twice a moment apart";
 }
 
 TEST(PinnedHost, ARequestAboveWhatTheHostHasIsRefusedBeforeTouchingIt) {
