@@ -99,8 +99,15 @@ void write_slot_part(DeviceContext& ctx, ChunkManager& mgr, const TensorHandle& 
   const SlotPart part = slot_part_in_shard(mgr, handle);
   if (part.begin == part.end) return;
   at::Tensor shard = shard_view(ctx, mgr, handle.chunk_id, tier);
-  shard.narrow(0, part.shard_offset, part.end - part.begin)
-      .copy_(value.reshape({-1}).narrow(0, part.begin, part.end - part.begin));
+  at::Tensor source = value.reshape({-1}).narrow(0, part.begin, part.end - part.begin);
+  // A device value bound for a host copy of another dtype is converted on the device first: a
+  // blocking copy_ would convert on the host instead, staging the whole value in a fresh
+  // pageable buffer of the source dtype (an fp32 model's bf16 parameter chunks at enable()). The
+  // copy to the host is then one DMA into page-locked chunk memory.
+  if (source.is_cuda() && !shard.is_cuda() && source.scalar_type() != shard.scalar_type()) {
+    source = source.to(shard.scalar_type());
+  }
+  shard.narrow(0, part.shard_offset, part.end - part.begin).copy_(source);
 }
 
 at::Tensor gathered_chunk_view(DeviceContext& ctx, ChunkManager& mgr, ChunkId id) {

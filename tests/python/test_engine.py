@@ -145,6 +145,25 @@ def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("offload_optim_frac", [1.0, 0.0], ids=["masters_on_host", "masters_on_device"])
+def test_a_gpu_built_fp32_model_lands_in_bf16_chunks_exactly_as_torch_rounds_it(offload_optim_frac):
+    """enable() writes a GPU-built fp32 model into bf16 parameter chunks on the host (converted on
+    the device, then one copy) and into fp32 masters: the parameters read back exactly as
+    .to(torch.bfloat16) of the originals, the masters exactly as the originals."""
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"]).cuda()
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = _cfg("cuda", precision="bf16", offload_optim_frac=offload_optim_frac)
+    with gx.enable(model, cfg) as engine:
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.bfloat16 and p.device.type == "cuda", name
+            torch.testing.assert_close(p.detach(), expected[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
+        masters = engine.state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(masters[name], value.cpu(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.cuda
 def test_close_parks_on_the_host_what_the_device_has_no_room_for():
     """With the device full (another tensor took what the chunks left free), close() cannot
     restore every parameter next to the chunks: those wait on the host until the chunks are
