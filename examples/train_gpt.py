@@ -150,6 +150,8 @@ def main(argv=None) -> dict:
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
         torch_peak = gx.memory_stats()["allocated_bytes"]["peak"] if dev.type == "cuda" else None  # since the last step
+        close_started = time.perf_counter()
+    close_seconds = time.perf_counter() - close_started  # the model's parameters restored, the chunks freed
 
     stats = engine.stats()  # as of the close
     if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them
@@ -184,6 +186,7 @@ def main(argv=None) -> dict:
         "init_device": args.init_device,
         "setup_seconds": stats["setup_seconds"],  # enable(): total and per phase
         "setup_fill_seconds": stats["setup_fill_seconds"],  # its fill phase: materialise, rank 0's values, write
+        "close_seconds": close_seconds,
         "per_step": stats["steps"],
     }
     if rank == 0:
@@ -205,6 +208,7 @@ def main(argv=None) -> dict:
         setup = stats["setup_seconds"]
         print(f"   enable()        {setup['total']:.2f} s (" +
               ", ".join(f"{k} {v:.2f}" for k, v in setup.items() if k != "total") + ")")
+        print(f"   close           {close_seconds:.2f} s (parameters back in the model)")
         pl, ls = stats["placement"], stats.get("last_step") or {}
         print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
               f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")

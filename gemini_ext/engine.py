@@ -646,6 +646,7 @@ class GeminiEngine:
             else:
                 v = value.detach()
                 out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()
+        self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
         return out
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
@@ -724,26 +725,62 @@ class GeminiEngine:
             if not self._all_ranks_agree(room is None or whole <= room):
                 self._close_without_values(whole, room)
                 return
-            # What still does not fit on the device (arena extents that other groups' chunks keep
-            # partly in use) waits on the host until every chunk is freed below.
+            # Values go straight from their chunk to their device (read_to: no round trip through
+            # pageable host memory). What does not fit on the device (arena extents that other
+            # groups' chunks keep partly in use) waits on the host until every chunk is freed
+            # below. Sharded, each read all-gathers its chunk on the device: a parameter goes to
+            # the device only while room for the next gather remains after it, or that
+            # collective would fail on a full device (30B over 2 GPUs did, at 876 MiB).
             staged = []
+            reserve = self._close_gather_reserve_bytes()
+            cpu = torch.device("cpu")
             for s in sorted(params_of_set, key=lambda s: placements[s]["optim_on_host"]):
                 for i in params_of_set[s]:
                     dtype, device = self._orig[i]
-                    value = self._gm.read("param", i)
-                    try:
-                        self._params[i].data = value.to(device=device, dtype=dtype)
-                    except torch.OutOfMemoryError:
-                        self._params[i].data = value.to(device="cpu", dtype=dtype)
+                    value = None
+                    if device.type != "cuda" or self._device_room_bytes(device) >= (
+                            self._numels[i] * (dtype.itemsize + 4) + reserve):
+                        try:
+                            value = self._gm.read_to("param", i, device, dtype)
+                        except torch.OutOfMemoryError:  # after the gather (cached): reading again is local
+                            value = None
+                    if value is None:
+                        value = self._gm.read_to("param", i, cpu, dtype)
                         staged.append(i)
+                    self._params[i].data = value
                     self._params[i].grad = None
                 self._drop_set_state(self._set_chunks[s], ("master",))
+            self._gm.release_read_cache()
         self._release_engine()
         self._close_staged_params = len(staged)  # for tests and logs
         self._close_params_left_on_host = 0
         if staged:
             logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
             self._move_staged_params(staged)
+
+    def _close_gather_reserve_bytes(self) -> int:
+        """Device bytes a sharded read at close may take: the largest chunk read, gathered whole,
+        beside its shard copied to the device (0 unsharded: reads copy their slot only)."""
+        if not self._mgr.sharded:
+            return 0
+        reserve = 0
+        for chunks, placement in zip(self._set_chunks, self._gm.set_placements()):
+            read = chunks["master"] if chunks["master"] >= 0 else placement["param_chunk"]
+            info = self._mgr.chunk_info(read)
+            item = 4 if read == chunks["master"] else self.compute_dtype.itemsize
+            reserve = max(reserve, (info["padded_numel"] + info["shard_numel"]) * item)
+        return reserve + (64 << 20)  # and the collective's own workspace
+
+    @staticmethod
+    def _device_room_bytes(device: torch.device) -> int:
+        """Device memory a new tensor can take: free on the device plus what the active allocator
+        caches unused (its blocks go back on an allocation that needs them)."""
+        if allocator.mode() == "chunk":
+            stats = allocator.memory_stats()
+            cached = stats["reserved_bytes"]["current"] - stats["allocated_bytes"]["current"]
+        else:
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(0, cached)
 
     def _whole_model_bytes(self) -> int:
         return sum(p_numel * dtype.itemsize for p_numel, (dtype, _) in zip(self._numels, self._orig))

@@ -214,6 +214,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 continue  # never stepped: torch has no state for it either
             state[pos] = {"step": torch.tensor(float(step)), "exp_avg": gm.read("exp_avg", idx),
                           "exp_avg_sq": gm.read("exp_avg_sq", idx)}
+        gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
         groups = []
         pos = 0
         for g in self.param_groups:

@@ -476,6 +476,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
       .def("zero_grad", &GeminiManager::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("read", &GeminiManager::read, py::call_guard<py::gil_scoped_release>())
+      .def("read_to",
+           [](GeminiManager& g, const std::string& kind, int param, py::object device, py::object dtype) {
+             const at::Device target = torch::python::detail::py_object_to_device(device);
+             const at::ScalarType scalar_type = torch::python::detail::py_object_to_dtype(dtype);
+             py::gil_scoped_release release;
+             return g.read_to(kind, param, target, scalar_type);
+           },
+           py::arg("kind"), py::arg("param"), py::arg("device"), py::arg("dtype"))
+      .def("release_read_cache", &GeminiManager::release_read_cache, py::call_guard<py::gil_scoped_release>())
       .def("write", &GeminiManager::write, py::call_guard<py::gil_scoped_release>())
       .def("read_local", &GeminiManager::read_local, py::call_guard<py::gil_scoped_release>())
       .def("set_replica_communicator",

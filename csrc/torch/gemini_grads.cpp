@@ -32,7 +32,7 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   settle_locked(set_of_chunk(set.spec.param));  // a pending step may still read G's host copy
   set.grad_sq = at::Tensor();
   const ChunkId g = set.spec.grad;
-  whole_cache_id_ = -1;
+  drop_whole_cache_locked();
   const int world = mgr_.world_size() * (replicas_ != nullptr ? replicas_->world_size() : 1);
   // Pre-division: the sum over ranks is then the mean, and 16-bit sums stay in range.
   if (world > 1) gathered_chunk_view(*ctx_, mgr_, g).div_(static_cast<double>(world));
@@ -86,7 +86,7 @@ void GeminiManager::flush_grads() {
 
 void GeminiManager::zero_grad() {
   std::lock_guard<OwnedMutex> lock(mutex_);
-  whole_cache_id_ = -1;
+  drop_whole_cache_locked();
   for (auto& set : sets_) {
     if (!set.trainable) continue;
     const ChunkId g = set.spec.grad;
@@ -140,8 +140,22 @@ TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int par
 at::Tensor GeminiManager::read(const std::string& kind, int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  if (sharded()) return whole_slot_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id));
+  if (sharded()) return cpu_fp32_copy(whole_slot_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
   return cpu_fp32_copy(slot_view(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
+}
+
+at::Tensor GeminiManager::read_to(const std::string& kind, int param, at::Device device, at::ScalarType dtype) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  const TensorHandle h = value_handle_locked(kind, param);
+  const Tier tier = where_current(h.chunk_id);
+  const at::Tensor value = sharded() ? whole_slot_locked(h.chunk_id, h.slot_index, tier)
+                                     : slot_view(h.chunk_id, h.slot_index, tier);
+  return value.to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
+}
+
+void GeminiManager::release_read_cache() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  drop_whole_cache_locked();
 }
 
 std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::string& kind, int param) {
@@ -157,18 +171,21 @@ std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::st
 at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) {
   if (whole_cache_id_ != id) {
     // All ranks read the same chunks in the same order (state dicts, checkpoints, close), so
-    // this all-gather is collective like the hooks' ones.
+    // this all-gather is collective like the hooks' ones. The gathered chunk stays on the
+    // device in its own dtype: each reader copies its slot where it wants it (a CPU fp32 copy,
+    // or straight to a GPU at close) and releases the cache when done.
+    drop_whole_cache_locked();  // the previous chunk's memory goes back before this one's is taken
     const Chunk& c = mgr_.chunk(id);
     const at::Device device = ctx_->device_for(Tier::kDevice);
     at::Tensor shard = shard_view(*ctx_, mgr_, id, tier).to(device, /*non_blocking=*/false, /*copy=*/true);
     at::Tensor whole = at::empty({c.padded_numel()}, shard.options());
     mgr_.communicator()->all_gather(shard.data_ptr(), whole.data_ptr(), c.shard_numel(), c.dtype(),
                                     StreamKind::kCompute);
-    whole_cache_ = cpu_fp32_copy(whole);
+    whole_cache_ = whole;
     whole_cache_id_ = id;
   }
   const TensorSlot& s = mgr_.chunk(id).slot(slot);
-  return whole_cache_.narrow(0, s.offset_numel, s.numel).view(s.shape).clone();
+  return whole_cache_.narrow(0, s.offset_numel, s.numel).view(s.shape);
 }
 
 void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
@@ -180,7 +197,7 @@ void GeminiManager::write(const std::string& kind, int param, const at::Tensor& 
   std::vector<ChunkId> targets{chunk_of_kind(set, kind, param)};
   if (kind == "param" && set.spec.master >= 0) targets.push_back(set.spec.param);  // and its 16-bit copy
   ctx_->sync_compute_stream();
-  whole_cache_id_ = -1;
+  drop_whole_cache_locked();
   const int64_t numel = mgr_.chunk(ps.chunk).slot(ps.slot).numel;
   GX_CHECK(value.numel() == numel, "write of '", kind, "' of parameter ", param, ": expected ", numel,
            " elements, got ", value.numel(), ".");

@@ -249,7 +249,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   settle_locked(set_index);  // its G may still be read by the last step's CPU Adam
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const ChunkId g = set.spec.grad;
-  whole_cache_id_ = -1;
+  drop_whole_cache_locked();
   set.grad_sq = at::Tensor();  // G changes
   at::Tensor slot;
   bool accumulate = set.has_grad[ps.slot] != 0;
@@ -295,7 +295,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
 void GeminiManager::end_backward() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   ctx_->sync_compute_stream();
-  whole_cache_id_ = -1;
+  drop_whole_cache_locked();
   for (auto& set : sets_) {
     const ChunkId p = set.spec.param;
     const Chunk& c = mgr_.chunk(p);

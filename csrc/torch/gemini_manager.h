@@ -191,7 +191,12 @@ class GeminiManager {
   // Chunks the optimizer is working on: never chosen for eviction while pinned.
   void pin_locked(ChunkId id) { pinned_.insert(id); }
   void unpin_all_locked() { pinned_.clear(); }
-  void values_changed_locked() { whole_cache_id_ = -1; }
+  void values_changed_locked() { drop_whole_cache_locked(); }
+  // Frees the chunk whole_slot_locked gathered last (its device memory goes back at once).
+  void drop_whole_cache_locked() {
+    whole_cache_id_ = -1;
+    whole_cache_ = at::Tensor();
+  }
   // Sharded: frees every gathered parameter buffer kept from compute (before values change).
   void ungather_all_locked();
   void allocate_on_device_locked(ChunkId id);
@@ -233,6 +238,12 @@ class GeminiManager {
   // Values (fp32 on the CPU), for state_dict, checkpoints and close.
   // kind: "param" (the master, or P for frozen / fp32), "exp_avg", "exp_avg_sq".
   at::Tensor read(const std::string& kind, int param);
+  // The same value as a new tensor of `dtype` on `device`, copied there from where the chunk is
+  // (close() restores parameters to the GPU without a round trip through pageable host memory).
+  at::Tensor read_to(const std::string& kind, int param, at::Device device, at::ScalarType dtype);
+  // Sharded reads keep the last gathered chunk on the compute device (a chunk's slots are read
+  // one after another); readers release it when done so that it holds no device memory.
+  void release_read_cache();
   void write(const std::string& kind, int param, const at::Tensor& value);
   at::Tensor read_grad(int param);
   // The part of the value that lies in this rank's shard: (begin, end) element offsets into the
@@ -272,8 +283,9 @@ class GeminiManager {
   void reduce_locked(ChunkSet& set);
   void communicate_grads_locked(ChunkSet& set);  // sharded: G's gathered buffer -> reduced shard
   void ungather_kept_locked(ChunkSet& set);
-  // Sharded: slot `slot` of chunk id, whole, as an fp32 CPU tensor: the chunk's shards on `tier`
-  // all-gathered (cached until the next change, so reading a chunk's tensors gathers it once).
+  // Sharded: a view of slot `slot` of chunk id, whole: the chunk's shards on `tier` all-gathered
+  // on the compute device (cached until the next change or release_read_cache, so reading a
+  // chunk's tensors gathers it once).
   at::Tensor whole_slot_locked(ChunkId id, size_t slot, Tier tier);
   // The chunk and slot holding `kind` ("param", "exp_avg", "exp_avg_sq") of a parameter, with
   // its moves finished and the compute stream current.
@@ -301,7 +313,7 @@ class GeminiManager {
   std::set<ChunkId> pinned_;
   Communicator* replicas_ = nullptr;
   ChunkId whole_cache_id_ = -1;  // whole_slot_locked's last gathered chunk
-  at::Tensor whole_cache_;
+  at::Tensor whole_cache_;       // on the compute device, in the chunk's dtype
   std::vector<TimelineEvent> timeline_;
   size_t timeline_next_ = 0;  // ring buffer position once full
   std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();

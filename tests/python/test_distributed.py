@@ -479,3 +479,73 @@ def test_two_gpus_over_nccl_gather_the_same_chunks_when_cpu_steps_finish_at_diff
 @pytest.mark.multigpu
 def test_two_gpus_over_nccl_release_the_originals_of_a_model_built_on_them(tmp_path):
     run_torchrun(2, _sharded_release_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+def _read_to_body(rank, world_size, device="sim"):
+    """read_to copies a value from its chunk straight to a device and dtype (close() restores
+    parameters with it): the same values as read(), on every rank, sharded or not."""
+    model, _ = make_models(seed=0)
+    group = dist.group.WORLD if world_size > 1 else None
+    with gx.enable(model.cuda() if device == "cuda" else model, config(device, precision="bf16"),
+                   process_group=group) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        index = {name: engine.parameter_index(p) for name, p in model.named_parameters()}
+        reads = {i: engine._gm.read("param", i) for i in index.values()}
+        for i, value in reads.items():
+            for target in {torch.device("cpu"), engine.compute_device}:
+                for dtype in (torch.float32, torch.bfloat16):
+                    got = engine._gm.read_to("param", i, target, dtype)
+                    assert got.device == target and got.dtype == dtype and got.shape == value.shape, (i, got)
+                    assert torch.equal(got.cpu(), value.to(dtype)), (i, target, dtype)
+        engine._gm.release_read_cache()
+        state = engine.state_dict()
+    for name, p in model.named_parameters():  # close() restored the same values, as fp32
+        assert p.dtype == torch.float32 and torch.equal(p.detach().cpu(), reads[index[name]]), name
+        assert torch.equal(state[name], reads[index[name]]), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_read_to_a_device_and_dtype_matches_read(world_size):
+    run_ranks(world_size, _read_to_body)
+
+
+def _close_on_a_full_device_body(rank, world_size, device="cuda"):
+    """Sharded, close() all-gathers each chunk on the device to restore its parameters. With the
+    device nearly full, it restores parameters to the GPU only while room for the next gather
+    remains; the rest waits on the host and follows once the chunks are freed. (On 30B over two
+    H200s the gather itself ran out of memory, after the parameters restored before it had
+    filled the device.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
+    model.requires_grad_(False)  # no gradient or optimizer chunks whose dropping would make room
+    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8),
+                       process_group=dist.group.WORLD)
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - (192 << 20), dtype=torch.uint8, device="cuda")
+    try:
+        engine.close()
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    assert engine._close_staged_params > 0, "the device had room for a few parameters only"
+    assert engine._close_params_left_on_host == 0
+    for name, p in model.named_parameters():
+        assert p.device.type == "cuda", name
+        torch.testing.assert_close(p.detach().cpu(), expected[name], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_close_on_a_nearly_full_device(tmp_path):
+    run_torchrun(2, _close_on_a_full_device_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_read_to_matches_read(tmp_path):
+    run_torchrun(2, _read_to_body, "cuda", backend="nccl", tmp_dir=str(tmp_path))
