@@ -526,7 +526,7 @@ def _close_on_a_full_device_body(rank, world_size, device="cuda"):
     engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8),
                        process_group=dist.group.WORLD)
     torch.cuda.empty_cache()
-    filler = torch.empty(torch.cuda.mem_get_info()[0] - (192 << 20), dtype=torch.uint8, device="cuda")
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - (256 << 20), dtype=torch.uint8, device="cuda")
     try:
         engine.close()
     finally:

@@ -200,7 +200,13 @@ def test_close_leaves_on_the_host_what_the_device_cannot_hold_even_without_chunk
     move = engine._move_staged_params
 
     def fill_then_move(staged):
+        torch.cuda.empty_cache()
         fillers.append(torch.empty(torch.cuda.mem_get_info()[0] - (16 << 20), dtype=torch.uint8, device="cuda"))
+        while True:  # and the blocks torch still caches between live tensors (earlier tests'), weight-sized
+            try:
+                fillers.append(torch.empty(2048 * 2048, dtype=torch.float32, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
         move(staged)
 
     engine._move_staged_params = fill_then_move
