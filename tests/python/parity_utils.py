@@ -105,3 +105,23 @@ def max_relative_difference(model, reference) -> dict:
         a, b = a.detach().float().cpu(), b.detach().float().cpu()
         out[name] = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
     return out
+
+
+def close_on_a_nearly_full_device(left_free_bytes: int, process_group=None):
+    """close() of a 256 MiB fp32 model (16 frozen 2048x2048 Linear layers: no gradient or optimizer
+    chunks whose dropping would make room) while another tensor fills the GPU, leaving
+    `left_free_bytes` free. Returns (engine, model, the values before enable, on the CPU)."""
+    torch.manual_seed(0)  # the same values on every rank (sharded, the chunks take rank 0's)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()
+    model.requires_grad_(False)
+    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8),
+                       process_group=process_group)
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - left_free_bytes, dtype=torch.uint8, device="cuda")
+    try:
+        engine.close()
+    finally:
+        del filler
+        torch.cuda.empty_cache()  # the filler's block would stay in torch's cache, away from later tests
+    return engine, model, expected

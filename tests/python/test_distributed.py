@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import gemini_ext as gx
 from dist_utils import run_ranks, run_torchrun
-from parity_utils import (LR, WD, batch, chunk_cap, config, make_models, max_relative_difference,
-                          torch_device, train_reference)
+from parity_utils import (LR, WD, batch, chunk_cap, close_on_a_nearly_full_device, config, make_models,
+                          max_relative_difference, torch_device, train_reference)
 
 STEPS = 6
 # The global batch's mean gradient is computed as the mean of per-rank means: the same value in
@@ -519,19 +519,7 @@ def _close_on_a_full_device_body(rank, world_size, device="cuda"):
     remains; the rest waits on the host and follows once the chunks are freed. (On 30B over two
     H200s the gather itself ran out of memory, after the parameters restored before it had
     filled the device.)"""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
-    model.requires_grad_(False)  # no gradient or optimizer chunks whose dropping would make room
-    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
-    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8),
-                       process_group=dist.group.WORLD)
-    torch.cuda.empty_cache()
-    filler = torch.empty(torch.cuda.mem_get_info()[0] - (256 << 20), dtype=torch.uint8, device="cuda")
-    try:
-        engine.close()
-    finally:
-        del filler
-        torch.cuda.empty_cache()
+    engine, model, expected = close_on_a_nearly_full_device(256 << 20, dist.group.WORLD)
     assert engine._close_staged_params > 0, "the device had room for a few parameters only"
     assert engine._close_params_left_on_host == 0
     for name, p in model.named_parameters():

@@ -9,6 +9,7 @@ import torch
 import gemini_ext as gx
 from conftest import DEVICES
 from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
+from parity_utils import close_on_a_nearly_full_device
 
 
 def _cfg(device, **kw):
@@ -168,17 +169,7 @@ def test_close_parks_on_the_host_what_the_device_has_no_room_for():
     """With the device full (another tensor took what the chunks left free), close() cannot
     restore every parameter next to the chunks: those wait on the host until the chunks are
     freed, then go back to the GPU with their values."""
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB fp32
-    model.requires_grad_(False)  # no gradient or optimizer chunks whose dropping would make room
-    expected = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
-    engine = gx.enable(model, gx.GeminiConfig(device="cuda", precision="fp32", min_chunk_size_m=4, search_range_m=8))
-    torch.cuda.empty_cache()
-    filler = torch.empty(torch.cuda.mem_get_info()[0] - (64 << 20), dtype=torch.uint8, device="cuda")
-    try:
-        engine.close()
-    finally:
-        del filler
-        torch.cuda.empty_cache()  # the filler's block would stay in torch's cache, away from later tests
+    engine, model, expected = close_on_a_nearly_full_device(64 << 20)
     assert engine._close_staged_params > 0, "the device had no room: some parameters waited on the host"
     for name, p in model.named_parameters():
         assert p.device.type == "cuda", name
