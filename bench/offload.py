@@ -152,10 +152,27 @@ def last_error(proc: subprocess.CompletedProcess) -> str:
     return rest[-1] if rest else "?"
 
 
-def failure(proc: subprocess.CompletedProcess, summary_written: bool) -> dict:
-    """A failed run's record: the exit code, the cause, and stderr's tail to read the rest."""
-    return {"error": f"exit {proc.returncode}" + ("" if summary_written else ", no summary") + f": {last_error(proc)}",
-            "stderr_tail": proc.stderr[-3000:]}
+def failure(proc: subprocess.CompletedProcess, out_json: str | None) -> dict:
+    """A failed run's record: the exit code, the cause, and stderr's tail to read the rest. What
+    the run wrote to out_json before it failed (examples/train_gpt.py records its steps before
+    close()) is kept as partial_summary."""
+    partial = None
+    if out_json is not None and os.path.exists(out_json):
+        try:
+            with open(out_json) as f:
+                partial = json.load(f)
+        except (OSError, ValueError):
+            partial = None  # cut off mid-write: the cause below says why
+    if partial is None:
+        what = ", no summary"
+    elif partial.get("closed") is False:
+        what = f", after its {len(partial.get('step_seconds', []))} steps (partial_summary)"
+    else:
+        what = ""
+    record = {"error": f"exit {proc.returncode}{what}: {last_error(proc)}", "stderr_tail": proc.stderr[-3000:]}
+    if partial is not None:
+        record["partial_summary"] = partial
+    return record
 
 
 class JobTimedOut(Exception):
@@ -219,7 +236,7 @@ def run_system(script: str, extra: list[str], common: list[str], timeout: int) -
         except JobTimedOut as e:
             return e.record
         if proc.returncode != 0 or not os.path.exists(out_json):
-            return failure(proc, os.path.exists(out_json))
+            return failure(proc, out_json)
         with open(out_json) as f:
             return json.load(f)
 

@@ -58,9 +58,11 @@ def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: 
         # FSDP2 alone too, see fsdp2_train.py): the summary is complete, the row records it.
         teardown_abort = "terminate called without an active exception" in proc.stderr
         if not os.path.exists(out_json) or (proc.returncode != 0 and not teardown_abort):
-            return failure(proc, os.path.exists(out_json))
+            return failure(proc, out_json)
         with open(out_json) as f:
             summary = json.load(f)
+        if summary.get("closed") is False:  # only the steps' record: the run failed in close()
+            return failure(proc, out_json)
         if proc.returncode != 0:
             summary["teardown_abort"] = f"exit {proc.returncode} after the summary was written"
         return summary

@@ -91,6 +91,16 @@ def peaks_over_ranks(values: list[int], world: int, device) -> tuple[list[int], 
     return [int(v) for v in per_rank.max(0).values.tolist()], [int(v) for v in per_rank.sum(0).tolist()]
 
 
+def step_figures(losses: list[float], step_seconds: list[float], tokens_per_step: int) -> dict:
+    """Losses and step times; throughput over the steps after the first (its warm-up, and auto's
+    decision, would count otherwise)."""
+    timed = step_seconds[1:] or step_seconds
+    return {"first_loss": losses[0], "last_loss": losses[-1],
+            "tokens_per_s": tokens_per_step * len(timed) / sum(timed),  # every rank's tokens
+            "step_s_median": sorted(timed)[len(timed) // 2],
+            "step_seconds": step_seconds}  # every step, the first included
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device_kind = resolve_device(gx.GeminiConfig(device=args.device))
@@ -150,24 +160,25 @@ def main(argv=None) -> dict:
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
         torch_peak = gx.memory_stats()["allocated_bytes"]["peak"] if dev.type == "cuda" else None  # since the last step
+        if args.json_out:  # the steps' record survives a close() that fails (the full summary replaces it)
+            with open(args.json_out, "w") as f:
+                json.dump({"preset": preset, "parameters": n_params, "ranks": world, "closed": False,
+                           "setup_seconds": engine.stats()["setup_seconds"],
+                           **step_figures(losses, step_seconds, world * args.batch * seq)}, f, indent=2)
         close_started = time.perf_counter()
     close_seconds = time.perf_counter() - close_started  # the model's parameters restored, the chunks freed
 
     stats = engine.stats()  # as of the close
     if torch_peak is not None:  # the engine measures torch's peak per iteration: the largest of them
         torch_peak = max([torch_peak] + [s.get("non_model_peak_bytes", 0) for s in stats["steps"]])
-    timed = step_seconds[1:] or step_seconds  # the first step includes warm-up
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # chunks plus torch's allocations, each at its own peak: an upper bound of the device bytes used
     device_peak = stats["tier_bytes"]["device"]["peak"] + (torch_peak or 0)
     worst, total = peaks_over_ranks([device_peak, rss], world, dev)
-    tokens_per_s = world * args.batch * seq * len(timed) / sum(timed)  # every rank's tokens
     summary = {
         "preset": preset, "parameters": n_params, "device": device_kind, "precision": args.precision,
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
-        "first_loss": losses[0], "last_loss": losses[-1],
-        "tokens_per_s": tokens_per_s, "step_s_median": sorted(timed)[len(timed) // 2],
-        "step_seconds": step_seconds,  # every step, the first (warm-up, auto's decision) included
+        **step_figures(losses, step_seconds, world * args.batch * seq),
         "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],
         "overlap_optimizer": not args.no_overlap,
         "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],
@@ -194,7 +205,7 @@ def main(argv=None) -> dict:
         print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
               f"{args.steps} steps of {args.batch} x {seq} tokens" + (f" on each of {world} ranks" if world > 1 else ""))
         print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
-        print(f"   throughput      {tokens_per_s:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
+        print(f"   throughput      {summary['tokens_per_s']:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
         print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
               + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
               + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")

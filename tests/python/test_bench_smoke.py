@@ -137,10 +137,42 @@ def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                            str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    record = failure(proc, summary_written=False)
+    record = failure(proc, None)
     assert record["error"].startswith(f"exit {proc.returncode}, no summary: ") and expected in record["error"], record
     assert "error_file" not in record["error"] and "To enable traceback" not in record["error"]
     assert record["stderr_tail"] == proc.stderr[-3000:]
+
+
+def test_a_run_that_fails_in_close_keeps_its_steps(tmp_path):
+    """examples/train_gpt.py records its steps before close(); when close() fails (30B over two
+    H200s ran out of device memory there) the harness keeps that record and says where it failed."""
+    import os
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from offload import failure
+
+    out_json = tmp_path / "summary.json"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import runpy, sys\n"
+        "import gemini_ext.engine as engine\n"
+        "def close(self):\n"
+        "    raise RuntimeError('injected failure in close()')\n"
+        "engine.GeminiEngine.close = close\n"
+        f"sys.argv = ['train_gpt.py', '--device', 'sim', '--preset', 'tiny', '--steps', '3', '--batch', '2', "
+        f"'--seq', '16', '--no-progress', '--json-out', {str(out_json)!r}]\n"
+        f"runpy.run_path({os.path.join(REPO, 'examples', 'train_gpt.py')!r}, run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode != 0
+    record = failure(proc, str(out_json))
+    assert record["error"].startswith(f"exit {proc.returncode}, after its 3 steps (partial_summary): "), record["error"]
+    assert "injected failure in close()" in record["error"]
+    partial = record["partial_summary"]
+    assert partial["closed"] is False and len(partial["step_seconds"]) == 3 and partial["preset"] == "tiny"
+    assert partial["tokens_per_s"] > 0 and partial["setup_seconds"]["total"] > 0
 
 
 @pytest.mark.parametrize("ranks, mode", [(2, []), (1, ["--plain"])])

@@ -29,6 +29,7 @@ def test_train_gpt_example_on_sim(tmp_path):
     assert sum(fill.values()) <= setup["fill"] + 0.05, "the parts are inside the fill phase"
     assert len(summary["step_seconds"]) == 15 and all(s > 0 for s in summary["step_seconds"])
     assert summary["step_s_median"] in summary["step_seconds"][1:], "the median leaves the warm-up step out"
+    assert summary["close_seconds"] > 0 and "closed" not in summary, "the full summary replaced the steps' record"
 
 
 def test_train_gpt_example_with_a_tiny_budget_and_checkpointing(tmp_path):
