@@ -8,7 +8,8 @@
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
 activation checkpointing in every system, presets in ascending size; a system stops at its first
-failure (out of memory, a timeout, a crash), which the table names. Systems:
+failure (out of memory, a timeout, a crash), which the table names; a gemini_ext run that fails
+after its steps (in close()) keeps their times in --json-out as the attempt's partial_summary. Systems:
   plain               the model on the GPU, fused AdamW on the GPU
   fsdp2-offload       FSDP2 + CPUOffloadPolicy(pin_memory=True), fused CPU AdamW
   gemini-auto         gemini_ext's auto policy (optimizer state the host cannot hold stays on the
