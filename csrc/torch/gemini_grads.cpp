@@ -225,7 +225,7 @@ at::Tensor GeminiManager::read_grad(int param) {
   if (sharded() && set.grad_collecting)  // not reduced yet (no_sync): this rank's own gradient
     return cpu_fp32_copy(gathered_view(*ctx_, mgr_, TensorHandle{set.spec.grad, ps.slot}));
   const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr_.host_tier();
-  if (sharded()) return whole_slot_locked(set.spec.grad, ps.slot, tier);
+  if (sharded()) return cpu_fp32_copy(whole_slot_locked(set.spec.grad, ps.slot, tier));
   return cpu_fp32_copy(slot_view(set.spec.grad, ps.slot, tier));
 }
 

@@ -304,6 +304,9 @@ def _frozen_and_grad_body(rank, world_size):
                     assert g is None
                     continue
                 assert torch.allclose(g, r.grad, rtol=1e-4, atol=1e-6)
+                assert g.device.type == "cpu" and g.dtype == torch.float32
+                g.zero_()  # a copy of its own: the chunk (and the gathered one kept for reads) keep their values
+                assert torch.allclose(engine.grad(p), r.grad, rtol=1e-4, atol=1e-6)
             opt.step()
             opt.zero_grad()
             ref_opt.step()
