@@ -731,20 +731,21 @@ class GeminiEngine:
             # below. Sharded, each read all-gathers its chunk on the device: a parameter goes to
             # the device only while the device's free memory leaves room for the next gather
             # after it, or that collective fails on a full device (30B over 2 GPUs did, at
-            # 876 MiB, with 8.7 GiB cached by torch in pieces too small for it).
+            # 876 MiB). Blocks torch caches unused do not count: they may lie between live
+            # tensors (there, 8.7 GiB cached, in pieces too small for the gather).
             staged = []
-            reserve = self._close_gather_reserve_bytes()
+            reserve = self._close_gather_reserve_bytes(placements)
             cpu = torch.device("cpu")
             for s in sorted(params_of_set, key=lambda s: placements[s]["optim_on_host"]):
                 for i in params_of_set[s]:
                     dtype, device = self._orig[i]
                     value = None
-                    if device.type != "cuda" or self._device_room_bytes(device) >= (
+                    if device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= (
                             self._numels[i] * (dtype.itemsize + 4) + reserve):
                         try:
                             value = self._gm.read_to("param", i, device, dtype)
                         except torch.OutOfMemoryError:  # after the gather (cached): reading again is local
-                            value = None
+                            pass
                     if value is None:
                         value = self._gm.read_to("param", i, cpu, dtype)
                         staged.append(i)
@@ -759,25 +760,18 @@ class GeminiEngine:
             logger.info("close: %d parameters waited on the host for device memory held by chunks", len(staged))
             self._move_staged_params(staged)
 
-    def _close_gather_reserve_bytes(self) -> int:
+    def _close_gather_reserve_bytes(self, placements: list[dict]) -> int:
         """Device bytes a sharded read at close may take: the largest chunk read, gathered whole,
         beside its shard copied to the device (0 unsharded: reads copy their slot only)."""
         if not self._mgr.sharded:
             return 0
         reserve = 0
-        for chunks, placement in zip(self._set_chunks, self._gm.set_placements()):
+        for chunks, placement in zip(self._set_chunks, placements):
             read = chunks["master"] if chunks["master"] >= 0 else placement["param_chunk"]
             info = self._mgr.chunk_info(read)
             item = 4 if read == chunks["master"] else self.compute_dtype.itemsize
             reserve = max(reserve, (info["padded_numel"] + info["shard_numel"]) * item)
         return reserve + (64 << 20)  # and the collective's own workspace
-
-    @staticmethod
-    def _device_room_bytes(device: torch.device) -> int:
-        """Device memory a new tensor of any size can take for sure: what the device has free.
-        Blocks that the allocator caches unused do not count: they lie between live tensors
-        (30B over 2 GPUs: 8.7 GiB cached, yet no room for an 876 MiB gather)."""
-        return torch.cuda.mem_get_info(device)[0]
 
     def _whole_model_bytes(self) -> int:
         return sum(p_numel * dtype.itemsize for p_numel, (dtype, _) in zip(self._numels, self._orig))

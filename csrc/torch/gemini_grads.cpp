@@ -140,17 +140,14 @@ TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int par
 at::Tensor GeminiManager::read(const std::string& kind, int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  if (sharded()) return cpu_fp32_copy(whole_slot_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
-  return cpu_fp32_copy(slot_view(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
+  return cpu_fp32_copy(value_view_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
 }
 
 at::Tensor GeminiManager::read_to(const std::string& kind, int param, at::Device device, at::ScalarType dtype) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  const Tier tier = where_current(h.chunk_id);
-  const at::Tensor value = sharded() ? whole_slot_locked(h.chunk_id, h.slot_index, tier)
-                                     : slot_view(h.chunk_id, h.slot_index, tier);
-  return value.to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
+  return value_view_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id))
+      .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
 }
 
 void GeminiManager::release_read_cache() {
@@ -166,6 +163,10 @@ std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::st
   if (part.begin == part.end) return {0, 0, at::empty({0}, at::kFloat)};
   at::Tensor shard = shard_view(*ctx_, mgr_, id, where_current(id));
   return {part.begin, part.end, cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin))};
+}
+
+at::Tensor GeminiManager::value_view_locked(ChunkId id, size_t slot, Tier tier) {
+  return sharded() ? whole_slot_locked(id, slot, tier) : slot_view(id, slot, tier);
 }
 
 at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) {
@@ -225,8 +226,7 @@ at::Tensor GeminiManager::read_grad(int param) {
   if (sharded() && set.grad_collecting)  // not reduced yet (no_sync): this rank's own gradient
     return cpu_fp32_copy(gathered_view(*ctx_, mgr_, TensorHandle{set.spec.grad, ps.slot}));
   const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr_.host_tier();
-  if (sharded()) return cpu_fp32_copy(whole_slot_locked(set.spec.grad, ps.slot, tier));
-  return cpu_fp32_copy(slot_view(set.spec.grad, ps.slot, tier));
+  return cpu_fp32_copy(value_view_locked(set.spec.grad, ps.slot, tier));
 }
 
 int64_t GeminiManager::step_of(int param) const {

@@ -287,6 +287,8 @@ class GeminiManager {
   // on the compute device (cached until the next change or release_read_cache, so reading a
   // chunk's tensors gathers it once).
   at::Tensor whole_slot_locked(ChunkId id, size_t slot, Tier tier);
+  // A view of a slot's whole value for the readers: whole_slot_locked sharded, slot_view otherwise.
+  at::Tensor value_view_locked(ChunkId id, size_t slot, Tier tier);
   // The chunk and slot holding `kind` ("param", "exp_avg", "exp_avg_sq") of a parameter, with
   // its moves finished and the compute stream current.
   TensorHandle value_handle_locked(const std::string& kind, int param);
