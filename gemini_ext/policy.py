@@ -14,7 +14,9 @@
 - `const`: the static fractions, with chunks capped at `const_gpu_budget` bytes on the device;
   what does not fit is evicted (farthest next use once a trace exists, LRU before).
 - `auto`: the first iteration is a warm-up with every optimizer state on the host and the whole
-  device as budget; at its end (the first optimizer step) it measures the peak non-model memory
+  device as budget (on cuda under the default allocator, the device less 1/8 of it kept for the
+  activations that are not measured yet: chunks never give way to torch's allocations there);
+  at its end (the first optimizer step) it measures the peak non-model memory
   (activations and temporaries: the peak of torch's CUDA allocator since enable(), which also
   counts any other tensors the process holds on that GPU; nothing on sim, where activations live
   on the host), sets the chunk budget to the device minus that peak minus
@@ -29,7 +31,9 @@
   chunk sets on the device (allocated there directly, never on the host) so that the rest fits,
   and later decisions never move those back. A model whose parameters, gradients and optimizer
   state exceed the host (13B: 16 bytes per parameter, 208 GB) trains this way, split between
-  host and device.
+  host and device. When that state, its gradients and three gathered chunks do not fit the
+  warm-up's budget either, the model fits neither, and enable() raises OutOfMemoryError with
+  the figures while planning, before any memory is taken.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import warnings
 
 import torch
 
-from . import _C
+from . import _C, allocator
 from ._env import logger
 from ._units import format_bytes
 
@@ -83,15 +87,22 @@ class PlacementPolicy:
         raise NotImplementedError
 
 
+def device_capacity_bytes(engine) -> int:
+    """The device bytes the engine plans for: `gpu_memory_limit` (or GEMINI_EXT_GPU_LIMIT), never
+    more than the device has; the sim device's capacity on sim."""
+    capacity = engine._ctx.capacity_bytes
+    if engine.device_kind == "cuda":
+        total = torch.cuda.mem_get_info(engine.compute_device)[1]
+        capacity = min(capacity, total) if capacity else total
+    return int(capacity)
+
+
 def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
     """(device capacity, peak non-model bytes of the last iteration, chunk budget): the capacity
     (`gpu_memory_limit`, or the device) minus what torch's allocator peaked at minus a margin,
     never below three of the largest chunks (one in compute, one gradient chunk, one being
     fetched); it warns when it had to raise the budget to that floor."""
-    capacity = engine._ctx.capacity_bytes
-    if engine.device_kind == "cuda":
-        total = torch.cuda.mem_get_info(engine.compute_device)[1]
-        capacity = min(capacity, total) if capacity else total
+    capacity = device_capacity_bytes(engine)
     non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
     if engine._dp_group is not None:
         # Every rank takes the same decision: from the largest measurement of any rank.
@@ -178,6 +189,7 @@ class ConstPolicy(PlacementPolicy):
 class AutoPolicy(PlacementPolicy):
     name = "auto"
     MARGIN = 1 / 16
+    WARMUP_RESERVE = 1 / 8  # of the device, kept from chunks for the warm-up's unmeasured activations
 
     def __init__(self, config):
         super().__init__(config)
@@ -210,10 +222,49 @@ class AutoPolicy(PlacementPolicy):
                     "the optimizer state of the first %d of %d chunk sets starts on the device",
                     format_bytes(available), format_bytes(params_host), format_bytes(optim_host),
                     self.min_device_sets, len(param_chunk_bytes))
+        forced_elements = sum(b // item for b, (_, on_host) in zip(param_chunk_bytes, plan) if not on_host)
+        self._check_device_holds_forced_state(engine, param_chunk_bytes, forced_elements, available, params_host,
+                                              optim_host)
         return 0.0, optim_frac
 
+    def _check_device_holds_forced_state(self, engine, param_chunk_bytes, forced_elements: int, available: int,
+                                         params_host: int, optim_host: int) -> None:
+        """Before any memory is taken: the optimizer state the host cannot hold, with its
+        gradients and three gathered chunks in flight, must fit the warm-up's device budget
+        (nothing evicts optimizer state; only parameter chunks make room). Otherwise the model
+        does not fit this rank's host and device together, and the first iteration would run
+        out of memory after the whole set-up."""
+        item = engine.compute_dtype.itemsize
+        master = 4 if engine.compute_dtype != torch.float32 else 0
+        forced = forced_elements * (master + 8 + item)  # master, exp_avg, exp_avg_sq, gradient
+        in_flight = 3 * max(param_chunk_bytes) * engine.world_size  # gathered: every rank's shard
+        capacity = device_capacity_bytes(engine)
+        budget = self.device_budget(engine) or capacity
+        if forced + in_flight <= budget:
+            return
+        reserve = (f" ({format_bytes(capacity)} less {format_bytes(capacity - budget)} kept for the first "
+                   "iteration's activations)" if budget < capacity else "")
+        fixes = "use more data-parallel ranks (each holds 1/N of the state), free host memory, or train a smaller model"
+        if budget < capacity and forced + in_flight <= capacity:
+            fixes = ("set GEMINI_EXT_ALLOCATOR=chunk (before importing gemini_ext: chunks then give way to "
+                     "activations on demand, and the first iteration may use the whole device), " + fixes)
+        raise _C.OutOfMemoryError(
+            f"gemini_ext auto placement: the model does not fit this rank's host and device memory. The host has "
+            f"{format_bytes(available)} available (planned to {1 - HOST_MARGIN:.3g} of it) for "
+            f"{format_bytes(params_host)} of parameter copies and {format_bytes(optim_host)} of optimizer state, so "
+            f"the optimizer state of {forced_elements:,} elements must live on the device: {format_bytes(forced)} "
+            f"with their gradients, plus {format_bytes(in_flight)} for three gathered chunks in flight, against a "
+            f"device budget of {format_bytes(budget)}{reserve}. To train it, {fixes}.")
+
     def device_budget(self, engine) -> int:
-        return 0  # the warm-up runs with the whole device
+        # The warm-up's chunk budget. Activations are not measured yet: on cuda under the default
+        # allocator (chunks never give way to torch's allocations) WARMUP_RESERVE of the device is
+        # kept for them, else chunks could fill the device (optimizer state the host cannot hold,
+        # say) and the first forward run out of memory. On sim activations live on the host, and
+        # under GEMINI_EXT_ALLOCATOR=chunk an allocation evicts chunks: the whole device (0).
+        if engine.device_kind != "cuda" or allocator.mode() == "chunk":
+            return 0
+        return int(device_capacity_bytes(engine) * (1 - self.WARMUP_RESERVE))
 
     def plans_from_measurements(self, engine) -> bool:
         return True

@@ -256,6 +256,57 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
+def _param_chunk_bytes(device):
+    """The 16-bit (here fp32) bytes of each parameter chunk of make_models()'s model, in order."""
+    with gx.enable(make_models()[0], config(device)) as probe:
+        return [probe._mgr.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe._gm.set_placements()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_refuses_while_planning_a_model_the_host_and_device_cannot_hold_together(monkeypatch, device):
+    """The host holds a quarter of the optimizer state, and the device only the parameters' worth:
+    the other three quarters cannot live anywhere. enable() says so with the figures before it
+    takes any memory (on cuda it used to fill the device and fail in the first forward), and the
+    caller's model keeps its values and devices."""
+    from gemini_ext import policy
+    sizes = _param_chunk_bytes(device)
+    params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
+    monkeypatch.setattr(policy, "host_available_bytes",
+                        lambda: int((params_host + optim_host // 4) / (1 - policy.HOST_MARGIN)))
+    cap = {"gpu_memory_limit": sum(sizes)} if device == "cuda" else {"sim_capacity": sum(sizes)}
+    model, _ = make_models()
+    before = {n: (p.detach().clone(), p.device) for n, p in model.named_parameters()}
+    with pytest.raises(gx.OutOfMemoryError, match="the model does not fit this rank's host and device memory") as err:
+        gx.enable(model, config(device, placement_policy="auto", **cap))
+    text = str(err.value)
+    assert "must live on the device" in text and "device budget of" in text and "more data-parallel ranks" in text
+    assert ("kept for the first iteration's activations" in text) == (device == "cuda"), text
+    for n, p in model.named_parameters():
+        assert p.device == before[n][1] and torch.equal(p.detach(), before[n][0]), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(device):
+    """Under the default allocator chunks never give way to torch's allocations, so the warm-up
+    (activations not measured yet) plans chunks into 7/8 of the device; on sim, where activations
+    live on the host, into all of it. The decision after the first step replaces it."""
+    from gemini_ext.policy import AutoPolicy
+    model, _ = make_models()
+    with gx.enable(model, config(device, placement_policy="auto")) as engine:
+        warm_up = engine._gm.device_budget
+        if device == "cuda" and gx.allocator.mode() == "default":
+            total = torch.cuda.mem_get_info(engine.compute_device)[1]
+            assert warm_up == int(total * (1 - AutoPolicy.WARMUP_RESERVE))
+        else:
+            assert warm_up == engine._ctx.capacity_bytes
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        x, y = batch_of(model, 0, 16)
+        model(x, y).backward()
+        opt.step()
+        decision = engine.stats()["placement"]["decision"]
+        assert engine._gm.device_budget == decision["chunk_budget_bytes"] != warm_up
+
+
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
     from gemini_ext import policy
     model, _ = make_models()
