@@ -300,7 +300,7 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
         else:
             assert warm_up == engine._ctx.capacity_bytes
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        x, y = batch_of(model, 0, 16)
+        x, y = (t.to(engine.compute_device) for t in batch_of(model, 0, 16))
         model(x, y).backward()
         opt.step()
         decision = engine.stats()["placement"]["decision"]
