@@ -71,6 +71,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=int, default=1200, help="seconds per attempt")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--search-range-m", type=float, default=None,
+                   help="gemini_ext's search_range_m (examples/train_gpt.py's default otherwise)")
     p.add_argument("--smoke", action="store_true", help="tiny and small on the CPU (sim): the harness only")
     args = p.parse_args(argv)
     names = list(systems())
@@ -92,6 +94,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name in names:
         script, extra = systems(init)[name]
+        if args.search_range_m and script == GEMINI:
+            extra = extra + ["--search-range-m", str(args.search_range_m)]
         if args.smoke:  # a CPU machine: the model is built on the CPU, gemini_ext runs on sim
             extra = [x if x != "cuda" else "cpu" for x in extra] + (["--device", "sim"] if script == GEMINI else [])
         row = {"system": name, "attempts": []}

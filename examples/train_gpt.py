@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--policy", choices=["static", "auto", "const"], default="static")
     p.add_argument("--const-budget", default=None, help="const_gpu_budget for --policy const, e.g. 8GiB")
     p.add_argument("--max-prefetch", type=int, default=2)
+    p.add_argument("--search-range-m", type=float, default=None,
+                   help="search_range_m of the chunk search (default: 128, or a quarter of a small model)")
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
@@ -120,7 +122,7 @@ def main(argv=None) -> dict:
     cfg = gx.GeminiConfig(device=args.device, precision=args.precision, placement_policy=args.policy,
                           max_prefetch=args.max_prefetch, offload_optim_frac=args.offload_optim_frac,
                           offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
-                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=min(128.0, model_m / 4),
+                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=args.search_range_m or min(128.0, model_m / 4),
                           extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)

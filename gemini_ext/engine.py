@@ -37,7 +37,7 @@ from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
 from .policy import host_available_bytes, make_policy
-from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters
+from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters, wider_search
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -162,6 +162,16 @@ class GeminiEngine:
             found = search_chunk_configuration(model, config.search_range_m, config.min_chunk_size_m,
                                                precision=config.precision)
             chunk_size = found["chunk_size"]
+            wider = wider_search(model, found, config.search_range_m, config.min_chunk_size_m, config.precision)
+            if wider is not None:
+                wider_range, better = wider
+                warnings.warn(
+                    f"gemini_ext: the chunk search over search_range_m={config.search_range_m:g} found chunks of "
+                    f"{chunk_size:,} elements that waste {format_bytes(found['wasted_bytes'])} "
+                    f"({found['wasted_frac']:.1%}) of the parameter chunks, and the same fraction of every gradient and "
+                    f"optimizer-state chunk; search_range_m={wider_range:g} finds {better['chunk_size']:,} elements, "
+                    f"wasting {better['wasted_frac']:.1%}. Pass search_range_m={wider_range:g} (or a "
+                    "chunk_config_dict) to use that memory.", stacklevel=3)
             # A model smaller than the minimum chunk size needs no chunk larger than itself.
             aligned_total = sum(-(-p.numel() // ALIGNMENT_NUMEL) * ALIGNMENT_NUMEL for _, p in named)
             chunk_size = min(chunk_size, aligned_total)

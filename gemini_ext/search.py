@@ -86,3 +86,22 @@ def search_chunk_configuration(model: torch.nn.Module, search_range_m: float = 1
         "search_ms": elapsed_ms,
         "order": order,
     }
+
+
+WASTE_HINT_FRAC = 0.05  # a search that wastes more than this looks further before enable() warns
+
+
+def wider_search(model: torch.nn.Module, found: dict, search_range_m: float, min_chunk_size_m: float,
+                 precision: str | None = None) -> tuple[float, dict] | None:
+    """When `found` (a search over `search_range_m`) wastes more than WASTE_HINT_FRAC of its
+    chunks: the first of twice and four times the range whose chunk size wastes at most half as
+    much, with its result, so that enable() can name the range to pass. None otherwise. (Large
+    matrices a little under the range's end waste most: a 30B GPT's 205M-element MLP weights
+    fill a 229M-element chunk each, 10% wasted, where chunks of two of them waste 1%.)"""
+    if found["wasted_frac"] <= WASTE_HINT_FRAC:
+        return None
+    for factor in (2, 4):
+        wider = search_chunk_configuration(model, search_range_m * factor, min_chunk_size_m, precision=precision)
+        if wider["wasted_frac"] <= found["wasted_frac"] / 2:
+            return search_range_m * factor, wider
+    return None

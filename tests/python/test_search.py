@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -62,3 +64,32 @@ def test_seven_billion_layout_searches_in_milliseconds():
     print(f"7B search: {found}")
     assert found["chunk_size"] >= 32 * 2**20
     assert found["wasted_frac"] < 0.05
+
+
+def _interleaved(pairs=4):
+    """Parameters of 3008 and 992 elements in turn (multiples of the 32-element alignment):
+    chunks of 3008 to 3508 elements hold one each (a 992 alone wastes two thirds of its chunk),
+    chunks of 4000 hold a pair exactly."""
+    model = torch.nn.Module()
+    for i in range(pairs):
+        model.register_parameter(f"big{i}", torch.nn.Parameter(torch.randn(3008)))
+        model.register_parameter(f"small{i}", torch.nn.Parameter(torch.randn(992)))
+    return model
+
+
+def test_enable_names_a_wider_search_range_when_the_search_wastes_much():
+    model = _interleaved()
+    narrow, least = 500 / 2**20, 3008 / 2**20
+    found = gx.search_chunk_configuration(model, narrow, least, precision="fp32")
+    assert found["wasted_frac"] > 0.3, found  # every chunk holds one parameter
+    hint = rf"search_range_m={2 * narrow:g} finds 4,000 elements, wasting 0.0%\. Pass search_range_m={2 * narrow:g}"
+    with pytest.warns(UserWarning, match=hint) as caught:
+        with gx.enable(model, device="sim", precision="fp32", search_range_m=narrow, min_chunk_size_m=least) as engine:
+            assert engine.chunk_size == found["chunk_size"]  # the warning only advises
+    assert f"{found['wasted_frac']:.1%}" in str(caught[0].message)
+    # with the range it names, the chunks hold a pair each and nothing is said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with gx.enable(_interleaved(), device="sim", precision="fp32", search_range_m=2 * narrow,
+                       min_chunk_size_m=least) as engine:
+            assert engine.chunk_size == 4000 and engine.stats()["wasted_bytes"] == 0
