@@ -122,7 +122,8 @@ def main(argv=None) -> dict:
     cfg = gx.GeminiConfig(device=args.device, precision=args.precision, placement_policy=args.policy,
                           max_prefetch=args.max_prefetch, offload_optim_frac=args.offload_optim_frac,
                           offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
-                          min_chunk_size_m=min(32.0, model_m / 8), search_range_m=args.search_range_m or min(128.0, model_m / 4),
+                          min_chunk_size_m=min(32.0, model_m / 8),
+                          search_range_m=args.search_range_m or min(128.0, model_m / 4),
                           extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
