@@ -169,8 +169,8 @@ class GeminiEngine:
                     f"gemini_ext: the chunk search over search_range_m={config.search_range_m:g} found chunks of "
                     f"{chunk_size:,} elements that waste {format_bytes(found['wasted_bytes'])} "
                     f"({found['wasted_frac']:.1%}) of the parameter chunks, and the same fraction of every gradient "
-                    f"and optimizer-state chunk; search_range_m={wider_range:g} finds {better['chunk_size']:,} elements, "
-                    f"wasting {better['wasted_frac']:.1%}. Pass search_range_m={wider_range:g} (or a "
+                    f"and optimizer-state chunk; search_range_m={wider_range:g} finds {better['chunk_size']:,} "
+                    f"elements, wasting {better['wasted_frac']:.1%}. Pass search_range_m={wider_range:g} (or a "
                     "chunk_config_dict) to use that memory.", stacklevel=3)
             # A model smaller than the minimum chunk size needs no chunk larger than itself.
             aligned_total = sum(-(-p.numel() // ALIGNMENT_NUMEL) * ALIGNMENT_NUMEL for _, p in named)
