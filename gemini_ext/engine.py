@@ -36,7 +36,7 @@ from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 from .optim import SUPPORTED_OPTIMIZERS, GeminiOptimizer  # noqa: F401  (re-exported)
-from .policy import host_available_bytes, make_policy
+from .policy import host_available_bytes, make_policy, mem_available_bytes, process_rss_bytes
 from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters, wider_search
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -305,6 +305,7 @@ class GeminiEngine:
                     len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
                     format_bytes(mgr.wasted_bytes()), self.setup_seconds,
                     ", ".join(f"{k} {v:.2f} s" for k, v in self.setup_phases.items()))
+        logger.info("enable: memory after set-up: %s", self._memory_figures())
 
     def _restore_released(self, mgr) -> None:
         """enable() failed after releasing the model's tensors: give each its value back from the
@@ -898,7 +899,29 @@ class GeminiEngine:
                          "are not evicted for torch's allocations: set GEMINI_EXT_ALLOCATOR=chunk (before importing "
                          "gemini_ext) so that chunks go to the host on demand, or lower gpu_memory_limit / "
                          "const_gpu_budget, the batch size, or use activation checkpointing.")
+        if isinstance(exc, (torch.OutOfMemoryError, _C.OutOfMemoryError)):
+            exc.add_note(f"gemini_ext: memory when it ran out: {self._memory_figures()}.")
         self.close()
+
+    def _memory_figures(self) -> str:
+        """Where memory stands: chunks against everything else, on the device and on the host (an
+        out-of-memory error leaving the `with` block carries it, so that a plan that missed
+        something shows it)."""
+        host = self._mgr.host_tier
+        pool = self._mgr.pool_stats(host)
+        rss, available = process_rss_bytes(), mem_available_bytes()
+        parts = [f"chunks on the device {format_bytes(self._mgr.tier_bytes('device')['current'])}",
+                 f"chunks on the host ({host}) {format_bytes(pool['in_use_bytes']['current'])} in use, "
+                 f"{format_bytes(pool['reserved_bytes']['current'])} reserved by the pool"]
+        if rss is not None:
+            parts.append(f"this process's resident memory {format_bytes(rss)}")
+        if available is not None:
+            parts.append(f"the host's MemAvailable {format_bytes(available)}")
+        if self.device_kind == "cuda":
+            free, total = torch.cuda.mem_get_info(self.compute_device)
+            parts.append(f"the device's free memory {format_bytes(free)} of {format_bytes(total)}, "
+                         f"{format_bytes(torch.cuda.memory_allocated(self.compute_device))} allocated by torch")
+        return "; ".join(parts)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -135,6 +135,19 @@ def mem_available_bytes() -> int | None:
     return None
 
 
+def process_rss_bytes() -> int | None:
+    """VmRSS of /proc/self/status (Linux) in bytes: this process's resident memory, chunks and
+    everything else; None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def host_available_bytes() -> int | None:
     """Host memory this process may still fill: MemAvailable over the ranks of this node
     (LOCAL_WORLD_SIZE); None where it cannot be read."""

@@ -285,6 +285,22 @@ def test_model_larger_than_the_sim_device_fails_clearly():
         gx.enable(torch.nn.Linear(512, 512), _cfg("sim", sim_capacity=64 * 1024))
 
 
+def test_running_out_of_memory_inside_the_block_notes_where_memory_stood():
+    """An out-of-memory error raised in the `with` block (here the host tier's, as a 30B run on two
+    H200s raised it) leaves with the chunks' share of device and host memory beside the process's
+    resident memory and the host's MemAvailable, so that a plan that missed something shows it."""
+    with pytest.raises(gx.OutOfMemoryError, match="raised by the test") as err:
+        with gx.enable(torch.nn.Linear(64, 64), _cfg("sim")) as engine:
+            pool = engine._mgr.pool_stats(engine._mgr.host_tier)
+            device = engine._mgr.tier_bytes("device")["current"]
+            raise gx.OutOfMemoryError("pageable_host out of memory (raised by the test)")
+    note = "\n".join(err.value.__notes__)
+    assert f"chunks on the device {gx.format_bytes(device)}" in note, note
+    assert f"{gx.format_bytes(pool['in_use_bytes']['current'])} in use" in note, note
+    assert "resident memory" in note and "MemAvailable" in note, note
+    assert engine._closed, "the engine still closed"
+
+
 def test_cuda_requested_without_cuda_is_refused():
     if gx._C.build_info()["cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
