@@ -416,13 +416,16 @@ class GeminiEngine:
                                            f"has {len(v)} chunks, the parameter group {len(p_ids)}")
             sizes = [mgr.chunk_info(c)["shard_numel"] * self.compute_dtype.itemsize for c in p_ids]
             param_frac, optim_frac = self.policy.initial_fractions(self, sizes)
+            host_bound = self.policy.min_device_sets > 0  # the plan's device sets are there for the host
             plan = _C.static_placement(sizes, param_frac, optim_frac)
             reshard = self._reshard_plan(sizes)
             for k, c in enumerate(p_ids):
                 sets.append({"param": c, "grad": ids["grad"][k], "master": ids["master"][k],
                              "exp_avg": ids["exp_avg"][k], "exp_avg_sq": ids["exp_avg_sq"][k],
                              "param_home_on_host": plan[k][0], "optim_on_host": plan[k][1],
-                             "keep_gathered": not reshard[k]})
+                             "keep_gathered": not reshard[k],
+                             # state on the device because the host cannot hold it: nor its gradients
+                             "grad_stays_on_device": host_bound and not plan[k][1]})
         try:
             f_ids = mgr.group_chunk_ids("frozen")
         except ValueError:

@@ -29,7 +29,8 @@
   Host memory bounds it too: when the host cannot hold every optimizer state (MemAvailable less a
   1/8 margin, shared by the ranks of the node), the warm-up already keeps the state of the front
   chunk sets on the device (allocated there directly, never on the host) so that the rest fits,
-  and later decisions never move those back. A model whose parameters, gradients and optimizer
+  and later decisions never move those back, nor evict those sets' gradients to the host (it
+  has no room for them: parameter chunks make room instead). A model whose parameters, gradients and optimizer
   state exceed the host (13B: 16 bytes per parameter, 208 GB) trains this way, split between
   host and device. When that state, its gradients and three gathered chunks do not fit the
   warm-up's budget either, the model fits neither, and enable() raises OutOfMemoryError with
@@ -57,6 +58,7 @@ class PlacementPolicy:
     def __init__(self, config):
         self.config = config
         self.decision: dict = {}
+        self.min_device_sets = 0  # trainable sets (from the front) whose state the host cannot hold
 
     def fractions(self) -> tuple[float, float]:
         """(offload_param_frac, offload_optim_frac) of the initial placement."""
@@ -204,10 +206,6 @@ class AutoPolicy(PlacementPolicy):
     MARGIN = 1 / 16
     WARMUP_RESERVE = 1 / 8  # of the device, kept from chunks for the warm-up's unmeasured activations
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.min_device_sets = 0  # trainable sets (from the front) whose state the host cannot hold
-
     def fractions(self):
         return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
 
@@ -243,22 +241,22 @@ class AutoPolicy(PlacementPolicy):
     def _check_device_holds_forced_state(self, engine, param_chunk_bytes, forced_elements: int, available: int,
                                          params_host: int, optim_host: int) -> None:
         """Before any memory is taken: the optimizer state the host cannot hold, with its
-        gradients and three gathered chunks in flight, must fit the warm-up's device budget
-        (nothing evicts optimizer state; only parameter chunks make room). Otherwise the model
-        does not fit this rank's host and device together, and the first iteration would run
-        out of memory after the whole set-up."""
+        gradients and three gathered chunks in flight, must fit the warm-up's device budget and
+        the margin of every later decision (nothing evicts that state or its gradients; only
+        parameter chunks make room). Otherwise the model does not fit this rank's host and
+        device together, and the first iteration would run out of memory after the whole set-up."""
         item = engine.compute_dtype.itemsize
         master = 4 if engine.compute_dtype != torch.float32 else 0
         forced = forced_elements * (master + 8 + item)  # master, exp_avg, exp_avg_sq, gradient
         in_flight = 3 * max(param_chunk_bytes) * engine.world_size  # gathered: every rank's shard
         capacity = device_capacity_bytes(engine)
-        budget = self.device_budget(engine) or capacity
+        # the smaller of the warm-up's budget and the most a later decision can give (its margin)
+        budget = min(self.device_budget(engine) or capacity, int(capacity * (1 - self.MARGIN)))
         if forced + in_flight <= budget:
             return
-        reserve = (f" ({format_bytes(capacity)} less {format_bytes(capacity - budget)} kept for the first "
-                   "iteration's activations)" if budget < capacity else "")
+        reserve = f" ({format_bytes(capacity)} less {format_bytes(capacity - budget)} kept free for activations)"
         fixes = "use more data-parallel ranks (each holds 1/N of the state), free host memory, or train a smaller model"
-        if budget < capacity and forced + in_flight <= capacity:
+        if self.device_budget(engine) and forced + in_flight <= int(capacity * (1 - self.MARGIN)):
             fixes = ("set GEMINI_EXT_ALLOCATOR=chunk (before importing gemini_ext: chunks then give way to "
                      "activations on demand, and the first iteration may use the whole device), " + fixes)
         raise _C.OutOfMemoryError(

@@ -416,6 +416,7 @@ PYBIND11_MODULE(_C, m) {
                s.optim_on_host = d["optim_on_host"].cast<bool>();
                s.param_home_on_host = d["param_home_on_host"].cast<bool>();
                if (d.contains("keep_gathered")) s.keep_gathered = d["keep_gathered"].cast<bool>();
+               if (d.contains("grad_stays_on_device")) s.grad_stays_on_device = d["grad_stays_on_device"].cast<bool>();
                specs.push_back(s);
              }
              std::vector<torch_layer::ParamSpec> ps;
@@ -520,6 +521,7 @@ PYBIND11_MODULE(_C, m) {
                d["optim_on_host"] = s.spec.optim_on_host;
                d["param_home_on_host"] = s.spec.param_home_on_host;
                d["keep_gathered"] = s.spec.keep_gathered;
+               d["grad_stays_on_device"] = s.spec.grad_stays_on_device;
                out.append(d);
              }
              return out;

@@ -28,7 +28,8 @@
 //  * Device budget. Fetching a chunk or a gradient chunk that does not fit first waits for
 //    gradient moves in flight (their device slots come back), then evicts the least recently
 //    used evictable chunk and retries: a parameter chunk with no tensor in COMPUTE, or a
-//    gradient chunk no backward still writes into (it waits for the step on the host). When
+//    gradient chunk no backward still writes into (it waits for the step on the host), unless
+//    its set's state is on the device because the host has no room (grad_stays_on_device). When
 //    nothing can be evicted the OutOfMemoryError names the budget, what is resident and the knobs.
 //  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
 //    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
@@ -81,6 +82,9 @@ struct ChunkSetSpec {
   bool optim_on_host = true;
   bool param_home_on_host = false;
   bool keep_gathered = false;  // sharded: P stays gathered after forward, until its gradients are reduced
+  // The optimizer state is on the device because the host cannot hold it (the auto policy's
+  // host-bound sets): the host has no room for G either, so eviction never moves G there.
+  bool grad_stays_on_device = false;
 };
 
 struct ParamSpec {

@@ -144,6 +144,7 @@ void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
     }
   }
   const ChunkId p = set.spec.param;
+  if (on_host) set.spec.grad_stays_on_device = false;  // the host holds the whole set now
   if (on_host) {
     // CPU Adam needs P's permanent host copy: bring the truth there (keeping the device copy).
     mgr_.wait(p);
@@ -294,8 +295,10 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
         !mgr_.gather_in_flight(set.spec.param))  // a prefetched gather still reads the shard
       out.push_back(set.spec.param);
     // A gradient chunk on the device that no backward is still writing into (its parameter
-    // chunk has no tensor waiting for reduction) can wait for the step on the host.
-    if (set.trainable && set.spec.grad != requester && set.grad_place == GradPlace::kDevice &&
+    // chunk has no tensor waiting for reduction) can wait for the step on the host, unless the
+    // host has no room for it (grad_stays_on_device).
+    if (set.trainable && !set.spec.grad_stays_on_device && set.spec.grad != requester &&
+        set.grad_place == GradPlace::kDevice &&
         pinned_.count(set.spec.grad) == 0 &&
         !mgr_.in_flight(set.spec.grad) && p.count_in(S::kReadyForReduce) == 0 &&
         mgr_.chunk(set.spec.grad).shard_tiers().contains(Tier::kDevice))
