@@ -125,29 +125,27 @@ def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
 HOST_MARGIN = 1 / 8
 
 
-def mem_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux) in bytes; None where it cannot be read."""
+def _proc_field_bytes(path: str, key: str) -> int | None:
+    """A "Key:  N kB" line of a /proc file (Linux) in bytes; None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return None
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where it cannot be read."""
+    return _proc_field_bytes("/proc/meminfo", "MemAvailable:")
 
 
 def process_rss_bytes() -> int | None:
-    """VmRSS of /proc/self/status (Linux) in bytes: this process's resident memory, chunks and
-    everything else; None where it cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    """VmRSS of /proc/self/status in bytes: this process's resident memory, chunks and everything
+    else; None where it cannot be read."""
+    return _proc_field_bytes("/proc/self/status", "VmRSS:")
 
 
 def host_available_bytes() -> int | None:
