@@ -262,7 +262,7 @@ class AutoPolicy(PlacementPolicy):
             f"{format_bytes(available)} available (planned to {1 - HOST_MARGIN:.3g} of it) for "
             f"{format_bytes(params_host)} of parameter copies and {format_bytes(optim_host)} of optimizer state, so "
             f"the optimizer state of {forced_elements:,} elements must live on the device: {format_bytes(forced)} "
-            f"with their gradients, plus {format_bytes(in_flight)} for three gathered chunks in flight, against a "
+            f"with their gradients, plus {format_bytes(in_flight)} for three parameter chunks in flight, against a "
             f"device budget of {format_bytes(budget)}{reserve}. To train it, {fixes}.")
 
     def device_budget(self, engine) -> int:

@@ -14,9 +14,11 @@ namespace gx::torch_layer {
 using S = TensorState;
 
 void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
-  int64_t busy = 0, busy_bytes = 0, waiting_bytes = 0, grad_bytes = 0, optim_bytes = 0;
+  int64_t busy = 0, busy_bytes = 0, waiting_bytes = 0, grad_bytes = 0, kept_grad_bytes = 0, optim_bytes = 0,
+          gathered_bytes = 0;
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
+    if (sharded() && p.gathered()) gathered_bytes += static_cast<int64_t>(p.chunk_bytes());
     if (p.shard_tiers().contains(Tier::kDevice) && !p.can_move()) {
       busy += 1;
       busy_bytes += static_cast<int64_t>(p.shard_bytes());
@@ -25,7 +27,10 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
     }
     if (!set.trainable) continue;
     const Chunk& g = mgr_.chunk(set.spec.grad);
-    if (g.shard_tiers().contains(Tier::kDevice)) grad_bytes += static_cast<int64_t>(g.shard_bytes());
+    if (sharded() && g.gathered()) gathered_bytes += static_cast<int64_t>(g.chunk_bytes());
+    if (g.shard_tiers().contains(Tier::kDevice)) {
+      (set.spec.grad_stays_on_device ? kept_grad_bytes : grad_bytes) += static_cast<int64_t>(g.shard_bytes());
+    }
     for (ChunkId s : {set.spec.master, set.spec.exp_avg, set.spec.exp_avg_sq})
       if (s >= 0 && mgr_.chunk(s).shard_tiers().contains(Tier::kDevice))
         optim_bytes += static_cast<int64_t>(mgr_.chunk(s).shard_bytes());
@@ -36,10 +41,15 @@ void GeminiManager::throw_budget_exceeded(ChunkId id, size_t bytes) {
       mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
       " parameter chunks in use by compute (", busy_bytes, " bytes), parameter chunks waiting for the rest of their "
       "gradients (", waiting_bytes, " bytes), gradient chunks still collecting gradients (",
-      grad_bytes, " bytes), optimizer state kept on the device (", optim_bytes,
-      " bytes). Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
+      grad_bytes, " bytes), gradient chunks of optimizer state the host cannot hold (", kept_grad_bytes,
+      " bytes), optimizer state kept on the device (", optim_bytes, " bytes)",
+      sharded() ? detail::concat(", gathered buffers (", gathered_bytes, " bytes)") : std::string(),
+      ". Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
       "(chunk_config_dict / min_chunk_size_m)",
-      optim_bytes > 0 ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)." : "."));
+      kept_grad_bytes > 0 ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
+                            "optimizer state kept on the device)."
+      : optim_bytes > 0   ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)."
+                          : "."));
 }
 
 int64_t GeminiManager::device_bytes_needed_locked(ChunkId id, bool gather) const {

@@ -1,5 +1,6 @@
 """The scheduler and the placement policies on the sim device (the same tests run on cuda)."""
 
+import re
 import warnings
 
 import pytest
@@ -310,6 +311,31 @@ def test_auto_keeps_on_the_device_the_gradients_of_state_the_host_could_not_hold
     host_peak = stats["tier_bytes"]["pageable_host"]["peak"]
     assert host_peak <= limit, (host_peak, limit)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_the_budget_error_names_the_gradients_kept_on_the_device_for_the_host(monkeypatch):
+    """With the planning check switched off, a device that holds the host-bound state and its
+    gradients but no parameter chunk: the error's breakdown accounts for every byte, the kept
+    gradients among them, and names the fix that applies (more ranks or host memory)."""
+    from gemini_ext import policy
+    sizes = _param_chunk_bytes("sim")
+    params_host, optim_host = sum(sizes), sum(sizes) * 3
+    limit = params_host + int(optim_host * 0.4)
+    monkeypatch.setattr(policy, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
+    monkeypatch.setattr(policy.AutoPolicy, "_check_device_holds_forced_state", lambda *args, **kwargs: None)
+    device_state = optim_host - int(optim_host * 0.4)
+    cfg = config("sim", placement_policy="auto", overlap_optimizer=False,
+                 sim_capacity=device_state + int(0.2 * params_host))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(gx.OutOfMemoryError, match="none evictable now") as err:
+            train_gemini(make_models()[0], 6, cfg)
+    text = str(err.value)
+    held = int(re.search(r"chunks hold (\d+) bytes", text).group(1))
+    parts = [int(n) for n in re.findall(r"\((\d+) bytes\)", text)[1:]]  # after the chunk asked for
+    kept = int(re.search(r"gradient chunks of optimizer state the host cannot hold \((\d+) bytes\)", text).group(1))
+    assert kept > 0 and sum(parts) == held, text
+    assert "use more data-parallel ranks or free host memory" in text and "offload_optim_frac" not in text
 
 
 @pytest.mark.parametrize("device", DEVICES)
