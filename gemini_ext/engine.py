@@ -23,6 +23,7 @@ hooks and frees the chunk pools.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 
@@ -305,7 +306,8 @@ class GeminiEngine:
                     len(self._params), mgr.num_chunks, chunk_size, self.device_kind,
                     format_bytes(mgr.wasted_bytes()), self.setup_seconds,
                     ", ".join(f"{k} {v:.2f} s" for k, v in self.setup_phases.items()))
-        logger.info("enable: memory after set-up: %s", self._memory_figures())
+        if logger.isEnabledFor(logging.INFO):  # /proc and the device are read only when it prints
+            logger.info("enable: memory after set-up: %s", self._memory_figures())
 
     def _restore_released(self, mgr) -> None:
         """enable() failed after releasing the model's tensors: give each its value back from the

@@ -30,9 +30,9 @@
   1/8 margin, shared by the ranks of the node), the warm-up already keeps the state of the front
   chunk sets on the device (allocated there directly, never on the host) so that the rest fits,
   and later decisions never move those back, nor evict those sets' gradients to the host (it
-  has no room for them: parameter chunks make room instead). A model whose parameters, gradients and optimizer
-  state exceed the host (13B: 16 bytes per parameter, 208 GB) trains this way, split between
-  host and device. When that state, its gradients and three gathered chunks do not fit the
+  has no room for them: parameter chunks make room instead). A model whose parameters,
+  gradients and optimizer state exceed the host (13B: 16 bytes per parameter, 208 GB) trains
+  this way, split between host and device. When that state, its gradients and three gathered chunks do not fit the
   warm-up's budget either, the model fits neither, and enable() raises OutOfMemoryError with
   the figures while planning, before any memory is taken.
 """
@@ -248,13 +248,14 @@ class AutoPolicy(PlacementPolicy):
         forced = forced_elements * (master + 8 + item)  # master, exp_avg, exp_avg_sq, gradient
         in_flight = 3 * max(param_chunk_bytes) * engine.world_size  # gathered: every rank's shard
         capacity = device_capacity_bytes(engine)
-        # the smaller of the warm-up's budget and the most a later decision can give (its margin)
-        budget = min(self.device_budget(engine) or capacity, int(capacity * (1 - self.MARGIN)))
+        warm_up = self.device_budget(engine)  # 0: the whole device
+        later = int(capacity * (1 - self.MARGIN))  # the most a later decision can give
+        budget = min(warm_up or capacity, later)
         if forced + in_flight <= budget:
             return
         reserve = f" ({format_bytes(capacity)} less {format_bytes(capacity - budget)} kept free for activations)"
         fixes = "use more data-parallel ranks (each holds 1/N of the state), free host memory, or train a smaller model"
-        if self.device_budget(engine) and forced + in_flight <= int(capacity * (1 - self.MARGIN)):
+        if warm_up and forced + in_flight <= later:
             fixes = ("set GEMINI_EXT_ALLOCATOR=chunk (before importing gemini_ext: chunks then give way to "
                      "activations on demand, and the first iteration may use the whole device), " + fixes)
         raise _C.OutOfMemoryError(
