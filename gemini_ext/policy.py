@@ -306,11 +306,13 @@ class AutoPolicy(PlacementPolicy):
                 why = (f"the host cannot hold the optimizer state of the first {self.min_device_sets} chunk sets and the "
                        f"device budget ({format_bytes(budget)}) cannot hold it beside the parameters either "
                        f"({format_bytes(-remaining)} short)")
+                fix = "More data-parallel ranks or more host memory would keep every parameter chunk on the device."
             else:
                 why = (f"the parameter chunks ({format_bytes(p_bytes)}) and two chunks in flight do not fit the device "
                        f"budget ({format_bytes(budget)})")
+                fix = "Lower the batch size or use activation checkpointing."
             warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. "
-                          "Lower the batch size or use activation checkpointing.", stacklevel=3)
+                          f"{fix}", stacklevel=3)
         # Shrink first (states going to the host free device bytes), then grow.
         moves_started = time.perf_counter()
         for index, p in enumerate(placements):
