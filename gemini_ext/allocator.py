@@ -105,6 +105,14 @@ def reset_peak_memory_stats(device=None) -> None:
             torch.cuda.reset_peak_memory_stats(d)
 
 
+def torch_allocated_bytes(device) -> int:
+    """Bytes torch's allocations hold now on `device` (the arena's figure under 'chunk', where
+    torch.cuda.memory_allocated() raises: a pluggable allocator has no device statistics)."""
+    if mode() == "chunk":
+        return int(_C.chunk_allocator_stats()["allocated_bytes.current"])
+    return int(torch.cuda.memory_allocated(device))
+
+
 def non_model_peak_bytes(device) -> int:
     """Peak bytes of torch's allocations since the last reset_peak_memory_stats: the non-model data."""
     if mode() == "chunk":

@@ -925,7 +925,7 @@ class GeminiEngine:
         if self.device_kind == "cuda":
             free, total = torch.cuda.mem_get_info(self.compute_device)
             parts.append(f"the device's free memory {format_bytes(free)} of {format_bytes(total)}, "
-                         f"{format_bytes(torch.cuda.memory_allocated(self.compute_device))} allocated by torch")
+                         f"{format_bytes(allocator.torch_allocated_bytes(self.compute_device))} allocated by torch")
         return "; ".join(parts)
 
     def _check_open(self, what: str) -> None:
