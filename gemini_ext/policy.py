@@ -311,8 +311,8 @@ class AutoPolicy(PlacementPolicy):
                 why = (f"the parameter chunks ({format_bytes(p_bytes)}) and two chunks in flight do not fit the device "
                        f"budget ({format_bytes(budget)})")
                 fix = "Lower the batch size or use activation checkpointing."
-            warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. "
-                          f"{fix}", stacklevel=3)
+            warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. {fix}",
+                          stacklevel=3)
         # Shrink first (states going to the host free device bytes), then grow.
         moves_started = time.perf_counter()
         for index, p in enumerate(placements):
