@@ -9,7 +9,7 @@ from dist_utils import run_ranks, run_torchrun
 from gemini_ext.models import GPT
 from parity_utils import (SMALL, batch, config, max_relative_difference, torch_device, train_gemini,
                           train_reference)
-from test_distributed import GLOBAL_BATCH, PARAM_TOLERANCE, STEPS, _train_sharded
+from test_distributed import PARAM_TOLERANCE, _train_sharded, train_reference_as_ranks
 
 
 def _meta_gpt(cfg=SMALL) -> GPT:
@@ -163,14 +163,18 @@ def test_a_failure_after_materialising_says_the_model_must_be_built_again(monkey
 
 def _sharded_meta_body(rank, world_size, device="sim"):
     """Each rank seeds differently: rank 0's initial values are the model's (as for a model built
-    on a real device), and two ranks train it like one process on the global batch."""
+    on a real device), and two ranks train it like one process on the global batch (accumulated
+    over the ranks' slices: on an AVX2 EPYC, one backward over the whole batch left 6.4e-5 between
+    the runs in one weight, Adam lifting fp32 rounding; the slices leave 6e-7)."""
     reference = _initialised_gpt(seed=0, device=torch_device(device).type)
-    ref_losses = train_reference(reference, STEPS, torch_device(device), batch_size=GLOBAL_BATCH)
+    ref_losses = train_reference_as_ranks(reference, world_size, device=torch_device(device).type)
     model = _meta_gpt()
     torch.manual_seed(rank)
     losses, _, _ = _train_sharded(model, config(device), rank, world_size, param_init_fn=model.init_weights)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
-    assert max(max_relative_difference(model, reference).values()) <= PARAM_TOLERANCE
+    diffs = max_relative_difference(model, reference)
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= PARAM_TOLERANCE, f"rank {rank}: {worst}: {diffs[worst]:.3g} relative"
 
 
 def test_two_ranks_train_a_meta_built_model_from_rank_zeros_values():
