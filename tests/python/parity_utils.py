@@ -52,8 +52,10 @@ def train_step(model, opt, step, device) -> float:
 
 
 def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_decay=WD, max_norm=0.0,
-                    opt_cls=torch.optim.AdamW, micro_batches=1, batch_size=4):
-    """Plain PyTorch: fp32 model (or autocast for 16-bit precisions) and torch.optim."""
+                    opt_cls=torch.optim.AdamW, micro_batches=1, batch_size=4, slices=1):
+    """Plain PyTorch: fp32 model (or autocast for 16-bit precisions) and torch.optim. `slices`:
+    each batch's gradient accumulated over that many equal slices in order, as data-parallel ranks
+    split it (the same gradient; each slice's kernels then run at the ranks' shapes)."""
     model.to(device)
     opt = opt_cls(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
@@ -61,10 +63,11 @@ def train_reference(model, steps, device, dtype=torch.float32, lr=LR, weight_dec
         total = 0.0
         for micro in range(micro_batches):
             x, y = batch(model.cfg, step * micro_batches + micro, device, batch_size=batch_size)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = model(x, y) / micro_batches
-            loss.backward()
-            total += loss.item()
+            for xs, ys in zip(x.chunk(slices), y.chunk(slices)):
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = model(xs, ys) / (micro_batches * slices)
+                loss.backward()
+                total += loss.item()
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()

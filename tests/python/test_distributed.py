@@ -30,28 +30,6 @@ def _slice(t, rank, world_size):
     return t[rank * per:(rank + 1) * per]
 
 
-def train_reference_as_ranks(model, world_size, steps=STEPS, global_batch=GLOBAL_BATCH, device="cpu"):
-    """Plain PyTorch in one process on the global batch, its gradient accumulated over the ranks'
-    slices in rank order (each loss divided by the world size). The same global-batch gradient as
-    one backward over the whole batch, but each slice runs the kernels at the ranks' shapes, so
-    what is left between the two runs is the sharded engine's, not the CPU's blocking of a larger
-    matrix product (which Adam lifts on near-zero gradients, by a margin that varies by CPU)."""
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    for step in range(steps):
-        x, y = batch(model.cfg, step, torch.device(device), batch_size=global_batch)
-        total = 0.0
-        for rank in range(world_size):
-            loss = model(_slice(x, rank, world_size), _slice(y, rank, world_size))
-            (loss / world_size).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / world_size)
-    return losses
-
-
 def _train_sharded(model, cfg, rank, world_size, steps=STEPS, global_batch=GLOBAL_BATCH, setup=None,
                    param_init_fn=None):
     losses = []

@@ -9,7 +9,7 @@ from dist_utils import run_ranks, run_torchrun
 from gemini_ext.models import GPT
 from parity_utils import (SMALL, batch, config, max_relative_difference, torch_device, train_gemini,
                           train_reference)
-from test_distributed import PARAM_TOLERANCE, _train_sharded, train_reference_as_ranks
+from test_distributed import GLOBAL_BATCH, PARAM_TOLERANCE, STEPS, _train_sharded
 
 
 def _meta_gpt(cfg=SMALL) -> GPT:
@@ -167,7 +167,7 @@ def _sharded_meta_body(rank, world_size, device="sim"):
     over the ranks' slices: on an AVX2 EPYC, one backward over the whole batch left 6.4e-5 between
     the runs in one weight, Adam lifting fp32 rounding; the slices leave 6e-7)."""
     reference = _initialised_gpt(seed=0, device=torch_device(device).type)
-    ref_losses = train_reference_as_ranks(reference, world_size, device=torch_device(device).type)
+    ref_losses = train_reference(reference, STEPS, torch_device(device), batch_size=GLOBAL_BATCH, slices=world_size)
     model = _meta_gpt()
     torch.manual_seed(rank)
     losses, _, _ = _train_sharded(model, config(device), rank, world_size, param_init_fn=model.init_weights)
