@@ -428,6 +428,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("chunk_manager"), py::arg("sets"), py::arg("params"), py::arg("policy"), py::keep_alive<1, 2>())
       .def("param_views", &GeminiManager::param_views)
+      .def("param_binding", &GeminiManager::param_binding)
       .def("apply_placement", &GeminiManager::apply_placement, py::call_guard<py::gil_scoped_release>())
       .def("register_module", &GeminiManager::register_module)
       .def("pre_forward", &GeminiManager::pre_forward, py::call_guard<py::gil_scoped_release>())

@@ -223,7 +223,7 @@ void ChunkManager::add_copy(Chunk& c, Tier tier) {
   c.set_shard_ptr(tier, ptr);
   c.shard_tiers().add(tier);
   tier_bytes_[static_cast<int>(tier)].increase(static_cast<int64_t>(c.shard_bytes()));
-  if (tier == Tier::kDevice && !sharded() && listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
+  if (listener_ != nullptr) listener_->on_residency_change(c.id());
 }
 
 void ChunkManager::add_gathered(Chunk& c) {
@@ -233,7 +233,7 @@ void ChunkManager::add_gathered(Chunk& c) {
   c.set_gathered_ptr(ptr);
   tier_bytes_[static_cast<int>(Tier::kDevice)].increase(static_cast<int64_t>(c.chunk_bytes()));
   gathered_bytes_.increase(static_cast<int64_t>(c.chunk_bytes()));
-  if (listener_ != nullptr) listener_->on_device_copy(c.id(), ptr);
+  if (listener_ != nullptr) listener_->on_residency_change(c.id());
 }
 
 void ChunkManager::drop_gathered(Chunk& c) {
@@ -245,13 +245,13 @@ void ChunkManager::drop_gathered(Chunk& c) {
     backend_.stream_wait_event(StreamKind::kCompute, flying->second);
     gathers_in_flight_.erase(flying);
   }
-  if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
   // Queued compute may still read the buffer: every later writer of the slot is ordered after it
   // (collectives and compute are stream-ordered after compute, copies wait on a compute event).
   allocator_.deallocate_after(Tier::kDevice, c.gathered_ptr(), c.chunk_bytes(), last_use_events(Tier::kDevice));
   c.set_gathered_ptr(nullptr);
   tier_bytes_[static_cast<int>(Tier::kDevice)].decrease(static_cast<int64_t>(c.chunk_bytes()));
   gathered_bytes_.decrease(static_cast<int64_t>(c.chunk_bytes()));
+  if (listener_ != nullptr) listener_->on_residency_change(c.id());
 }
 
 std::shared_ptr<Event> ChunkManager::copy_event(ChunkId id) const {
@@ -276,6 +276,7 @@ void* ChunkManager::exchange_copy(ChunkId id, Tier tier, void* spare) {
   GX_INTERNAL_ASSERT(!in_flight(id), "exchange_copy of chunk ", id, " while a copy of it is in flight");
   void* old = c.shard_ptr(tier);
   c.set_shard_ptr(tier, spare);
+  if (listener_ != nullptr) listener_->on_residency_change(c.id());
   return old;
 }
 
@@ -289,15 +290,13 @@ void ChunkManager::drop_copy(Chunk& c, Tier tier) {
       // (ordered after compute) must come after it.
       backend_.stream_wait_event(StreamKind::kCompute, gathering->second);
     }
-    if (!sharded()) {
-      if (c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
-      if (listener_ != nullptr) listener_->on_device_copy(c.id(), nullptr);
-    }
+    if (!sharded() && c.gathered_ptr() == c.shard_ptr(tier)) c.set_gathered_ptr(nullptr);
   }
   allocator_.deallocate_after(tier, c.shard_ptr(tier), c.shard_bytes(), last_use_events(tier));
   c.set_shard_ptr(tier, nullptr);
   c.shard_tiers().remove(tier);
   tier_bytes_[static_cast<int>(tier)].decrease(static_cast<int64_t>(c.shard_bytes()));
+  if (listener_ != nullptr) listener_->on_residency_change(c.id());
 }
 
 std::vector<std::shared_ptr<Event>> ChunkManager::last_use_events(Tier tier) {

@@ -34,9 +34,10 @@
 //    gathered_bytes()); release(c, reshard) or ungather(c) frees it. allocate_gathered(c) gives
 //    a gathered buffer without gathering (gradients are written there, then reduce(c)).
 //    Unsharded (no communicator), the gathered view is the device copy itself.
-//  * Residency listener. The torch layer binds parameter storages to the whole chunk's device
-//    memory; the manager tells it whenever that appears or goes away: the device copy
-//    unsharded, the gathered buffer sharded.
+//  * Residency listener. The torch layer binds parameter storages to the whole chunk's memory
+//    (the device copy unsharded, the gathered buffer sharded, else a host copy the device can
+//    reach); the manager tells it after any copy of a chunk appears, goes away or changes
+//    address, and the listener reads the chunk's new residency.
 //  * Accounting. One Stat per tier counts the shard bytes chunks hold there, updated only in
 //    add_copy/drop_copy; traffic counters count bytes moved per direction. Stats never go
 //    negative (Stat asserts it). Policies read these numbers; they never call move themselves.
@@ -64,11 +65,12 @@ struct ChunkManagerConfig {
   bool pin_memory = true;       // host copies in pinned memory when the backend has it
 };
 
-// Told when a chunk's device copy is created (ptr = its memory) or dropped (ptr = nullptr).
+// Told after a copy of a chunk (any tier, or its gathered buffer) was created, dropped or
+// exchanged; the chunk's pointers already say where it lives now.
 class ResidencyListener {
  public:
   virtual ~ResidencyListener() = default;
-  virtual void on_device_copy(ChunkId id, void* ptr) = 0;
+  virtual void on_residency_change(ChunkId id) = 0;
 };
 
 struct TensorHandle {

@@ -21,6 +21,10 @@
 //  * device_memory(): memory on the device tier; host_memory(): page-locked host memory when
 //    the backend has it (cuda), plain host memory otherwise (sim). Both throw
 //    OutOfMemoryError naming the request and the knob when they cannot serve.
+//  * device_address_of_host(ptr): the address under which the device's kernels read and write
+//    the host memory at `ptr`, or nullptr when they cannot reach it. sim: `ptr` itself (its
+//    device is host memory); cuda: the mapped address of page-locked memory (over PCIe),
+//    nullptr for pageable memory. Parameters whose chunk is off the device are served so.
 #pragma once
 
 #include <memory>
@@ -52,6 +56,7 @@ class DeviceBackend {
   virtual MemoryResource& device_memory() = 0;
   virtual MemoryResource& host_memory() = 0;
   virtual bool host_memory_is_pinned() const = 0;
+  virtual void* device_address_of_host(void* host_ptr) const = 0;
 
   virtual void copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) = 0;
   // Zeroes `bytes` of device memory at `dst`, in `stream`'s order (no host buffer involved).

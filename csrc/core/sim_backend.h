@@ -53,6 +53,7 @@ class SimBackend final : public DeviceBackend {
   MemoryResource& device_memory() override { return device_limited_; }
   MemoryResource& host_memory() override { return host_; }
   bool host_memory_is_pinned() const override { return false; }
+  void* device_address_of_host(void* host_ptr) const override { return host_ptr; }
 
   void copy_async(void* dst, const void* src, size_t bytes, StreamKind stream) override;
   void zero_async(void* dst, size_t bytes, StreamKind stream) override;

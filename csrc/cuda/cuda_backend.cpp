@@ -148,6 +148,19 @@ void CudaBackend::copy_async(void* dst, const void* src, size_t bytes, StreamKin
   GX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream(kind)));
 }
 
+void* CudaBackend::device_address_of_host(void* host_ptr) const {
+  if (host_ptr == nullptr) return nullptr;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, host_ptr) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state of a failed query
+    return nullptr;
+  }
+  // Page-locked memory registered or allocated under unified addressing is mapped; pageable
+  // memory (cudaMemoryTypeUnregistered) is not reachable from kernels.
+  if (attributes.type != cudaMemoryTypeHost) return nullptr;
+  return attributes.devicePointer;
+}
+
 void CudaBackend::zero_async(void* dst, size_t bytes, StreamKind kind) {
   DeviceGuard guard(config_.device);
   GX_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream(kind)));

@@ -94,6 +94,17 @@ std::vector<at::Tensor> GeminiManager::param_views() {
   return views;
 }
 
+std::string GeminiManager::param_binding(int param) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  check_param(param);
+  switch (storages_->binding(params_[static_cast<size_t>(param)].chunk)) {
+    case StorageBinding::kDevice: return "device";
+    case StorageBinding::kHost: return "host";
+    case StorageBinding::kNone: return "none";
+  }
+  GX_INTERNAL_ASSERT(false, "unknown storage binding");
+}
+
 at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
   return tensor_view(*ctx_, mgr_, TensorHandle{id, slot}, tier);
 }

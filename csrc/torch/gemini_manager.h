@@ -141,6 +141,9 @@ class GeminiManager {
 
   // Setup.
   std::vector<at::Tensor> param_views();  // one storage-backed view per parameter, in index order
+  // Where parameter `param`'s storage points now: "device", "host" (a host copy the device
+  // reads) or "none" (access raises); see param_storage.h.
+  std::string param_binding(int param);
   void apply_placement();                 // initial moves after the host copies were filled
   int register_module(const std::vector<int>& params);
 

@@ -6,62 +6,121 @@
 #include <c10/util/strides.h>
 
 namespace gx::torch_layer {
+namespace {
+
+// Lifts the access error of a storage and gives it `data`. torch versions name the way to lift it
+// differently: clear_data_ptr_access_error_msg_() where it exists, else a swap with a fresh
+// storage, which carries the data pointer and the (cleared) access flags across.
+template <typename Impl>
+auto lift_access_error(Impl& impl, at::DataPtr&& data, int) -> decltype(impl.clear_data_ptr_access_error_msg_()) {
+  impl.clear_data_ptr_access_error_msg_();
+  impl.set_data_ptr_noswap(std::move(data));
+}
+
+template <typename Impl>
+auto lift_access_error(Impl& impl, at::DataPtr&& data, long) -> decltype(impl.swap_data_ptr(impl)) {
+  auto fresh = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), impl.nbytes(),
+                                                     std::move(data), /*allocator=*/nullptr, /*resizable=*/false);
+  impl.swap_data_ptr(*fresh);
+}
+
+}  // namespace
 
 ParamStorages::ParamStorages(ChunkManager& mgr, at::Device device) : mgr_(mgr), device_(device) {}
 
 ParamStorages::~ParamStorages() { unbind_all(); }
 
-c10::StorageImpl& ParamStorages::storage(ChunkId id) {
+ParamStorages::Entry& ParamStorages::entry(ChunkId id) {
   auto it = storages_.find(id);
   if (it == storages_.end()) {
     const Chunk& c = mgr_.chunk(id);
-    auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), 0,
-                                                      at::DataPtr(nullptr, device_), /*allocator=*/nullptr,
-                                                      /*resizable=*/false);
-    it = storages_.emplace(id, impl).first;
-    // The whole chunk's device memory: the device copy, or sharded the gathered buffer.
-    if (void* ptr = mgr_.sharded() ? c.gathered_ptr() : c.shard_ptr(Tier::kDevice)) on_device_copy(id, ptr);
+    Entry e;
+    e.impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), c.chunk_bytes(),
+                                                   at::DataPtr(nullptr, device_), /*allocator=*/nullptr,
+                                                   /*resizable=*/false);
+    it = storages_.emplace(id, std::move(e)).first;
+    rebind(id, it->second);
   }
-  return *it->second;
+  return it->second;
 }
 
 at::Tensor ParamStorages::view(ChunkId id, size_t slot_index) {
   const Chunk& c = mgr_.chunk(id);
   const TensorSlot& s = c.slot(slot_index);
-  c10::StorageImpl& impl = storage(id);
+  Entry& e = entry(id);
   auto options = at::TensorOptions().dtype(to_scalar_type(c.dtype())).device(device_);
   at::Tensor t = at::empty({0}, options);
-  // set_ checks the view against the storage's size: give it the full size for the call.
-  const size_t saved_nbytes = impl.nbytes();
-  impl.set_nbytes(c.chunk_bytes());
-  t.set_(c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&impl)), s.offset_numel, s.shape,
-         c10::contiguous_strides(s.shape));
-  impl.set_nbytes(saved_nbytes);
+  // set_ checks the view against the storage's size only; the storage always has the chunk's size.
+  t.set_(c10::Storage(e.impl), s.offset_numel, s.shape, c10::contiguous_strides(s.shape));
   return t;
 }
 
-bool ParamStorages::bound(ChunkId id) const {
+StorageBinding ParamStorages::binding(ChunkId id) const {
   auto it = storages_.find(id);
-  return it != storages_.end() && it->second->data() != nullptr;
+  return it == storages_.end() ? StorageBinding::kNone : it->second.binding;
 }
 
-void ParamStorages::on_device_copy(ChunkId id, void* ptr) {
+void ParamStorages::on_residency_change(ChunkId id) {
   auto it = storages_.find(id);
   if (it == storages_.end()) return;  // not a parameter chunk (grads, masters, states)
-  c10::StorageImpl& impl = *it->second;
-  if (ptr != nullptr) {
-    impl.set_data_ptr_noswap(at::DataPtr(ptr, device_));
-    impl.set_nbytes(mgr_.chunk(id).chunk_bytes());
-  } else {
-    impl.set_data_ptr_noswap(at::DataPtr(nullptr, device_));
-    impl.set_nbytes(0);
+  rebind(id, it->second);
+}
+
+void ParamStorages::rebind(ChunkId id, Entry& e) {
+  const Chunk& c = mgr_.chunk(id);
+  if (mgr_.sharded()) {
+    if (void* ptr = c.gathered_ptr()) return bind(e, id, ptr, StorageBinding::kDevice);
+    return refuse(e, id,
+                  "is sharded over " + std::to_string(mgr_.world_size()) +
+                      " ranks and not gathered on this one outside the engine's hooks");
   }
+  if (void* ptr = c.shard_ptr(Tier::kDevice)) return bind(e, id, ptr, StorageBinding::kDevice);
+  for (Tier tier : {Tier::kPinnedHost, Tier::kPageableHost}) {
+    void* host = c.shard_ptr(tier);
+    if (host == nullptr) continue;
+    if (void* ptr = mgr_.backend().device_address_of_host(host)) return bind(e, id, ptr, StorageBinding::kHost);
+    return refuse(e, id, "is in pageable host memory (pin_memory=False), which the device cannot read");
+  }
+  refuse(e, id, "has no copy this rank can read");
+}
+
+void ParamStorages::bind(Entry& e, ChunkId id, void* ptr, StorageBinding binding) {
+  c10::StorageImpl& impl = *e.impl;
+  impl.set_nbytes(mgr_.chunk(id).chunk_bytes());
+  if (e.binding == StorageBinding::kNone) {
+    lift_access_error(impl, at::DataPtr(ptr, device_), 0);
+  } else {
+    impl.set_data_ptr_noswap(at::DataPtr(ptr, device_));
+  }
+  e.binding = binding;
+}
+
+void ParamStorages::refuse(Entry& e, ChunkId id, const std::string& why) {
+  e.impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+  e.impl->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      "gemini_ext: the value of parameter " + parameter_names(id) + " cannot be read or written here: its chunk (" +
+      std::to_string(id) + ") " + why +
+      ". Inside `with engine.gathered([params], writable=...):` parameters are whole and current on every rank; "
+      "engine.state_dict() / model.state_dict() read every value.");
+  e.binding = StorageBinding::kNone;
+}
+
+std::string ParamStorages::parameter_names(ChunkId id) const {
+  const Chunk& c = mgr_.chunk(id);
+  const size_t shown = std::min<size_t>(c.num_slots(), 3);
+  std::string out = c.num_slots() == 1 ? "" : "among ";
+  for (size_t i = 0; i < shown; ++i) out += (i ? ", '" : "'") + c.slot(i).name + "'";
+  if (c.num_slots() > shown) out += " and " + std::to_string(c.num_slots() - shown) + " more";
+  return out;
 }
 
 void ParamStorages::unbind_all() {
-  for (auto& [id, impl] : storages_) {
-    impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
-    impl->set_nbytes(0);
+  for (auto& [id, e] : storages_) {
+    e.impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+    e.impl->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        "gemini_ext: this tensor is a view of a chunk of a closed engine (a tensor autograd saved, or a "
+        "parameter's old .data); its memory is gone. Parameters themselves hold their values after close().");
+    e.binding = StorageBinding::kNone;
   }
 }
 

@@ -225,20 +225,23 @@ def test_gradients_go_into_chunks_and_p_grad_stays_none(device):
         assert engine.grad(model.head.weight) is None
 
 
-def test_an_evicted_parameter_has_an_empty_storage_and_comes_back():
+def test_a_parameter_homed_on_the_host_is_served_from_its_host_copy_between_uses():
     model, _ = make_models()
     with gx.enable(model, config("sim", offload_param_frac=1.0)) as engine:
         p = model.blocks[0].fc1.weight
-        assert p.untyped_storage().nbytes() == 0, "home on the host: no device copy between uses"
+        idx = engine.parameter_index(p)
+        assert engine._gm.param_binding(idx) == "host", "home on the host: no device copy between uses"
+        torch.testing.assert_close(p.detach().float().cpu(), engine.state_dict()["blocks.0.fc1.weight"], rtol=0, atol=0)
         x, y = batch(model.cfg, 0, "cpu")
         seen = {}
         def look(module, args):
-            seen.setdefault("nbytes", module.weight.untyped_storage().nbytes())
+            seen.setdefault("binding", engine._gm.param_binding(idx))
 
         handle = model.blocks[0].fc1.register_forward_pre_hook(look)  # runs after the engine's pre-hook
         model(x, y).backward()
         handle.remove()
-        assert seen["nbytes"] > 0, "fetched for its forward"
+        assert seen["binding"] == "device", "fetched for its forward"
+        assert engine._gm.param_binding(idx) == "host"
         assert engine.stats()["counters"]["evictions"] > 0
 
 

@@ -257,8 +257,12 @@ TEST_F(ChunkManagerTest, CallerMistakesAreUsageErrors) {
 }
 
 struct RecordingListener : ResidencyListener {
-  std::vector<std::pair<ChunkId, bool>> events;  // (chunk, device copy present)
-  void on_device_copy(ChunkId id, void* ptr) override { events.emplace_back(id, ptr != nullptr); }
+  explicit RecordingListener(const ChunkManager& m) : mgr(m) {}
+  const ChunkManager& mgr;
+  std::vector<std::pair<ChunkId, bool>> events;  // (chunk, device copy present after the change)
+  void on_residency_change(ChunkId id) override {
+    events.emplace_back(id, mgr.chunk(id).shard_ptr(Tier::kDevice) != nullptr);
+  }
 };
 
 TEST_F(ChunkManagerTest, TransferRefreshesAStaleCopyAndKeepsBoth) {
@@ -278,8 +282,26 @@ TEST_F(ChunkManagerTest, TransferRefreshesAStaleCopyAndKeepsBoth) {
   EXPECT_EQ(mgr.traffic().d2h_bytes, 112 * 4);
 }
 
+TEST_F(ChunkManagerTest, TheListenerHearsOfHostCopiesExchangedAndMovedAfterTheyHappened) {
+  RecordingListener listener(mgr);
+  mgr.set_listener(&listener);
+  auto hs = register_floats({40}, Tier::kPageableHost);
+  fill(hs, Tier::kPageableHost);
+  void* spare = mgr.allocate_spare(0, Tier::kPageableHost);
+  void* old = mgr.exchange_copy(0, Tier::kPageableHost, spare);
+  ASSERT_EQ(listener.events.size(), 1u) << "a host copy that changes address is a residency change";
+  EXPECT_EQ(mgr.chunk(0).shard_ptr(Tier::kPageableHost), spare);
+  mgr.release_spare(0, Tier::kPageableHost, old);
+  mgr.move(0, Tier::kDevice);  // host -> device: the device copy appears, then the host copy goes
+  ASSERT_EQ(listener.events.size(), 3u);
+  EXPECT_EQ(listener.events[1], std::make_pair(ChunkId{0}, true));
+  EXPECT_EQ(listener.events[2], std::make_pair(ChunkId{0}, true)) << "told after the host copy was dropped";
+  EXPECT_EQ(mgr.chunk(0).shard_ptr(Tier::kPageableHost), nullptr);
+  mgr.set_listener(nullptr);
+}
+
 TEST_F(ChunkManagerTest, DiscardDropsACopyWithoutTrafficAndTellsTheListener) {
-  RecordingListener listener;
+  RecordingListener listener(mgr);
   mgr.set_listener(&listener);
   auto hs = register_floats({40}, Tier::kPageableHost);
   fill(hs, Tier::kPageableHost);
