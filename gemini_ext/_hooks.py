@@ -51,10 +51,14 @@ def _compiled_autograd_active() -> bool:
 class HookSet:
     """All hooks of one engine; `remove()` takes them off again."""
 
-    def __init__(self, gm, model: torch.nn.Module, params: list, scale_fn=None, on_backward_start=None):
+    def __init__(self, gm, model: torch.nn.Module, params: list, scale_fn=None, on_backward_start=None,
+                 on_forward_start=None):
         self.gm = gm
         self._on_backward_start = on_backward_start
         self._handles = []
+        if on_forward_start is not None:  # before any chunk is fetched (writes between steps land first)
+            self._handles.append(model.register_forward_pre_hook(lambda module, args: on_forward_start(),
+                                                                 prepend=True))
         self._graph_task = None  # id of the backward pass the end callback is queued for
         self._scale_fn = scale_fn
         index = {id(p): i for i, p in enumerate(params)}

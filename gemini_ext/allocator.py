@@ -113,11 +113,16 @@ def torch_allocated_bytes(device) -> int:
     return int(torch.cuda.memory_allocated(device))
 
 
+def begin_non_model_window(device) -> None:
+    """Starts measuring the peak of torch's allocations (the non-model data) on `device` from
+    now, without resetting any peak statistic: torch.cuda.max_memory_allocated() and
+    memory_stats() keep their meaning for the user (csrc/torch/allocation_window.h)."""
+    _C.allocation_window_begin(torch.device(device).index or 0)
+
+
 def non_model_peak_bytes(device) -> int:
-    """Peak bytes of torch's allocations since the last reset_peak_memory_stats: the non-model data."""
-    if mode() == "chunk":
-        return int(_C.chunk_allocator_stats()["allocated_bytes.peak"])
-    return int(torch.cuda.max_memory_allocated(device))
+    """Peak bytes of torch's allocations on `device` since begin_non_model_window."""
+    return int(_C.allocation_window_peak(torch.device(device).index or 0))
 
 
 def empty_cache() -> int:

@@ -42,6 +42,10 @@ class GeminiConfig:
     master_weights: bool = True
     device: str = "auto"
     sim_capacity: int | str | None = None
+    # Floating buffers keep their dtype inside the block, as under autocast (rotary frequencies,
+    # normalisation statistics stay fp32); True casts them to the compute precision. Either way
+    # close() gives every buffer back exactly as the model left it.
+    cast_buffers: bool = False
     # Extension (not in the original): the CPU optimizer step of host chunks runs on a background
     # thread, in forward order, while the caller goes on; the next forward waits per chunk. The
     # result is the serial step's, bit for bit. False: step() returns only once every chunk is
@@ -82,7 +86,7 @@ class GeminiConfig:
         if self.growth_factor <= 1.0:
             raise ValueError(f"growth_factor: expected > 1, got {self.growth_factor!r}.")
         for name in ("overlap_optimizer", "enable_async_reduce", "pin_memory", "master_weights",
-                     "enable_gradient_accumulation"):
+                     "enable_gradient_accumulation", "cast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}.")
         if not self.max_norm >= 0.0:
@@ -90,6 +94,12 @@ class GeminiConfig:
         if self.placement_policy == "const" and self.const_gpu_budget is None:
             raise ValueError("const_gpu_budget: placement_policy='const' needs a byte budget, got None. "
                              "Pass e.g. const_gpu_budget='8GiB'.")
+        if (self.sim_capacity is not None and self.gpu_memory_limit is not None
+                and self.gpu_memory_limit > self.sim_capacity):
+            raise ValueError(f"gpu_memory_limit: expected at most the sim device's size (sim_capacity = "
+                             f"{self.sim_capacity} bytes), got {self.gpu_memory_limit} bytes. On sim, as on cuda, "
+                             "gpu_memory_limit is what the engine plans for within the device; lower it or raise "
+                             "sim_capacity.")
         if self.chunk_config_dict is not None:
             object.__setattr__(self, "chunk_config_dict", _normalise_chunk_config(self.chunk_config_dict))
 

@@ -29,10 +29,12 @@ import warnings
 
 import torch
 
-from . import _C, allocator, checkpoint
+from . import _C, _guards, allocator, checkpoint
+from ._clipping import GradClipper
 from ._env import SETTINGS, logger
 from ._hooks import HookSet
 from ._materialize import MetaMaterializer
+from ._param_access import ParamAccess
 from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
@@ -41,6 +43,7 @@ from .policy import host_available_bytes, make_policy, mem_available_bytes, proc
 from .search import ALIGNMENT_NUMEL, search_chunk_configuration, unique_parameters, wider_search
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CHUNK_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter dtypes enable() takes
 
 def cuda_available() -> bool:
     """A CUDA build of the extension on a machine where torch sees a GPU."""
@@ -141,6 +144,7 @@ class GeminiEngine:
         self._optimizers = []
         self._optimizer_steps = 0
         self._skipped_steps = 0
+        self._clipper = GradClipper(self)
         start = time.perf_counter()
         # seconds per phase of enable(), for the log and stats(): where a large model's set-up goes
         self.setup_phases = {}
@@ -155,9 +159,17 @@ class GeminiEngine:
         if not named:
             raise ValueError(f"enable(): {type(model).__name__} has no parameters to place in chunks.")
         for name, p in named:
-            if not p.is_floating_point():
-                raise TypeError(f"enable(): parameter {name!r} has dtype {p.dtype}; only floating-point parameters "
-                                "can live in chunks. Make it a buffer, or convert it to a floating dtype.")
+            if p.dtype not in CHUNK_SOURCE_DTYPES:
+                raise TypeError(f"enable(): parameter {name!r} has dtype {p.dtype}; gemini_ext trains float32, "
+                                "bfloat16 and float16 parameters (fp32 masters, compute in `precision`), so a "
+                                f"{p.dtype} parameter would silently lose precision or meaning. Convert the model "
+                                "first (model.float()), or make a non-trainable tensor a buffer.")
+        narrower = sorted({str(p.dtype) for _, p in named if p.dtype.itemsize < self.compute_dtype.itemsize})
+        if narrower:
+            warnings.warn(f"gemini_ext: the model has {', '.join(narrower)} parameters and precision="
+                          f"{config.precision!r}: the fp32 masters start from those values (exactly), training "
+                          f"computes in {self.compute_dtype}, and close() gives the parameters back in their own "
+                          "dtype, rounded from the masters.", stacklevel=3)
         chunk_cfg = config.chunk_config_for(world_size)
         if chunk_cfg is None:
             found = search_chunk_configuration(model, config.search_range_m, config.min_chunk_size_m,
@@ -308,6 +320,7 @@ class GeminiEngine:
                     ", ".join(f"{k} {v:.2f} s" for k, v in self.setup_phases.items()))
         if logger.isEnabledFor(logging.INFO):  # /proc and the device are read only when it prints
             logger.info("enable: memory after set-up: %s", self._memory_figures())
+        _guards.engine_opened(self)  # foreign optimizers and torch's clipping see managed parameters (_guards.py)
 
     def _restore_released(self, mgr) -> None:
         """enable() failed after releasing the model's tensors: give each its value back from the
@@ -332,7 +345,7 @@ class GeminiEngine:
             self._gm.set_replica_communicator(self._replica_comm)
         self._gm.set_device_budget(self.policy.device_budget(self))
         if self.device_kind == "cuda":  # per-iteration non-model peaks start here (see _end_iteration)
-            allocator.reset_peak_memory_stats(self.compute_device)
+            allocator.begin_non_model_window(self.compute_device)
         self._gm.set_async_reduce(config.enable_async_reduce)
         self._gm.set_max_prefetch(config.max_prefetch)
         self._gm.set_overlap_optimizer(config.overlap_optimizer)
@@ -360,21 +373,32 @@ class GeminiEngine:
                     p.grad = g.to(device=p.device, dtype=p.dtype)
                     self._gm.post_accumulate_grad(i, p)
             self._gm.end_backward()
+        # [Note: buffers lose nothing]
+        # A buffer goes to the compute device (rank 0's value when sharded) keeping its dtype,
+        # as under autocast; cast_buffers=True casts floating ones to the compute dtype. At
+        # close, a buffer the model did not touch (same tensor, same version) gets back the
+        # tensor it held before, bit for bit; one the model changed or replaced (BatchNorm
+        # statistics) goes back to its original dtype and device holding what the model left.
         self._buffers = []
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is None:
                     continue
-                self._buffers.append((module, key, buf.dtype, buf.device))
-                target_dtype = dt if buf.is_floating_point() else buf.dtype
+                target_dtype = dt if (config.cast_buffers and buf.is_floating_point()) else buf.dtype
                 with torch.no_grad():
-                    buf = self._from_rank0(buf)
-                if buf.device != self.compute_device or buf.dtype != target_dtype:
-                    buf = buf.to(self.compute_device, target_dtype)
-                module._buffers[key] = buf
+                    base = self._from_rank0(buf)
+                    if base is not buf:
+                        base = base.to(buf.device)
+                    installed = base
+                    if installed.device != self.compute_device or installed.dtype != target_dtype:
+                        installed = installed.to(self.compute_device, target_dtype)
+                module._buffers[key] = installed
+                self._buffers.append((module, key, base, installed, installed._version))
         self._hooks = HookSet(self._gm, model, self._params,
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
-                              on_backward_start=self._on_backward_start)
+                              on_backward_start=self._on_backward_start,
+                              on_forward_start=self._on_forward_start)
+        self._access = ParamAccess(self, model, self._names, self._params, self._orig, dt)
         model._gemini_engine = self
 
     def _build_context(self) -> None:
@@ -385,7 +409,10 @@ class GeminiEngine:
             self._ctx = _C.DeviceContext("cuda", device_index=index, capacity_bytes=limit)
             self.compute_device = torch.device("cuda", index)
         else:
-            capacity = config.sim_capacity or SETTINGS.gpu_limit_bytes or DEFAULT_SIM_CAPACITY_BYTES
+            # gpu_memory_limit is the budget the engine plans for on sim as on cuda: within a sim
+            # device of sim_capacity bytes (the config refuses a limit above it).
+            capacity = (config.gpu_memory_limit or config.sim_capacity or SETTINGS.gpu_limit_bytes
+                        or DEFAULT_SIM_CAPACITY_BYTES)
             self._ctx = _C.DeviceContext("sim", capacity_bytes=capacity,
                                          sim_max_copy_delay_us=SETTINGS.sim_copy_delay_us, sim_seed=1)
             self.compute_device = torch.device("cpu")
@@ -500,6 +527,9 @@ class GeminiEngine:
                                "in the engine's chunks, so there can be only one. Reuse the first one.")
         self._optimizer = opt
 
+    def _on_forward_start(self) -> None:
+        self._access.absorb_writes()
+
     def _on_backward_start(self) -> None:
         if self._optimizer is not None:
             self._optimizer._arm_for_backward()
@@ -521,6 +551,23 @@ class GeminiEngine:
         finally:
             self._gm.set_no_sync(previous)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every gradient of the model: returns the total norm
+        (before clipping) and clips exactly as torch does, folded into the next step's gradient
+        factor (see _clipping.py). Call it after the last backward, before optimizer.step().
+        `foreach` is accepted for torch's signature and changes nothing."""
+        self._check_open("clip_grad_norm_")
+        return self._clipper.clip(max_norm, norm_type, error_if_nonfinite)
+
+    def gathered(self, params=None, writable: bool = False):
+        """`with engine.gathered(params=None, writable=False):` the listed parameters (default all)
+        whole and current on the compute device, their chunks held there until the block ends;
+        with writable=True, in-place edits made inside reach the fp32 masters on exit. Collective
+        when sharded: every rank enters with the same list (see _param_access.py)."""
+        self._check_open("gathered")
+        return self._access.gathered(params, writable)
+
     def grad(self, param) -> torch.Tensor | None:
         """The accumulated gradient of `param` (fp32, CPU) as it is in its chunk, or None."""
         self._check_open("grad")
@@ -540,10 +587,10 @@ class GeminiEngine:
         entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
         entry["host_bytes"] = sum(self._mgr.tier_bytes(t)["current"] for t in ("pinned_host", "pageable_host"))
         if self.device_kind == "cuda":
-            # non-model data: torch's allocator (activations, temporaries) over this iteration; the
-            # allocator's peak statistic is reset at every iteration end for this measurement
+            # non-model data: torch's allocator (activations, temporaries) over this iteration,
+            # measured in a window of our own (torch's peak statistics stay the user's)
             entry["non_model_peak_bytes"] = allocator.non_model_peak_bytes(self.compute_device)
-            allocator.reset_peak_memory_stats(self.compute_device)
+            allocator.begin_non_model_window(self.compute_device)
         else:
             entry["non_model_peak_bytes"] = 0  # on sim, activations live in host memory
         self._steps_log.append(entry)
@@ -654,6 +701,7 @@ class GeminiEngine:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
         parameters from their fp32 masters)."""
         self._check_open("state_dict")
+        self._access.absorb_writes()
         out = {}
         for key, value in self.model.state_dict(keep_vars=True).items():
             idx = self._index.get(id(value))
@@ -668,6 +716,7 @@ class GeminiEngine:
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Loads a full (plain) state dict into the chunks: masters, their 16-bit copies, buffers."""
         self._check_open("load_state_dict")
+        self._access.absorb_writes()
         own = self.model.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -689,11 +738,13 @@ class GeminiEngine:
                 else:
                     target.copy_(value)
         self._gm.synchronize()
+        self._gm.note_param_versions()
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def save_checkpoint(self, path: str) -> None:
         """Model masters, optimizer, loss scaler, step counts and RNG states (see checkpoint.py)."""
         self._check_open("save_checkpoint")
+        self._access.absorb_writes()
         checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -707,6 +758,7 @@ class GeminiEngine:
         """Restores ordinary parameters holding the current values and frees the chunks (idempotent)."""
         if self._closed:
             return
+        self._access.absorb_writes()  # in-place writes since the last step reach the masters first
         self._gm.stop_reclaiming()  # memory pressure no longer reaches this engine's chunks
         self._gm.synchronize()
         self._stats_at_close = self.stats()
@@ -837,13 +889,18 @@ class GeminiEngine:
         """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
         freed with the engine's last references to the manager."""
         with torch.no_grad():
-            for module, key, dtype, device in self._buffers:
+            for module, key, base, installed, version in self._buffers:
                 buf = module._buffers.get(key)
-                if buf is not None:
-                    module._buffers[key] = buf.to(device=device, dtype=dtype)
+                if buf is installed and buf._version == version:
+                    module._buffers[key] = base  # untouched: exactly the tensor it held before
+                elif buf is not None:
+                    module._buffers[key] = buf.to(device=base.device, dtype=base.dtype)
+        self._buffers = []
         self._hooks.remove()
+        self._access.remove()
         self._hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         self._closed = True
+        _guards.engine_closed(self)
         self.model._gemini_engine = None
         for opt in ([self._optimizer] if self._optimizer is not None else []):
             opt._hybrid = None

@@ -146,15 +146,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
         engine = self.engine
         engine._check_open("optimizer.step")
         engine._check_no_stray_grads()
+        engine._access.absorb_writes()  # in-place writes to parameters reach the masters before the step
         gm = engine._gm
         engine._end_iteration()  # the access trace of forward + backward is complete
         gm.flush_grads()
         scaler = engine.scaler
         scale = scaler.scale if scaler is not None else 1.0
-        multiplier = 1.0 / scale
+        clipped = engine._clipper.take()  # engine.clip_grad_norm_ since the last step (1.0: none)
+        multiplier = clipped / scale
         max_norm = engine.config.max_norm
         if max_norm > 0 or scaler is not None:
-            norm = math.sqrt(self._hybrid.grad_norm_sq()) / scale
+            norm = math.sqrt(self._hybrid.grad_norm_sq()) / scale * clipped
             self.last_grad_norm = norm
             if scaler is not None:
                 found_inf = not math.isfinite(norm)
@@ -177,6 +179,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         cfg = engine.config
         if not cfg.overlap_optimizer or engine.scaler is not None:
             return
+        if engine._clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
+            return
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
         needed = self._hybrid.spare_bytes_needed()
@@ -191,6 +195,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine._check_open("optimizer.zero_grad")
         self.engine._gm.zero_grad()
+        self.engine._clipper.reset()
 
     def last_step_stats(self) -> dict:
         return self._hybrid.last_step()

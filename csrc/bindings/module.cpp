@@ -11,6 +11,7 @@
 #include "core/errors.h"
 #include "core/memory_pressure.h"
 #include "core/static_placement.h"
+#include "torch/allocation_window.h"
 #include "torch/allocator_mode.h"
 #include "torch/chunk_views.h"
 #include "torch/cpu_adam_op.h"
@@ -164,6 +165,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("chunk_allocator_installed", &torch_layer::chunk_allocator_installed);
   m.def("chunk_allocator_stats", &torch_layer::chunk_allocator_stats);
   m.def("reset_chunk_allocator_peak", &torch_layer::reset_chunk_allocator_peak);
+  m.def("allocation_window_begin", &torch_layer::allocation_window_begin);
+  m.def("allocation_window_peak", &torch_layer::allocation_window_peak);
   m.def("chunk_slot_device_bytes", &torch_layer::chunk_slot_device_bytes);
   m.def("chunk_allocator_empty_cache", &torch_layer::chunk_allocator_empty_cache,
         py::call_guard<py::gil_scoped_release>());
@@ -429,6 +432,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_manager"), py::arg("sets"), py::arg("params"), py::arg("policy"), py::keep_alive<1, 2>())
       .def("param_views", &GeminiManager::param_views)
       .def("param_binding", &GeminiManager::param_binding)
+      .def("gather_for_user", &GeminiManager::gather_for_user, py::call_guard<py::gil_scoped_release>())
+      .def("release_for_user", &GeminiManager::release_for_user, py::call_guard<py::gil_scoped_release>())
+      .def("watch_params", &GeminiManager::watch_params)
+      .def("written_params", &GeminiManager::written_params)
+      .def("note_param_versions", &GeminiManager::note_param_versions)
       .def("apply_placement", &GeminiManager::apply_placement, py::call_guard<py::gil_scoped_release>())
       .def("register_module", &GeminiManager::register_module)
       .def("pre_forward", &GeminiManager::pre_forward, py::call_guard<py::gil_scoped_release>())

@@ -68,6 +68,7 @@ void* ProcessAllocator::try_allocate(size_t bytes, int device, cudaStream_t stre
   blocks_.emplace(ptr, Block{bytes, device, stream, {}});
   in_use_by_device_[device] += static_cast<int64_t>(bytes);
   stats_.allocated_bytes.increase(static_cast<int64_t>(bytes));
+  window_.add(static_cast<int64_t>(bytes));
   stats_.allocations += 1;
   return ptr;
 }
@@ -117,6 +118,7 @@ void ProcessAllocator::free(void* ptr, size_t /*bytes*/, int /*device*/, cudaStr
   GX_CUDA_CHECK(cudaFreeAsync(ptr, block.stream));
   in_use_by_device_[block.device] -= static_cast<int64_t>(block.bytes);
   stats_.allocated_bytes.decrease(static_cast<int64_t>(block.bytes));
+  window_.add(-static_cast<int64_t>(block.bytes));
   stats_.frees += 1;
 }
 
@@ -184,6 +186,11 @@ void ProcessAllocator::reset_peak() {
     uint64_t zero = 0;  // the pool's high watermark restarts from its current reservation
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero);
   }
+}
+
+void ProcessAllocator::window_begin() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  window_.begin(stats_.allocated_bytes.current);
 }
 
 size_t ProcessAllocator::limit_bytes(int device) const {

@@ -30,6 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/peak_window.h"
 #include "core/stat.h"
 
 namespace gx {
@@ -61,6 +62,10 @@ class ProcessAllocator {
 
   ProcessAllocatorStats stats() const;
   void reset_peak();
+  // The engine's per-iteration measurement of allocated bytes (core/peak_window.h): begins a
+  // window at the bytes allocated now; reset_peak() and the user's peaks are left alone.
+  void window_begin();
+  int64_t window_peak() const { return window_.peak(); }
   size_t limit_bytes(int device) const;  // 0: none
   const char* last_error() const { return last_error_; }
 
@@ -83,6 +88,7 @@ class ProcessAllocator {
   std::unordered_map<int, int64_t> in_use_by_device_;
   int64_t (*external_bytes_fn_)(int) = nullptr;
   ProcessAllocatorStats stats_;
+  PeakWindow window_;
   const char* last_error_ = "";
 };
 

@@ -153,8 +153,7 @@ void GeminiManager::apply_placement() {
 
 // --- hooks -----------------------------------------------------------------------------------
 
-int GeminiManager::register_module(const std::vector<int>& params) {
-  std::lock_guard<OwnedMutex> lock(mutex_);
+GeminiManager::Module GeminiManager::module_of_params(const std::vector<int>& params) const {
   Module m;
   for (int p : params) {
     check_param(p);
@@ -162,8 +161,53 @@ int GeminiManager::register_module(const std::vector<int>& params) {
     const ChunkId c = params_[static_cast<size_t>(p)].chunk;
     if (std::find(m.chunks.begin(), m.chunks.end(), c) == m.chunks.end()) m.chunks.push_back(c);
   }
-  modules_.push_back(std::move(m));
+  return m;
+}
+
+int GeminiManager::register_module(const std::vector<int>& params) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  modules_.push_back(module_of_params(params));
   return static_cast<int>(modules_.size() - 1);
+}
+
+void GeminiManager::gather_for_user(const std::vector<int>& params) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  GX_CHECK(!in_backward_, "engine.gathered(): not available during backward (the hooks own the chunks then); use "
+           "it between iterations.");
+  settle_all_locked();
+  fetch_for_compute_locked(module_of_params(params), /*forward=*/true, /*record=*/false);
+}
+
+void GeminiManager::release_for_user(const std::vector<int>& params) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  const Module m = module_of_params(params);
+  release_forward_locked(m);
+  if (sharded()) {
+    for (ChunkId c : m.chunks) {
+      const Chunk& chunk = mgr_.chunk(c);
+      if (chunk.gathered() && chunk.can_move()) mgr_.ungather(c);  // bounded: nothing stays gathered
+    }
+  }
+}
+
+void GeminiManager::watch_params(std::vector<at::Tensor> params) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  GX_INTERNAL_ASSERT(params.empty() || params.size() == params_.size(), "watch_params: ", params.size(),
+                     " tensors for ", params_.size(), " parameters");
+  watched_ = std::move(params);
+  watched_versions_.assign(watched_.size(), 0);
+  for (size_t i = 0; i < watched_.size(); ++i) watched_versions_[i] = watched_[i]._version();
+}
+
+std::vector<int> GeminiManager::written_params() const {
+  std::vector<int> out;
+  for (size_t i = 0; i < watched_.size(); ++i)
+    if (watched_[i]._version() != watched_versions_[i]) out.push_back(static_cast<int>(i));
+  return out;
+}
+
+void GeminiManager::note_param_versions() {
+  for (size_t i = 0; i < watched_.size(); ++i) watched_versions_[i] = watched_[i]._version();
 }
 
 namespace {
@@ -175,11 +219,11 @@ void to_compute(ChunkManager& mgr, const ParamSpec& p) {
 }
 }  // namespace
 
-void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
+void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward, bool record) {
   ctx_->sync_compute_stream();
   mgr_.poll();  // reap copies that finished (prefetches stay "in flight" until reaped)
   for (ChunkId c : m.chunks) {
-    trace_.record(c);
+    if (record) trace_.record(c);
     if (const int s = set_of_chunk(c); s >= 0) settle_locked(s);  // its CPU step, if still running
     ensure_on_device_locked(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
@@ -192,7 +236,7 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
         backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
-  prefetch_locked();
+  if (record) prefetch_locked();
 }
 
 void GeminiManager::pre_forward(int module) {
@@ -218,6 +262,10 @@ void GeminiManager::post_forward(int module) {
     for (ChunkId c : m.chunks) release_if_idle_locked(c);
     return;
   }
+  release_forward_locked(m);
+}
+
+void GeminiManager::release_forward_locked(const Module& m) {
   for (int p : m.params) {
     int& refs = forward_refs_[static_cast<size_t>(p)];
     if (refs > 0) refs -= 1;

@@ -147,6 +147,20 @@ class GeminiManager {
   void apply_placement();                 // initial moves after the host copies were filled
   int register_module(const std::vector<int>& params);
 
+  // Parameters outside the hooks (engine.gathered, state dicts). gather_for_user makes the
+  // chunks of `params` whole and current on the device and holds them in COMPUTE (not evicted,
+  // not re-sharded; collective when sharded: every rank passes the same list) without recording
+  // them in the access trace; release_for_user lets them go again (sharded: their gathered
+  // buffers are freed at once).
+  void gather_for_user(const std::vector<int>& params);
+  void release_for_user(const std::vector<int>& params);
+  // Writes made to parameters outside the hooks: the manager remembers each parameter's version
+  // counter (torch bumps it at every in-place change); written_params() lists those that moved
+  // since note_param_versions().
+  void watch_params(std::vector<at::Tensor> params);
+  std::vector<int> written_params() const;
+  void note_param_versions();
+
   // Hook bodies.
   void pre_forward(int module);
   void post_forward(int module);
@@ -272,7 +286,10 @@ class GeminiManager {
   at::Tensor slot_view(ChunkId id, size_t slot, Tier tier);
   // Fetches a module's chunks and puts its tensors in COMPUTE (forward: counted references;
   // backward: claimed until their gradient or post-backward).
-  void fetch_for_compute_locked(const Module& m, bool forward);
+  // record: a hook's access (traced, prefetch follows); false for gather_for_user.
+  void fetch_for_compute_locked(const Module& m, bool forward, bool record = true);
+  void release_forward_locked(const Module& m);  // post_forward outside backward
+  Module module_of_params(const std::vector<int>& params) const;
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
   bool make_room_locked(ChunkId requester);  // frees device bytes once; false if nothing can go
@@ -313,6 +330,8 @@ class GeminiManager {
   std::vector<int> forward_refs_;    // per parameter
   std::vector<uint8_t> backward_claimed_;  // per parameter: in COMPUTE for a pending backward
   std::vector<Module> modules_;
+  std::vector<at::Tensor> watched_;          // the parameters themselves, by index (watch_params)
+  std::vector<int64_t> watched_versions_;
   std::unique_ptr<ParamStorages> storages_;
   LruEviction lru_;
   AccessTrace trace_;

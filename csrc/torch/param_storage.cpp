@@ -50,8 +50,12 @@ at::Tensor ParamStorages::view(ChunkId id, size_t slot_index) {
   Entry& e = entry(id);
   auto options = at::TensorOptions().dtype(to_scalar_type(c.dtype())).device(device_);
   at::Tensor t = at::empty({0}, options);
-  // set_ checks the view against the storage's size only; the storage always has the chunk's size.
+  // The storage always has the chunk's size; set_ reads its data pointer, which a refusing
+  // storage does not give out, so the refusal is lifted for the call and set again after.
+  const bool refusing = e.binding == StorageBinding::kNone;
+  if (refusing) lift_access_error(*e.impl, at::DataPtr(nullptr, device_), 0);
   t.set_(c10::Storage(e.impl), s.offset_numel, s.shape, c10::contiguous_strides(s.shape));
+  if (refusing) rebind(id, e);
   return t;
 }
 

@@ -1,0 +1,177 @@
+"""Parameters touched from outside the hooks: gathered(), writes absorbed, the model's own state dicts.
+
+[Note: what a user may do to a managed parameter between steps]
+- Read it. Its storage follows the chunk (csrc/torch/param_storage.h): the device copy, or
+  unsharded a host copy the device reads; where neither holds the whole value (sharded, not
+  gathered) any access raises a RuntimeError naming the parameter and `engine.gathered`.
+- Write it in place (`with torch.no_grad(): p.mul_(0.5)`, `p.copy_(x)`). The write lands in the
+  16-bit copy the storage points at; torch bumps the parameter's version counter. Before anything
+  could overwrite or drop that copy (the next forward, the optimizer step, a state read, a
+  gather, close) `absorb_writes` moves every written value into the fp32 master and every other
+  copy: an element that still equals its master rounded to the compute dtype keeps the master's
+  full precision, any other element takes the written value. Writes through `p.data` bypass the
+  version counter; inside `gathered(writable=True)` they are caught by comparing values.
+- `engine.gathered(params, writable)`: the listed parameters whole and current on the compute
+  device (collective when sharded), their chunks held there; on exit with writable=True the
+  values are written back as above (sharded: each rank writes its shard of what it holds, so
+  every rank makes the same edits, as with FSDP's summon_full_params).
+- `model.state_dict()`: each managed parameter's entry is a CPU tensor of the parameter's
+  original dtype holding its current value (from the fp32 master, as close() would restore it),
+  tied parameters sharing one tensor; with keep_vars=True the Parameter objects themselves.
+  Collective when sharded: every rank calls it. `model.load_state_dict()` writes each value
+  into the master and the 16-bit copies (torch's own copy into the parameter is then a no-op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+
+class ParamAccess:
+    """The engine's parameters as seen from outside the hooks (see the note above)."""
+
+    def __init__(self, engine, model: torch.nn.Module, names: list[str], params: list, orig: list,
+                 compute_dtype: torch.dtype):
+        self._engine = engine
+        self._gm = engine._gm
+        self._names = names
+        self._params = params
+        self._orig = orig  # (dtype, device) per parameter, as close() restores it
+        self._dtype = compute_dtype
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._gathered_depth = 0
+        self._sd_cache = (None, {})  # (weakref to the state dict being built, {index: value})
+        self._handles = []
+        self._gm.watch_params(list(params))
+        for module in model.modules():
+            own = [(name, self._index[id(p)]) for name, p in module._parameters.items()
+                   if p is not None and id(p) in self._index]
+            if not own:
+                continue
+            self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(own)))
+            self._handles.append(module.register_load_state_dict_pre_hook(self._load_hook(own)))
+        # (closures: torch marks public hooks with an attribute, which bound methods cannot take)
+        self._handles.append(model.register_state_dict_post_hook(lambda *a: self._state_dict_done(*a)))
+        self._handles.append(model.register_load_state_dict_post_hook(lambda *a: self._load_done(*a)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._gm.watch_params([])  # the manager lets go of the parameters
+        self._gm = None  # and this object of the manager (the engine is closing)
+
+    # --- writes ------------------------------------------------------------------------------
+    def absorb_writes(self) -> None:
+        """Moves values written to parameters in place since the last call into the masters."""
+        written = self._gm.written_params()
+        if not written:
+            return
+        with torch.no_grad():
+            for i in written:
+                try:
+                    value = self._params[i].detach().float().cpu()
+                except RuntimeError:
+                    continue  # not readable here (sharded): the write itself raised
+                self._write_back(i, value)
+        self._gm.note_param_versions()
+
+    def _write_back(self, i: int, value: torch.Tensor, only_if_changed: bool = False) -> None:
+        master = self._gm.read("param", i)
+        rounded = master.to(self._dtype).float()
+        kept = value == rounded
+        if only_if_changed and bool(kept.all()):
+            return
+        self._gm.write("param", i, torch.where(kept, master, value))
+
+    # --- gathered ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params=None, writable: bool = False):
+        indices = self._indices(params)
+        if self._gathered_depth:
+            raise RuntimeError("engine.gathered(): already inside a gathered block; nest nothing, list every "
+                               "parameter you need in one call.")
+        self.absorb_writes()
+        self._gm.gather_for_user(indices)
+        self._gathered_depth += 1
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self._gathered_depth -= 1
+            try:
+                if writable and not failed:
+                    with torch.no_grad():
+                        values = [(i, self._params[i].detach().float().cpu()) for i in indices]
+                    for i, value in values:
+                        self._write_back(i, value, only_if_changed=True)
+            finally:
+                self._gm.release_for_user(indices)
+                self._gm.release_read_cache()
+                self._gm.note_param_versions()
+
+    def _indices(self, params) -> list[int]:
+        if params is None:
+            return list(range(len(self._params)))
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        out = []
+        for p in params:
+            i = self._index.get(id(p))
+            if i is None or self._params[i] is not p:
+                raise ValueError("engine.gathered(params): every entry must be a parameter of the model given to "
+                                 f"gx.enable; got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} "
+                                 "that is not one.")
+            if i not in out:
+                out.append(i)
+        return sorted(out)
+
+    # --- the model's own state dicts ----------------------------------------------------------
+    def _state_dict_hook(self, own: list[tuple[str, int]]):
+        def hook(module, state_dict, prefix, local_metadata):
+            if self._engine._closed:
+                return
+            cached_for, cache = self._sd_cache
+            if cached_for is None or cached_for() is not state_dict:
+                self.absorb_writes()
+                cache = {}
+                self._sd_cache = (weakref.ref(state_dict), cache)
+            for name, i in own:
+                key = prefix + name
+                if key not in state_dict or state_dict[key] is self._params[i]:
+                    continue  # keep_vars=True: the Parameter itself
+                if i not in cache:
+                    dtype, _ = self._orig[i]
+                    cache[i] = self._gm.read("param", i).to(dtype)
+                state_dict[key] = cache[i]
+        return hook
+
+    def _state_dict_done(self, module, state_dict, prefix, local_metadata) -> None:
+        if self._engine._closed:
+            return
+        self._sd_cache = (None, {})
+        self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
+
+    def _load_hook(self, own: list[tuple[str, int]]):
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            if self._engine._closed:
+                return
+            self.absorb_writes()
+            for name, i in own:
+                key = prefix + name
+                value = state_dict.get(key)
+                param = self._params[i]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+                    continue  # torch reports the mismatch itself
+                with torch.no_grad():
+                    self._gm.write("param", i, value.detach().to(device="cpu", dtype=torch.float32))
+                state_dict[key] = param  # torch's copy of the parameter into itself does nothing
+        return hook
+
+    def _load_done(self, module, incompatible_keys) -> None:
+        if not self._engine._closed:
+            self._gm.note_param_versions()
