@@ -11,10 +11,14 @@
   copy: an element that still equals its master rounded to the compute dtype keeps the master's
   full precision, any other element takes the written value. Writes through `p.data` bypass the
   version counter; inside `gathered(writable=True)` they are caught by comparing values.
-- `engine.gathered(params, writable)`: the listed parameters whole and current on the compute
-  device (collective when sharded), their chunks held there; on exit with writable=True the
-  values are written back as above (sharded: each rank writes its shard of what it holds, so
-  every rank makes the same edits, as with FSDP's summon_full_params).
+- `engine.gathered(params, writable)`: inside, each listed parameter is an fp32 tensor on the
+  compute device holding its master value, whole on every rank (read one chunk at a time:
+  collective when sharded, and only the listed parameters stay on the device). They are the
+  values a plain fp32 model would have, so an edit is exact; on exit with writable=True every
+  parameter whose value changed is written into its master and 16-bit copies (sharded: each
+  rank writes its shard of what it holds, so every rank makes the same edits, as with FSDP's
+  summon_full_params), and the parameters become chunk views again. It is for reading and
+  editing values between iterations, not for training steps.
 - `model.state_dict()`: each managed parameter's entry is a CPU tensor of the parameter's
   original dtype holding its current value (from the fp32 master, as close() would restore it),
   tied parameters sharing one tensor; with keep_vars=True the Parameter objects themselves.
@@ -92,13 +96,25 @@ class ParamAccess:
     def gathered(self, params=None, writable: bool = False):
         indices = self._indices(params)
         if self._gathered_depth:
-            raise RuntimeError("engine.gathered(): already inside a gathered block; nest nothing, list every "
-                               "parameter you need in one call.")
+            raise RuntimeError("engine.gathered(): already inside a gathered block; list every parameter you need in "
+                               "one call instead of nesting.")
+        if self._gm.in_backward:
+            raise RuntimeError("engine.gathered(): called during backward, where the hooks own the chunks; use it "
+                               "between iterations (after optimizer.step() or before the forward).")
         self.absorb_writes()
-        self._gm.gather_for_user(indices)
+        device = self._engine.compute_device
+        views = {}
         self._gathered_depth += 1
         failed = True
         try:
+            # One chunk gathered at a time (sharded), released before the block runs: what stays on
+            # the device is the listed parameters' fp32 values, nothing else.
+            with torch.no_grad():
+                for i in indices:
+                    value = self._gm.read_to("param", i, device, torch.float32)
+                    views[i] = self._params[i].data
+                    self._params[i].data = value
+            self._gm.release_read_cache()
             yield
             failed = False
         finally:
@@ -106,11 +122,13 @@ class ParamAccess:
             try:
                 if writable and not failed:
                     with torch.no_grad():
-                        values = [(i, self._params[i].detach().float().cpu()) for i in indices]
-                    for i, value in values:
-                        self._write_back(i, value, only_if_changed=True)
+                        for i in indices:
+                            value = self._params[i].detach().to(device="cpu", dtype=torch.float32)
+                            if not torch.equal(value, self._gm.read("param", i)):
+                                self._gm.write("param", i, value)
             finally:
-                self._gm.release_for_user(indices)
+                for i, view in views.items():
+                    self._params[i].data = view
                 self._gm.release_read_cache()
                 self._gm.note_param_versions()
 

@@ -376,9 +376,11 @@ class GeminiEngine:
         # [Note: buffers lose nothing]
         # A buffer goes to the compute device (rank 0's value when sharded) keeping its dtype,
         # as under autocast; cast_buffers=True casts floating ones to the compute dtype. At
-        # close, a buffer the model did not touch (same tensor, same version) gets back the
-        # tensor it held before, bit for bit; one the model changed or replaced (BatchNorm
-        # statistics) goes back to its original dtype and device holding what the model left.
+        # close, a buffer the model did not change (the same tensor, still equal to the cast of
+        # the original: kernels such as batch_norm update buffers without bumping their version)
+        # gets back the tensor it held before, bit for bit; one the model changed or replaced
+        # (BatchNorm statistics) goes back to its original dtype and device holding what the
+        # model left.
         self._buffers = []
         for module in model.modules():
             for key, buf in module._buffers.items():
@@ -393,7 +395,15 @@ class GeminiEngine:
                     if installed.device != self.compute_device or installed.dtype != target_dtype:
                         installed = installed.to(self.compute_device, target_dtype)
                 module._buffers[key] = installed
-                self._buffers.append((module, key, base, installed, installed._version))
+                self._buffers.append((module, key, base, installed))
+        if not config.cast_buffers and dt != torch.float32:
+            norms = [type(m).__name__ for m in model.modules()
+                     if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.affine and m.track_running_stats]
+            if norms:
+                warnings.warn(f"gemini_ext: the model has {len(norms)} {norms[0]} layer(s), whose running statistics "
+                              f"stay float32 (cast_buffers=False) while their weights compute in {dt}; torch's "
+                              "batch_norm needs both in one dtype. Pass cast_buffers=True (the statistics then run in "
+                              f"{dt}; close() gives them back as float32).", stacklevel=4)
         self._hooks = HookSet(self._gm, model, self._params,
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
                               on_backward_start=self._on_backward_start,
@@ -889,9 +899,9 @@ class GeminiEngine:
         """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
         freed with the engine's last references to the manager."""
         with torch.no_grad():
-            for module, key, base, installed, version in self._buffers:
+            for module, key, base, installed in self._buffers:
                 buf = module._buffers.get(key)
-                if buf is installed and buf._version == version:
+                if buf is installed and (buf is base or torch.equal(buf, base.to(device=buf.device, dtype=buf.dtype))):
                     module._buffers[key] = base  # untouched: exactly the tensor it held before
                 elif buf is not None:
                     module._buffers[key] = buf.to(device=base.device, dtype=base.dtype)

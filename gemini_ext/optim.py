@@ -33,8 +33,13 @@ from . import _C
 from .policy import mem_available_bytes
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-_IGNORED_FLAGS = ("foreach", "fused", "capturable")  # implementation choices; ours are fixed
-_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")  # accepted only as False
+# Accepted hints: the engine always steps with fused kernels of its own (CPU Adam on the host,
+# torch's fused Adam on the device), which is what fused=True / foreach=True ask for; the values
+# change nothing and are documented as such.
+_IGNORED_FLAGS = ("foreach", "fused")
+# Refused unless False: behaviours the engine does not have (AMSGrad, maximising, a step that is
+# captured in a CUDA graph or differentiated through).
+_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
 
 
 def check_optimizer_class(cls) -> bool:
@@ -76,7 +81,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self._adamw = check_optimizer_class(opt_cls)
         for flag in _REFUSED_FLAGS:
             if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
-                raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported; pass {flag}=False.")
+                raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported (the engine's step has no such "
+                                 f"mode); pass {flag}=False or leave it out.")
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2 if self._adamw else 0.0,
                     "decoupled_weight_decay": self._adamw}
         for key, value in kwargs.items():
@@ -169,6 +175,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 if coef < 1.0:
                     multiplier *= coef
         self._hybrid.step(self._hyper(), multiplier)
+        gm.guard_stepping_params()  # parameters of CPU steps still running refuse access until settled
         engine._optimizer_steps += 1
         if self._wrapped is not None:
             self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks

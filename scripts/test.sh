@@ -8,6 +8,8 @@ ensure_torch
 ensure_python_module tqdm tqdm
 ensure_python_module pytest pytest
 ensure_python_module matplotlib matplotlib
+ensure_python_module transformers "transformers>=4.45"   # real models from small configs (no weights downloaded)
+ensure_python_module safetensors safetensors
 ensure_cpp_toolchain
 ensure_extension
 cd "$REPO"

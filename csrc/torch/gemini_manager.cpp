@@ -153,7 +153,8 @@ void GeminiManager::apply_placement() {
 
 // --- hooks -----------------------------------------------------------------------------------
 
-GeminiManager::Module GeminiManager::module_of_params(const std::vector<int>& params) const {
+int GeminiManager::register_module(const std::vector<int>& params) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
   Module m;
   for (int p : params) {
     check_param(p);
@@ -161,33 +162,8 @@ GeminiManager::Module GeminiManager::module_of_params(const std::vector<int>& pa
     const ChunkId c = params_[static_cast<size_t>(p)].chunk;
     if (std::find(m.chunks.begin(), m.chunks.end(), c) == m.chunks.end()) m.chunks.push_back(c);
   }
-  return m;
-}
-
-int GeminiManager::register_module(const std::vector<int>& params) {
-  std::lock_guard<OwnedMutex> lock(mutex_);
-  modules_.push_back(module_of_params(params));
+  modules_.push_back(std::move(m));
   return static_cast<int>(modules_.size() - 1);
-}
-
-void GeminiManager::gather_for_user(const std::vector<int>& params) {
-  std::lock_guard<OwnedMutex> lock(mutex_);
-  GX_CHECK(!in_backward_, "engine.gathered(): not available during backward (the hooks own the chunks then); use "
-           "it between iterations.");
-  settle_all_locked();
-  fetch_for_compute_locked(module_of_params(params), /*forward=*/true, /*record=*/false);
-}
-
-void GeminiManager::release_for_user(const std::vector<int>& params) {
-  std::lock_guard<OwnedMutex> lock(mutex_);
-  const Module m = module_of_params(params);
-  release_forward_locked(m);
-  if (sharded()) {
-    for (ChunkId c : m.chunks) {
-      const Chunk& chunk = mgr_.chunk(c);
-      if (chunk.gathered() && chunk.can_move()) mgr_.ungather(c);  // bounded: nothing stays gathered
-    }
-  }
 }
 
 void GeminiManager::watch_params(std::vector<at::Tensor> params) {
@@ -219,11 +195,11 @@ void to_compute(ChunkManager& mgr, const ParamSpec& p) {
 }
 }  // namespace
 
-void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward, bool record) {
+void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
   ctx_->sync_compute_stream();
   mgr_.poll();  // reap copies that finished (prefetches stay "in flight" until reaped)
   for (ChunkId c : m.chunks) {
-    if (record) trace_.record(c);
+    trace_.record(c);
     if (const int s = set_of_chunk(c); s >= 0) settle_locked(s);  // its CPU step, if still running
     ensure_on_device_locked(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
@@ -236,7 +212,7 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward, bool
         backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
-  if (record) prefetch_locked();
+  prefetch_locked();
 }
 
 void GeminiManager::pre_forward(int module) {
@@ -262,10 +238,6 @@ void GeminiManager::post_forward(int module) {
     for (ChunkId c : m.chunks) release_if_idle_locked(c);
     return;
   }
-  release_forward_locked(m);
-}
-
-void GeminiManager::release_forward_locked(const Module& m) {
   for (int p : m.params) {
     int& refs = forward_refs_[static_cast<size_t>(p)];
     if (refs > 0) refs -= 1;

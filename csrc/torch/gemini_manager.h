@@ -147,13 +147,6 @@ class GeminiManager {
   void apply_placement();                 // initial moves after the host copies were filled
   int register_module(const std::vector<int>& params);
 
-  // Parameters outside the hooks (engine.gathered, state dicts). gather_for_user makes the
-  // chunks of `params` whole and current on the device and holds them in COMPUTE (not evicted,
-  // not re-sharded; collective when sharded: every rank passes the same list) without recording
-  // them in the access trace; release_for_user lets them go again (sharded: their gathered
-  // buffers are freed at once).
-  void gather_for_user(const std::vector<int>& params);
-  void release_for_user(const std::vector<int>& params);
   // Writes made to parameters outside the hooks: the manager remembers each parameter's version
   // counter (torch bumps it at every in-place change); written_params() lists those that moved
   // since note_param_versions().
@@ -237,6 +230,10 @@ class GeminiManager {
   bool try_settle_locked(int set_index);  // settles a finished step; false while it runs
   void settle_all_locked();
   void settle_all();
+  // After optimizer.step() returns with CPU steps still running: the parameters of those sets
+  // refuse access (param_storage.h) until each is settled; before step() a speculative step
+  // changes nothing a parameter shows, so they stay readable.
+  void guard_stepping_params();
   bool pending_locked(int set_index) const { return pending_.count(set_index) != 0; }
   size_t pending_steps() const;
   std::vector<int> pending_sets_locked() const { return {pending_order_.begin(), pending_order_.end()}; }
@@ -286,10 +283,7 @@ class GeminiManager {
   at::Tensor slot_view(ChunkId id, size_t slot, Tier tier);
   // Fetches a module's chunks and puts its tensors in COMPUTE (forward: counted references;
   // backward: claimed until their gradient or post-backward).
-  // record: a hook's access (traced, prefetch follows); false for gather_for_user.
-  void fetch_for_compute_locked(const Module& m, bool forward, bool record = true);
-  void release_forward_locked(const Module& m);  // post_forward outside backward
-  Module module_of_params(const std::vector<int>& params) const;
+  void fetch_for_compute_locked(const Module& m, bool forward);
   Tier where_current(ChunkId id) const;  // a tier holding a current copy
   void evict_locked(ChunkId id);
   bool make_room_locked(ChunkId requester);  // frees device bytes once; false if nothing can go

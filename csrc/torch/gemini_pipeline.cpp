@@ -60,6 +60,12 @@ void GeminiManager::settle_locked(int set_index) {
   }
   host_step_seconds_ += *step.seconds;
   step.complete();
+  storages_->set_stepping(sets_[static_cast<size_t>(set_index)].spec.param, false);
+}
+
+void GeminiManager::guard_stepping_params() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  for (int s : pending_order_) storages_->set_stepping(sets_[static_cast<size_t>(s)].spec.param, true);
 }
 
 bool GeminiManager::try_settle_locked(int set_index) {

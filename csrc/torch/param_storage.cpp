@@ -70,22 +70,43 @@ void ParamStorages::on_residency_change(ChunkId id) {
   rebind(id, it->second);
 }
 
+namespace {
+const char* const kGatheredFix =
+    "Inside `with engine.gathered([params], writable=...):` parameters are whole and current on every rank; "
+    "engine.state_dict() / model.state_dict() read every value.";
+}  // namespace
+
+void ParamStorages::set_stepping(ChunkId id, bool stepping) {
+  auto it = storages_.find(id);
+  if (it == storages_.end() || it->second.stepping == stepping) return;
+  it->second.stepping = stepping;
+  rebind(id, it->second);
+}
+
 void ParamStorages::rebind(ChunkId id, Entry& e) {
   const Chunk& c = mgr_.chunk(id);
+  if (e.stepping) {
+    return refuse(e, id, "is being stepped by the CPU optimizer, which optimizer.step() left running "
+                         "(overlap_optimizer)",
+                  "Call engine.synchronize() after optimizer.step() before touching parameters (the next forward, "
+                  "engine.state_dict() and engine.gathered() wait by themselves), or set overlap_optimizer=False.");
+  }
   if (mgr_.sharded()) {
     if (void* ptr = c.gathered_ptr()) return bind(e, id, ptr, StorageBinding::kDevice);
     return refuse(e, id,
                   "is sharded over " + std::to_string(mgr_.world_size()) +
-                      " ranks and not gathered on this one outside the engine's hooks");
+                      " ranks and not gathered on this one outside the engine's hooks",
+                  kGatheredFix);
   }
   if (void* ptr = c.shard_ptr(Tier::kDevice)) return bind(e, id, ptr, StorageBinding::kDevice);
   for (Tier tier : {Tier::kPinnedHost, Tier::kPageableHost}) {
     void* host = c.shard_ptr(tier);
     if (host == nullptr) continue;
     if (void* ptr = mgr_.backend().device_address_of_host(host)) return bind(e, id, ptr, StorageBinding::kHost);
-    return refuse(e, id, "is in pageable host memory (pin_memory=False), which the device cannot read");
+    return refuse(e, id, "is in pageable host memory (pin_memory=False), which the device cannot read",
+                  kGatheredFix);
   }
-  refuse(e, id, "has no copy this rank can read");
+  refuse(e, id, "has no copy this rank can read", kGatheredFix);
 }
 
 void ParamStorages::bind(Entry& e, ChunkId id, void* ptr, StorageBinding binding) {
@@ -99,20 +120,18 @@ void ParamStorages::bind(Entry& e, ChunkId id, void* ptr, StorageBinding binding
   e.binding = binding;
 }
 
-void ParamStorages::refuse(Entry& e, ChunkId id, const std::string& why) {
+void ParamStorages::refuse(Entry& e, ChunkId id, const std::string& why, const std::string& fix) {
   e.impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
   e.impl->release_data_and_set_meta_custom_data_ptr_error_msg_(
-      "gemini_ext: the value of parameter " + parameter_names(id) + " cannot be read or written here: its chunk (" +
-      std::to_string(id) + ") " + why +
-      ". Inside `with engine.gathered([params], writable=...):` parameters are whole and current on every rank; "
-      "engine.state_dict() / model.state_dict() read every value.");
+      "gemini_ext: the value of " + parameter_names(id) + " cannot be read or written here: its chunk (" +
+      std::to_string(id) + ") " + why + ". " + fix);
   e.binding = StorageBinding::kNone;
 }
 
 std::string ParamStorages::parameter_names(ChunkId id) const {
   const Chunk& c = mgr_.chunk(id);
   const size_t shown = std::min<size_t>(c.num_slots(), 3);
-  std::string out = c.num_slots() == 1 ? "" : "among ";
+  std::string out = c.num_slots() == 1 ? "parameter " : "a parameter among ";
   for (size_t i = 0; i < shown; ++i) out += (i ? ", '" : "'") + c.slot(i).name + "'";
   if (c.num_slots() > shown) out += " and " + std::to_string(c.num_slots() - shown) + " more";
   return out;

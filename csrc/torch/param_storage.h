@@ -14,10 +14,12 @@
 //   kHost    unsharded, no device copy: the chunk's host copy, at the address the device reads
 //            it under (sim: the same memory; cuda: mapped page-locked memory, read over PCIe).
 //            A parameter touched between steps is served its current value instead of nothing.
-//   kNone    sharded and not gathered (this rank holds a shard only), pageable host memory on
+//   kNone    an optimizer step of the chunk still running on the CPU after step() returned
+//            (overlap_optimizer: no copy holds the new value yet, and the old one is stale),
+//            sharded and not gathered (this rank holds a shard only), pageable host memory on
 //            cuda, or the engine closed: the storage keeps its size and any access to its data
 //            raises a RuntimeError naming the chunk's parameters and the fix (torch's
-//            data-pointer access check), never a read of freed or foreign memory.
+//            data-pointer access check), never a read of stale, freed or foreign memory.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -42,17 +44,20 @@ class ParamStorages final : public ResidencyListener {
   at::Tensor view(ChunkId id, size_t slot_index);
   StorageBinding binding(ChunkId id) const;  // kNone for a chunk without a storage
   void on_residency_change(ChunkId id) override;
+  // The chunk's values are being replaced by a CPU optimizer step (pending) or are settled.
+  void set_stepping(ChunkId id, bool stepping);
   void unbind_all();  // every storage raises on access from now on (the engine is closing)
 
  private:
   struct Entry {
     c10::intrusive_ptr<c10::StorageImpl> impl;
     StorageBinding binding = StorageBinding::kNone;
+    bool stepping = false;
   };
   Entry& entry(ChunkId id);
   void rebind(ChunkId id, Entry& e);
   void bind(Entry& e, ChunkId id, void* ptr, StorageBinding binding);
-  void refuse(Entry& e, ChunkId id, const std::string& why);
+  void refuse(Entry& e, ChunkId id, const std::string& why, const std::string& fix);
   std::string parameter_names(ChunkId id) const;
 
   ChunkManager& mgr_;
