@@ -8,20 +8,41 @@
 namespace gx::torch_layer {
 namespace {
 
-// Lifts the access error of a storage and gives it `data`. torch versions name the way to lift it
-// differently: clear_data_ptr_access_error_msg_() where it exists, else a swap with a fresh
-// storage, which carries the data pointer and the (cleared) access flags across.
+// Lifting a storage's access error. torch 2.13 has clear_data_ptr_access_error_msg_(); older
+// versions (2.11) set the error (release_data_and_set_meta_custom_data_ptr_error_msg_) but have
+// no public way to clear it, so there the flag and its cached check are reached through an
+// explicit instantiation, which C++ exempts from access checks ([temp.spec.general]). Both
+// members exist in every torch this builds against; a rename would fail to compile, not misbehave.
+template <typename Tag, typename Tag::type Member>
+struct PrivateMember {
+  friend typename Tag::type private_member(Tag) { return Member; }
+};
+struct ThrowOnDataPtr {
+  using type = bool c10::StorageImpl::*;
+  friend type private_member(ThrowOnDataPtr);
+};
+struct RefreshDataPtrCheck {
+  using type = void (c10::StorageImpl::*)();
+  friend type private_member(RefreshDataPtrCheck);
+};
+template struct PrivateMember<ThrowOnDataPtr, &c10::StorageImpl::throw_on_immutable_data_ptr_>;
+template struct PrivateMember<RefreshDataPtrCheck, &c10::StorageImpl::refresh_has_data_ptr_check>;
+
 template <typename Impl>
-auto lift_access_error(Impl& impl, at::DataPtr&& data, int) -> decltype(impl.clear_data_ptr_access_error_msg_()) {
+auto clear_access_error(Impl& impl, int) -> decltype(impl.clear_data_ptr_access_error_msg_()) {
   impl.clear_data_ptr_access_error_msg_();
-  impl.set_data_ptr_noswap(std::move(data));
 }
 
 template <typename Impl>
-auto lift_access_error(Impl& impl, at::DataPtr&& data, long) -> decltype(impl.swap_data_ptr(impl)) {
-  auto fresh = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), impl.nbytes(),
-                                                     std::move(data), /*allocator=*/nullptr, /*resizable=*/false);
-  impl.swap_data_ptr(*fresh);
+void clear_access_error(Impl& impl, long) {
+  impl.*private_member(ThrowOnDataPtr{}) = false;
+  (impl.*private_member(RefreshDataPtrCheck{}))();
+}
+
+// Lifts the access error of a storage and gives it `data`.
+void lift_access_error(c10::StorageImpl& impl, at::DataPtr&& data) {
+  clear_access_error(impl, 0);
+  impl.set_data_ptr_noswap(std::move(data));
 }
 
 }  // namespace
@@ -53,7 +74,7 @@ at::Tensor ParamStorages::view(ChunkId id, size_t slot_index) {
   // The storage always has the chunk's size; set_ reads its data pointer, which a refusing
   // storage does not give out, so the refusal is lifted for the call and set again after.
   const bool refusing = e.binding == StorageBinding::kNone;
-  if (refusing) lift_access_error(*e.impl, at::DataPtr(nullptr, device_), 0);
+  if (refusing) lift_access_error(*e.impl, at::DataPtr(nullptr, device_));
   t.set_(c10::Storage(e.impl), s.offset_numel, s.shape, c10::contiguous_strides(s.shape));
   if (refusing) rebind(id, e);
   return t;
@@ -113,7 +134,7 @@ void ParamStorages::bind(Entry& e, ChunkId id, void* ptr, StorageBinding binding
   c10::StorageImpl& impl = *e.impl;
   impl.set_nbytes(mgr_.chunk(id).chunk_bytes());
   if (e.binding == StorageBinding::kNone) {
-    lift_access_error(impl, at::DataPtr(ptr, device_), 0);
+    lift_access_error(impl, at::DataPtr(ptr, device_));
   } else {
     impl.set_data_ptr_noswap(at::DataPtr(ptr, device_));
   }
