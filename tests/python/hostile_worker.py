@@ -279,6 +279,8 @@ def check_close_gives_buffers_back(ctx):
         "torch's clip_grad_norm_ was not put back at close"
     for name, p in ctx.model.named_parameters():
         float(p.sum())  # ordinary tensors again
+    sgd = torch.optim.SGD(ctx.model.parameters(), lr=0.0)
+    sgd.step()  # the engine's step pre-hook is gone with the engine
 
 
 CHECKS = [check_train, check_read_right_after_the_step, check_evicted_between_steps, check_touch_every_parameter, check_write_in_place,

@@ -195,3 +195,15 @@ def test_gpu_memory_limit_is_the_planning_budget_on_sim_too():
     assert stats["counters"]["evictions"] > 0
     with pytest.raises(ValueError, match="gpu_memory_limit.*sim_capacity"):
         gx.GeminiConfig(device="sim", gpu_memory_limit="2MiB", sim_capacity="1MiB")
+
+
+@pytest.mark.cuda
+def test_pageable_host_copies_are_refused_on_cuda_and_served_by_gathered():
+    model, _ = make_models()
+    with gx.enable(model, config("cuda", pin_memory=False, offload_param_frac=1.0)) as engine:
+        w = model.blocks[0].fc1.weight
+        with pytest.raises(RuntimeError, match="pin_memory=False"):
+            w.sum()
+        expected = engine.state_dict()["blocks.0.fc1.weight"]
+        with engine.gathered([w]):
+            assert torch.equal(w.detach().cpu(), expected)
