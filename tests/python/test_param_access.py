@@ -32,25 +32,41 @@ def _reference_steps(model, steps, device, clip=None, edit=None, start=0):
     return norms
 
 
+def _train_managed(model, device, steps, before=None, after_backward=None) -> list:
+    """Trains `model` under the engine with chunks evicted between the steps; `before(engine,
+    step)` runs before each forward, `after_backward(engine)` after each backward (its results are
+    returned). Checks that the model's own state dict is the engine's at the end."""
+    out = []
+    cfg = config(device, **chunk_cap(device, 5 * CHUNK_BYTES_FP32))
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(steps):
+            if before is not None:
+                before(engine, step)
+            x, y = batch(model.cfg, step, engine.compute_device)
+            model(x, y).backward()
+            if after_backward is not None:
+                out.append(after_backward(engine))
+            opt.step()
+            opt.zero_grad()
+        inside = model.state_dict()
+        assert all(torch.equal(inside[k], v) for k, v in engine.state_dict().items())
+    return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["engine", "torch"])
 def test_clipping_matches_torch_clip_grad_norm(device, how):
     model, reference = make_models()
     dev = torch_device(device)
-    reference.to(dev)
-    expected = _reference_steps(reference, 4, dev, clip=0.05)  # small enough to clip at every step
-    norms = []
-    cfg = config(device, **chunk_cap(device, 5 * CHUNK_BYTES_FP32))
-    with gx.enable(model, cfg) as engine:
-        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        for step in range(4):
-            x, y = batch(model.cfg, step, engine.compute_device)
-            model(x, y).backward()
-            clip = engine.clip_grad_norm_ if how == "engine" else \
-                (lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))
-            norms.append(float(clip(0.05)))
-            opt.step()
-            opt.zero_grad()
+    expected = _reference_steps(reference.to(dev), 4, dev, clip=0.05)  # small enough to clip at every step
+
+    def clip(engine):
+        if how == "engine":
+            return float(engine.clip_grad_norm_(0.05))
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+
+    norms = _train_managed(model, device, 4, after_backward=clip)
     for got, want in zip(norms, expected):
         assert got == pytest.approx(want, rel=1e-5)
     assert min(expected) > 0.05, "the case must clip"
@@ -95,27 +111,21 @@ def _halve_and_zero(model):
 def test_edits_between_steps_train_on_exactly_as_on_a_plain_model(device, how):
     model, reference = make_models()
     dev = torch_device(device)
-    reference.to(dev)
-    _reference_steps(reference, 4, dev, edit=(2, _halve_and_zero))
-    cfg = config(device, **chunk_cap(device, 5 * CHUNK_BYTES_FP32))  # chunks evicted between the steps
-    with gx.enable(model, cfg) as engine:
-        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        for step in range(4):
-            if step == 2:
-                if how == "gathered":
-                    with engine.gathered([model.ln_f.weight, model.blocks[1].fc1.weight], writable=True):
-                        with torch.no_grad():
-                            _halve_and_zero(model)
-                else:
-                    engine.synchronize()  # the CPU steps optimizer.step() left running (overlap_optimizer)
-                    with torch.no_grad():
-                        _halve_and_zero(model)
-            x, y = batch(model.cfg, step, engine.compute_device)
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        inside = model.state_dict()
-        assert all(torch.equal(inside[k], v) for k, v in engine.state_dict().items())
+    _reference_steps(reference.to(dev), 4, dev, edit=(2, _halve_and_zero))
+
+    def edit(engine, step):
+        if step != 2:
+            return
+        if how == "gathered":
+            with engine.gathered([model.ln_f.weight, model.blocks[1].fc1.weight], writable=True):
+                with torch.no_grad():
+                    _halve_and_zero(model)
+        else:
+            engine.synchronize()  # the CPU steps optimizer.step() left running (overlap_optimizer)
+            with torch.no_grad():
+                _halve_and_zero(model)
+
+    _train_managed(model, device, 4, before=edit)
     worst = max(max_relative_difference(model, reference).values())
     assert worst < 1e-5, worst
 
