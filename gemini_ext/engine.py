@@ -759,7 +759,9 @@ class GeminiEngine:
 
     def load_checkpoint(self, path: str) -> None:
         self._check_open("load_checkpoint")
+        self._access.absorb_writes()
         checkpoint.load(self, path)
+        self._gm.note_param_versions()
 
     def chunk_info(self, chunk_id: int) -> dict:
         return self._mgr.chunk_info(chunk_id)
