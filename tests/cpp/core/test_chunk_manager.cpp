@@ -283,10 +283,14 @@ TEST_F(ChunkManagerTest, TransferRefreshesAStaleCopyAndKeepsBoth) {
 }
 
 TEST_F(ChunkManagerTest, TheListenerHearsOfHostCopiesExchangedAndMovedAfterTheyHappened) {
-  RecordingListener listener(mgr);
-  mgr.set_listener(&listener);
   auto hs = register_floats({40}, Tier::kPageableHost);
   fill(hs, Tier::kPageableHost);
+  RecordingListener listener(mgr);
+  mgr.set_listener(&listener);
+  struct Unset {
+    ChunkManager& m;
+    ~Unset() { m.set_listener(nullptr); }
+  } unset{mgr};  // the manager outlives the listener on every path out of the test
   void* spare = mgr.allocate_spare(0, Tier::kPageableHost);
   void* old = mgr.exchange_copy(0, Tier::kPageableHost, spare);
   ASSERT_EQ(listener.events.size(), 1u) << "a host copy that changes address is a residency change";
@@ -297,14 +301,13 @@ TEST_F(ChunkManagerTest, TheListenerHearsOfHostCopiesExchangedAndMovedAfterTheyH
   EXPECT_EQ(listener.events[1], std::make_pair(ChunkId{0}, true));
   EXPECT_EQ(listener.events[2], std::make_pair(ChunkId{0}, true)) << "told after the host copy was dropped";
   EXPECT_EQ(mgr.chunk(0).shard_ptr(Tier::kPageableHost), nullptr);
-  mgr.set_listener(nullptr);
 }
 
 TEST_F(ChunkManagerTest, DiscardDropsACopyWithoutTrafficAndTellsTheListener) {
-  RecordingListener listener(mgr);
-  mgr.set_listener(&listener);
   auto hs = register_floats({40}, Tier::kPageableHost);
   fill(hs, Tier::kPageableHost);
+  RecordingListener listener(mgr);
+  mgr.set_listener(&listener);
   mgr.access(0);
   ASSERT_EQ(listener.events.size(), 1u);
   EXPECT_EQ(listener.events[0], std::make_pair(ChunkId{0}, true));
