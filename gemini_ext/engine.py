@@ -13,8 +13,10 @@
    chunk's device copy (see csrc/torch/param_storage.h).
 3. Each parameter, still the same Python object, gets `.data` = a view into its chunk storage
    (dtype = compute dtype, device = the compute device: cuda, or cpu for the sim device).
-   Floating buffers are cast to the compute dtype on the compute device.
-4. Hooks are registered (gemini_ext/_hooks.py); their bodies are C++.
+   Buffers move to the compute device, keeping their dtype unless cast_buffers (_buffers.py).
+4. Hooks are registered (gemini_ext/_hooks.py); their bodies are C++. Parameters touched from
+   outside the hooks are served by _param_access.py; _guards.py catches foreign optimizers and
+   torch's clipping on managed parameters while the engine is open.
 Closing (or leaving the `with` block) gives every parameter back an ordinary tensor of its
 original dtype and device holding the current fp32 master value, restores buffers, removes the
 hooks and frees the chunk pools.
@@ -30,6 +32,7 @@ import warnings
 import torch
 
 from . import _C, _guards, allocator, checkpoint
+from ._buffers import BufferPlacement
 from ._clipping import GradClipper
 from ._env import SETTINGS, logger
 from ._hooks import HookSet
@@ -373,37 +376,8 @@ class GeminiEngine:
                     p.grad = g.to(device=p.device, dtype=p.dtype)
                     self._gm.post_accumulate_grad(i, p)
             self._gm.end_backward()
-        # [Note: buffers lose nothing]
-        # A buffer goes to the compute device (rank 0's value when sharded) keeping its dtype,
-        # as under autocast; cast_buffers=True casts floating ones to the compute dtype. At
-        # close, a buffer the model did not change (the same tensor, still equal to the cast of
-        # the original: kernels such as batch_norm update buffers without bumping their version)
-        # gets back the tensor it held before, bit for bit; one the model changed or replaced
-        # (BatchNorm statistics) goes back to its original dtype and device holding what the
-        # model left.
-        self._buffers = []
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is None:
-                    continue
-                target_dtype = dt if (config.cast_buffers and buf.is_floating_point()) else buf.dtype
-                with torch.no_grad():
-                    base = self._from_rank0(buf)
-                    if base is not buf:
-                        base = base.to(buf.device)
-                    installed = base
-                    if installed.device != self.compute_device or installed.dtype != target_dtype:
-                        installed = installed.to(self.compute_device, target_dtype)
-                module._buffers[key] = installed
-                self._buffers.append((module, key, base, installed))
-        if not config.cast_buffers and dt != torch.float32:
-            norms = [type(m).__name__ for m in model.modules()
-                     if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.affine and m.track_running_stats]
-            if norms:
-                warnings.warn(f"gemini_ext: the model has {len(norms)} {norms[0]} layer(s), whose running statistics "
-                              f"stay float32 (cast_buffers=False) while their weights compute in {dt}; torch's "
-                              "batch_norm needs both in one dtype. Pass cast_buffers=True (the statistics then run in "
-                              f"{dt}; close() gives them back as float32).", stacklevel=4)
+        self._buffers = BufferPlacement(model, self.compute_device, dt, config.cast_buffers,
+                                        lambda buf: self._from_rank0(buf))  # see _buffers.py
         self._hooks = HookSet(self._gm, model, self._params,
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
                               on_backward_start=self._on_backward_start,
@@ -900,14 +874,7 @@ class GeminiEngine:
     def _release_engine(self) -> None:
         """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
         freed with the engine's last references to the manager."""
-        with torch.no_grad():
-            for module, key, base, installed in self._buffers:
-                buf = module._buffers.get(key)
-                if buf is installed and (buf is base or torch.equal(buf, base.to(device=buf.device, dtype=buf.dtype))):
-                    module._buffers[key] = base  # untouched: exactly the tensor it held before
-                elif buf is not None:
-                    module._buffers[key] = buf.to(device=base.device, dtype=base.dtype)
-        self._buffers = []
+        self._buffers.restore()
         self._hooks.remove()
         self._access.remove()
         self._hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
