@@ -77,7 +77,8 @@ class ParamAccess:
         with torch.no_grad():
             for i in written:
                 try:
-                    value = self._params[i].detach().float().cpu()
+                    # a copy: on sim an fp32 parameter's .cpu() would be the chunk memory itself
+                    value = self._params[i].detach().to(device="cpu", dtype=torch.float32, copy=True)
                 except RuntimeError:
                     continue  # not readable here (sharded): the write itself raised
                 self._write_back(i, value)
@@ -123,7 +124,7 @@ class ParamAccess:
                 if writable and not failed:
                     with torch.no_grad():
                         for i in indices:
-                            value = self._params[i].detach().to(device="cpu", dtype=torch.float32)
+                            value = self._params[i].detach().to(device="cpu", dtype=torch.float32, copy=True)
                             if not torch.equal(value, self._gm.read("param", i)):
                                 self._gm.write("param", i, value)
             finally:
