@@ -54,7 +54,7 @@ class GradClipper:
             return math.sqrt(engine._optimizer._hybrid.grad_norm_sq())
         # Any other order: from the gradients themselves (read_grad gathers when sharded).
         total = 0.0
-        for i, p in enumerate(engine.parameters()):
+        for p in engine.parameters():
             if not p.requires_grad:
                 continue
             g = engine.grad(p)

@@ -52,8 +52,8 @@ def _owner(p):
     for engine in list(_engines):
         if engine._closed:
             continue
-        i = engine._index.get(id(p))
-        if i is not None and engine._params[i] is p:
+        i = engine.find_parameter(p)
+        if i is not None:
             return engine, i
     return None
 

@@ -37,22 +37,19 @@ import torch
 class ParamAccess:
     """The engine's parameters as seen from outside the hooks (see the note above)."""
 
-    def __init__(self, engine, model: torch.nn.Module, names: list[str], params: list, orig: list,
-                 compute_dtype: torch.dtype):
+    def __init__(self, engine, model: torch.nn.Module, params: list, orig: list, compute_dtype: torch.dtype):
         self._engine = engine
         self._gm = engine._gm
-        self._names = names
         self._params = params
         self._orig = orig  # (dtype, device) per parameter, as close() restores it
         self._dtype = compute_dtype
-        self._index = {id(p): i for i, p in enumerate(params)}
         self._gathered_depth = 0
         self._sd_cache = (None, {})  # (weakref to the state dict being built, {index: value})
         self._handles = []
         self._gm.watch_params(list(params))
         for module in model.modules():
-            own = [(name, self._index[id(p)]) for name, p in module._parameters.items()
-                   if p is not None and id(p) in self._index]
+            own = [(name, i) for name, p in module._parameters.items()
+                   if p is not None and (i := engine.find_parameter(p)) is not None]
             if not own:
                 continue
             self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(own)))
@@ -140,8 +137,8 @@ class ParamAccess:
             params = [params]
         out = []
         for p in params:
-            i = self._index.get(id(p))
-            if i is None or self._params[i] is not p:
+            i = self._engine.find_parameter(p)
+            if i is None:
                 raise ValueError("engine.gathered(params): every entry must be a parameter of the model given to "
                                  f"gx.enable; got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} "
                                  "that is not one.")

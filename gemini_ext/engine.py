@@ -377,12 +377,12 @@ class GeminiEngine:
                     self._gm.post_accumulate_grad(i, p)
             self._gm.end_backward()
         self._buffers = BufferPlacement(model, self.compute_device, dt, config.cast_buffers,
-                                        lambda buf: self._from_rank0(buf))  # see _buffers.py
+                                        self._from_rank0)  # see _buffers.py
         self._hooks = HookSet(self._gm, model, self._params,
                               scale_fn=(lambda: self.scaler.scale) if self.scaler is not None else None,
                               on_backward_start=self._on_backward_start,
                               on_forward_start=self._on_forward_start)
-        self._access = ParamAccess(self, model, self._names, self._params, self._orig, dt)
+        self._access = ParamAccess(self, model, self._params, self._orig, dt)
         model._gemini_engine = self
 
     def _build_context(self) -> None:
@@ -482,9 +482,14 @@ class GeminiEngine:
         """The managed parameters (each shared parameter once), in chunk order."""
         return list(self._params)
 
-    def parameter_index(self, param) -> int:
+    def find_parameter(self, param) -> int | None:
+        """The index of `param` among the managed parameters, or None if this engine does not manage it."""
         idx = self._index.get(id(param))
-        if idx is None or self._params[idx] is not param:
+        return idx if idx is not None and self._params[idx] is param else None
+
+    def parameter_index(self, param) -> int:
+        idx = self.find_parameter(param)
+        if idx is None:
             raise ValueError("gemini_ext: the tensor is not a parameter managed by this engine (pass parameters of "
                              "the model given to gx.enable).")
         return idx

@@ -11,7 +11,6 @@ downloaded) and the project's GPT.
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import traceback
