@@ -11,8 +11,13 @@ Systems (--only picks some):
   gemini-static    gemini_ext, optimizer state on the host, the CPU step overlapped (default)
   gemini-serial    the same with overlap_optimizer=False: the CPU step inside optimizer.step()
   gemini-auto      gemini_ext's auto policy (optimizer state on the device where it fits)
-  deepspeed        DeepSpeed ZeRO-3 + offload, ColossalAI Gemini: run when importable, else
-  colossalai       reported as skipped (neither is installed on the H200 machine)
+  deepspeed-offload        DeepSpeed ZeRO-3, parameters and optimizer offloaded, DeepSpeedCPUAdam
+  deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded
+  colossalai-static        ColossalAI GeminiPlugin static (offload_optim_frac=1.0), HybridAdam
+  colossalai-auto          ColossalAI GeminiPlugin auto, HybridAdam
+The DeepSpeed and ColossalAI rows (bench/peers_train.py) run where the package is importable on a
+CUDA machine and are reported as skipped elsewhere; --peer-stubs passes the folder of import-only
+stand-ins ColossalAI needs where some of its optional imports are missing.
 The budget caps torch's allocator for the peers (set_per_process_memory_fraction) and is
 gemini_ext's gpu_memory_limit (chunks plus activations).
 
@@ -41,6 +46,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMINI = os.path.join(REPO, "examples", "train_gpt.py")
 PEER = os.path.join(REPO, "bench", "fsdp2_train.py")
+OTHER_PEERS = os.path.join(REPO, "bench", "peers_train.py")
 
 RATES = r"""
 import json, sys, time
@@ -111,8 +117,8 @@ def systems(budget: str | None) -> dict[str, tuple[str, list[str]]]:
         "gemini-static": (GEMINI, ["--policy", "static", *gx_budget]),
         "gemini-serial": (GEMINI, ["--policy", "static", "--no-overlap", *gx_budget]),
         "gemini-auto": (GEMINI, ["--policy", "auto", *gx_budget]),
-        "deepspeed": ("deepspeed", []),
-        "colossalai": ("colossalai", []),
+        **{name: (OTHER_PEERS, ["--system", name, *peer_budget])
+           for name in ("deepspeed-offload", "deepspeed-offload-optim", "colossalai-static", "colossalai-auto")},
     }
 
 
@@ -220,11 +226,18 @@ def run_job(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def peer_unavailable(name: str) -> str | None:
+    """Why a DeepSpeed or ColossalAI row cannot run here, or None."""
+    package = name.split("-")[0]
+    if importlib.util.find_spec(package) is None:
+        return f"{package} is not importable here"
+    import torch
+    if not torch.cuda.is_available():
+        return f"{package} offload needs a CUDA device"
+    return None
+
+
 def run_system(script: str, extra: list[str], common: list[str], timeout: int) -> dict:
-    if script in ("deepspeed", "colossalai"):
-        if importlib.util.find_spec(script) is None:
-            return {"skipped": f"{script} is not importable here"}
-        return {"skipped": f"{script} is importable but its runner is not written yet"}
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
@@ -261,8 +274,8 @@ def host_params_and_pcie(name: str, s: dict) -> tuple[int, float | None]:
         pcie = last_iteration["h2d_bytes"] + last_iteration["d2h_bytes"]
         last = s.get("last_optimizer_step") or {}
         return int(last.get("host_params", n)), pcie
-    if name == "fsdp2-offload":
-        return n, None
+    if name in ("fsdp2-offload", "colossalai-static") or name.startswith("deepspeed"):
+        return n, None  # every parameter stepped on the CPU; PCIe bytes not reported by these systems
     return 0, None
 
 
@@ -349,11 +362,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--timeout", type=int, default=900, help="seconds per system")
     p.add_argument("--out", default=None, help="path prefix for .md, .json and .png")
     p.add_argument("--smoke", action="store_true", help="gpt-tiny: gemini_ext on sim, the peers on the CPU")
+    p.add_argument("--peer-stubs", default=None, help="import-only stand-ins for ColossalAI (see peers_train.py)")
     args = p.parse_args(argv)
     names = list(systems(None))
     if args.smoke:
         args.preset, args.steps, args.batch, args.seq, args.budget = "tiny", 3, 2, 16, None
-        names = ["plain", "gemini-static", "gemini-serial", "gemini-auto", "deepspeed"]
+        names = ["plain", "gemini-static", "gemini-serial", "gemini-auto"]
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
         unknown = set(names) - set(systems(None))
@@ -372,7 +386,10 @@ def main(argv=None) -> list[dict]:
         script, extra = systems(args.budget)[name]
         if args.smoke and script == GEMINI:
             extra = extra + ["--device", "sim"]
-        s = run_system(script, extra, common, args.timeout)
+        if script == OTHER_PEERS and args.peer_stubs:
+            extra = extra + ["--stubs", os.path.abspath(args.peer_stubs)]
+        why_not = peer_unavailable(name) if script == OTHER_PEERS else None
+        s = {"skipped": why_not} if why_not else run_system(script, extra, common, args.timeout)
         results.append((name, s))
         print(f"{name}: " + (s.get("error") or s.get("skipped") or f"{s['tokens_per_s']:,.0f} tokens/s"), flush=True)
     fsdp2 = next((s["tokens_per_s"] for n, s in results if n == "fsdp2-offload" and "tokens_per_s" in s), None)

@@ -72,8 +72,7 @@ def test_offload_bench_smoke(tmp_path):
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "offload.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
-    assert list(rows) == ["plain", "gemini-static", "gemini-serial", "gemini-auto", "deepspeed"]
-    assert rows["deepspeed"].get("skipped") or rows["deepspeed"].get("error") is None
+    assert list(rows) == ["plain", "gemini-static", "gemini-serial", "gemini-auto"]
     for name in ("plain", "gemini-static", "gemini-serial", "gemini-auto"):
         r = rows[name]
         assert "error" not in r, r

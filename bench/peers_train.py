@@ -1,0 +1,199 @@
+"""The other peers: the example GPT trained with DeepSpeed ZeRO-3 + offload or ColossalAI's Gemini,
+under torchrun. Same model, synthetic batches, AdamW settings, clipping and summary keys as
+examples/train_gpt.py and bench/fsdp2_train.py, so bench/offload.py puts all of them side by side.
+
+    torchrun --nproc-per-node 1 bench/peers_train.py --system deepspeed-offload --preset 1.3b
+    torchrun --nproc-per-node 1 bench/peers_train.py --system colossalai-auto --preset 1.3b \
+        --stubs DIR          # import-only stand-ins for packages ColossalAI imports but never calls
+
+Systems:
+  deepspeed-offload        ZeRO-3, parameters and optimizer state offloaded to pinned host memory,
+                           DeepSpeedCPUAdam (AdamW mode), bf16
+  deepspeed-offload-optim  ZeRO-3, only the optimizer state offloaded
+  colossalai-static        GeminiPlugin(placement_policy="static", offload_optim_frac=1.0), HybridAdam
+  colossalai-auto          GeminiPlugin(placement_policy="auto"), HybridAdam
+Neither package is a dependency of gemini_ext: install them yourself (both JIT-build their CPU Adam
+and CUDA kernels on first use, which takes minutes; set TORCH_EXTENSIONS_DIR to keep them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from fsdp2_train import GPT, GPT_PRESETS, _parse_bytes, checkpoint_blocks, synthetic_batch
+
+SYSTEMS = ("deepspeed-offload", "deepspeed-offload-optim", "colossalai-static", "colossalai-auto")
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system", choices=SYSTEMS, required=True)
+    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="125m")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    p.add_argument("--device-budget", default=None,
+                   help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
+    p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stubs", default=None,
+                   help="a folder appended to sys.path after transformers and peft are imported (ColossalAI)")
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def deepspeed_engine(model, args):
+    import deepspeed
+
+    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if args.system == "deepspeed-offload":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": list(BETAS), "eps": EPS,
+                                                   "weight_decay": WEIGHT_DECAY}},
+        "bf16": {"enabled": True},
+        "gradient_clipping": args.max_norm,
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def train_step(x, y) -> tuple[torch.Tensor, float]:
+        loss = engine(x, y)
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        before = time.perf_counter()
+        engine.step()
+        return loss, before
+
+    return train_step
+
+
+def colossalai_engine(model, args):
+    import transformers  # noqa: F401  (their availability probes run before the stand-ins are visible)
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        pass
+    if args.stubs:
+        sys.path.append(args.stubs)
+    import colossalai
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import GeminiPlugin
+    from colossalai.nn.optimizer import HybridAdam
+
+    colossalai.launch_from_torch(seed=args.seed, verbose=False)
+    if args.system == "colossalai-static":
+        plugin = GeminiPlugin(placement_policy="static", offload_optim_frac=1.0, offload_param_frac=0.0,
+                              precision="bf16", max_norm=args.max_norm, pin_memory=True)
+    else:
+        plugin = GeminiPlugin(placement_policy="auto", precision="bf16", max_norm=args.max_norm, pin_memory=True)
+    booster = Booster(plugin=plugin)
+    optimizer = HybridAdam(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                           adamw_mode=True)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+
+    def train_step(x, y) -> tuple[torch.Tensor, float]:
+        loss = model(x, y)
+        booster.backward(loss, optimizer)
+        torch.cuda.synchronize()
+        before = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, before
+
+    return train_step
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("peers_train.py: launch it with torchrun (--nproc-per-node 1 for one GPU).")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"peers_train.py --system {args.system}: needs a CUDA device; this machine has none.")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if args.system.startswith("deepspeed"):
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="nccl")
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+
+    cfg = GPT_PRESETS[args.preset]
+    seq = args.seq or cfg.max_seq_len
+    torch.manual_seed(args.seed)
+    if args.device_budget:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, _parse_bytes(args.device_budget) / total), dev)
+    setup_started = time.perf_counter()
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.checkpoint:
+        checkpoint_blocks(model)
+    build = deepspeed_engine if args.system.startswith("deepspeed") else colossalai_engine
+    train_step = build(model, args)
+    torch.cuda.reset_peak_memory_stats(dev)
+    setup_seconds = {"total": time.perf_counter() - setup_started}
+
+    losses, step_seconds, optimizer_seconds = [], [], []
+    for step in range(args.steps):
+        x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
+        start = time.perf_counter()
+        loss, before_opt = train_step(x, y)
+        loss_value = loss.item()
+        step_seconds.append(time.perf_counter() - start)
+        optimizer_seconds.append(time.perf_counter() - before_opt)
+        t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+
+    timed = step_seconds[1:] or step_seconds
+    peaks = torch.tensor([torch.cuda.max_memory_allocated(dev), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                         dtype=torch.float64, device=dev)
+    gathered = [torch.empty_like(peaks) for _ in range(world)]
+    dist.all_gather(gathered, peaks)
+    per_rank = torch.stack(gathered)
+    worst, total = per_rank.max(0).values, per_rank.sum(0)
+    summary = {
+        "system": args.system, "preset": args.preset,
+        "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
+        "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
+        "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
+        "step_s_median": sorted(timed)[len(timed) // 2],
+        "step_seconds": step_seconds, "setup_seconds": setup_seconds,
+        "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
+        "peak_device_bytes_max_rank": int(worst[0].item()),
+        "peak_host_rss_bytes_max_rank": int(worst[1].item()),
+        "peak_host_rss_bytes_all_ranks": int(total[1].item()),
+    }
+    if rank == 0:
+        print(f"== {args.system}: gpt-{args.preset} ({n_params / 1e6:.1f}M params) on {world} x cuda, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+              f"median step {summary['step_s_median'] * 1e3:.1f} ms")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(summary, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
