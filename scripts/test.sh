@@ -3,6 +3,12 @@
 # without a GPU), a compile check of the CUDA-only torch-layer code when CUDA headers exist but
 # the extension is CPU-only, then pytest. Installs whatever is missing first. Extra arguments go
 # to pytest (e.g. -m cuda).
+#
+# On a CPU-only build with no extra arguments (CI) the stages share the cores: the C++ stage runs
+# in the background while pytest runs as two processes, the benchmark smoke tests in one and
+# everything else in the other (most tests wait on child processes, so one pytest keeps about
+# one core busy). Each background stage's output is printed when it ends. On a CUDA build the
+# stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_torch
 ensure_python_module tqdm tqdm
@@ -14,22 +20,49 @@ ensure_cpp_toolchain
 ensure_extension
 cd "$REPO"
 
-echo "== C++: configure and build the core tests"
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
-src="$(gtest_source_dir || true)"
-cmake -S csrc -B build/cpp "${generator[@]}" ${src:+-DGX_GTEST_SOURCE="$src"} >/dev/null
-cmake --build build/cpp -j "$MAX_JOBS"
-echo "== C++: run"
-./build/cpp/gx_core_tests --gtest_brief=1
-if [ -x build/cpp/gx_cuda_tests ]; then
-  ./build/cpp/gx_cuda_tests --gtest_brief=1
+cpp_stage() {
+  echo "== C++: configure and build the core tests"
+  local generator=() src
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  src="$(gtest_source_dir || true)"
+  cmake -S csrc -B build/cpp "${generator[@]}" ${src:+-DGX_GTEST_SOURCE="$src"} >/dev/null
+  cmake --build build/cpp -j "$MAX_JOBS"
+  echo "== C++: run"
+  ./build/cpp/gx_core_tests --gtest_brief=1
+  if [ -x build/cpp/gx_cuda_tests ]; then
+    ./build/cpp/gx_cuda_tests --gtest_brief=1
+  fi
+  if [ "$cuda_build" = "False" ]; then
+    echo "== CUDA sources of the torch layer: compile-only check"
+    "$PYTHON" scripts/cuda_compile_check.py
+  fi
+}
+
+cuda_build="$("$PYTHON" -c 'import gemini_ext; print(gemini_ext._C.build_info()["cuda"])')"
+if [ "$cuda_build" = "True" ] || [ $# -gt 0 ]; then
+  cpp_stage
+  echo "== pytest"
+  exec "$PYTHON" -m pytest -q -ra "$@"
 fi
 
-if [ "$("$PYTHON" -c 'import gemini_ext; print(gemini_ext._C.build_info()["cuda"])')" = "False" ]; then
-  echo "== CUDA sources of the torch layer: compile-only check"
-  "$PYTHON" scripts/cuda_compile_check.py
-fi
-
-echo "== pytest"
-exec "$PYTHON" -m pytest -q -ra "$@"
+logs=build/test-logs
+rm -rf "$logs" build/test-tmp
+mkdir -p "$logs"
+started=$SECONDS
+(cpp_stage) > "$logs/cpp.log" 2>&1 &
+cpp_pid=$!
+smoke=tests/python/test_bench_smoke.py
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/smoke "$smoke" > "$logs/pytest-bench-smoke.log" 2>&1 &
+smoke_pid=$!
+echo "== pytest (all but $smoke; C++ and the benchmark smoke tests run beside it, logs in $logs/)"
+rc=0
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/main --ignore "$smoke" || rc=$?
+echo "   [pytest done after $((SECONDS - started)) s]"
+wait "$smoke_pid" || rc=$?
+echo "== pytest $smoke [done after $((SECONDS - started)) s]"
+cat "$logs/pytest-bench-smoke.log"
+wait "$cpp_pid" || rc=$?
+echo "[C++ stage done after $((SECONDS - started)) s]"
+cat "$logs/cpp.log"
+[ "$rc" -eq 0 ] && echo "== all stages passed" || echo "== FAILED: see the output above"
+exit "$rc"

@@ -1,7 +1,8 @@
 // gemini_ext._C: the one pybind11 module. It only translates: Python values to core and torch-
 // layer calls, core exceptions to Python exceptions; no logic lives here. Long-running calls
 // (moves, waits, accesses) release the GIL.
-#include <torch/extension.h>
+#include <torch/python.h>
+#include <torch/version.h>
 
 #include <memory>
 

@@ -18,13 +18,13 @@ def pytest_collection_modifyitems(config, items):
     if cuda_usable():
         if torch.cuda.device_count() < 2:
             skip = pytest.mark.skip(reason=f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()} "
-                                           "(run on nvidia-h200-x2: see README)")
+                                           "(see docs/TESTING.md)")
             for item in items:
                 if "multigpu" in item.keywords:
                     item.add_marker(skip)
         return
     why = "CUDA build of gemini_ext and a CUDA device needed" if torch.cuda.is_available() or gx._C.build_info()["cuda"] \
-        else "no CUDA device (run on the H200: see README)"
+        else "no CUDA device (see docs/TESTING.md)"
     skip = pytest.mark.skip(reason=why)
     for item in items:
         if "cuda" in item.keywords:
