@@ -5,7 +5,7 @@ Each measurement runs in a fresh process per mode (the mode is chosen at import)
      a transformer step allocates), on the current stream, after a warm-up that fills the caches;
   2. step time of examples/train_gpt.py on the same model and batch in both modes.
 
-    python bench/allocator.py --preset 1.3b --steps 8 --repeats 2   # on the H200
+    python bench/allocator.py --preset 1.3b --steps 8 --repeats 2   # on a GPU
 """
 
 from __future__ import annotations

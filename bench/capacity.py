@@ -1,6 +1,6 @@
 """Capacity: the largest GPT preset each system trains (full AdamW, 3 steps) on this machine.
 
-    python bench/capacity.py                                  # on the H200: 1.3b .. 13b
+    python bench/capacity.py                                  # on a GPU: 1.3b .. 13b
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
@@ -17,7 +17,7 @@ after its steps (in close()) keeps their times in --json-out as the attempt's pa
   gemini-offload-all  gemini_ext static with parameters homed on the host and the optimizer state
                       on the host (the device holds the chunks in use and activations)
 Every system builds the model on the GPU (--init-device cuda; on the host, initialising a 13B model
-took over two minutes on the H200 machine's 16 cores): gemini_ext's enable() takes it into
+takes minutes even on 16 cores): gemini_ext's enable() takes it into
 chunks, releasing each original tensor as it goes; FSDP2's fully_shard moves each shard to the
 host under CPUOffloadPolicy; plain keeps it there. With several GPUs every system builds it on the
 meta device instead (--init-device meta, the default there), so that no rank holds the whole model

@@ -1,7 +1,7 @@
 """Offloaded training side by side: plain PyTorch, FSDP2 + CPU offload and gemini_ext under each
 policy, on the same model, batch and device-memory budget, each in a fresh process.
 
-    python bench/offload.py --preset 1.3b --budget 16GiB          # the 16 GiB goal (H200)
+    python bench/offload.py --preset 1.3b --budget 16GiB          # a 16 GiB budget (GPU)
     python bench/offload.py --preset 1.3b                         # the whole device
     python bench/offload.py --smoke                               # tiny model, CPU + sim (tests)
 
@@ -209,9 +209,8 @@ def process_tree(root: int) -> list[int]:
 
 def run_job(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs cmd to completion. On timeout every process under it is killed: killing torchrun alone
-    leaves its ranks running (it starts each in a session of its own), holding the GPUs' memory
-    (seen on the two-H200 machine: a timed-out 30B attempt made every later two-GPU test run out
-    of device memory)."""
+    leaves its ranks running (it starts each in a session of its own), holding the GPUs' memory,
+    so that every later run on those GPUs would run out of device memory."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -6,7 +6,7 @@ steps after the warm-up): time compute waited on copies (measured with events: d
 cuda), synchronous fetches, prefetches that were used, evictions, H2D/D2H bytes, the peak
 chunk bytes on the device, and chunks plus torch's allocations (the figure `gpu_memory_limit` caps).
 
-    python bench/scheduler.py --preset 1.3b --budget 16GiB --steps 8     # on the H200
+    python bench/scheduler.py --preset 1.3b --budget 16GiB --steps 8     # on a GPU
     python bench/scheduler.py --smoke                                     # tiny, on sim (tests)
 """
 

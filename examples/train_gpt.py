@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py     # ZeRO-3 over 2 ranks (NCCL; gloo on sim)
 
 Parameters live in bf16 chunks with fp32 masters; the optimizer state lives on the host by
-default (offload_optim_frac=1.0: our CPU Adam steps it), the parameters on the device.
+default (offload_optim_frac=1.0: gemini_ext's CPU Adam steps it), the parameters on the device.
 Prints a progress bar and a closing summary: tokens/s, peak memory, chunk traffic, evictions
 and where the optimizer ran. Under torchrun every rank trains on its own batch of --batch
 sequences (the global batch is --batch x ranks), chunks are sharded over the ranks (ZeRO-3, or

@@ -4,7 +4,7 @@
     with gx.enable(model, gx.GeminiConfig(...)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=3e-4)
         ...
-Environment variables are read once, here (see gemini_ext/_env.py and SPEC.md section 4).
+Environment variables are read once, here (see gemini_ext/_env.py and docs/USAGE.md).
 """
 
 from ._env import SETTINGS as _SETTINGS  # noqa: F401  (read the environment first, before CUDA)

@@ -1,4 +1,4 @@
-"""Environment variables of gemini_ext (SPEC.md section 4), read once at import.
+"""Environment variables of gemini_ext (docs/USAGE.md), read once at import.
 
 GEMINI_EXT_ALLOCATOR  default | chunk     which allocator backs chunk memory
 GEMINI_EXT_GPU_LIMIT  bytes or "16GiB"    cap on device bytes the engine plans for

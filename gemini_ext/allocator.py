@@ -1,4 +1,4 @@
-"""The allocator mode (GEMINI_EXT_ALLOCATOR, SPEC.md section 4) and its statistics.
+"""The allocator mode (GEMINI_EXT_ALLOCATOR, docs/USAGE.md) and its statistics.
 
 - `default`: chunk slots come from our chunk pools (a reserved arena per tier, fixed-size
   slots reused after the events of their last uses); everything else stays on PyTorch's CUDA

@@ -1,4 +1,4 @@
-"""The seed-compatible surface (SPEC §3): GeminiDDP, GeminiPlugin and Booster.
+"""The ColossalAI-style surface: GeminiDDP, GeminiPlugin and Booster.
 
 They are thin layers over enable() / GeminiEngine with the argument names of the original
 design, so that code written for it runs with few changes:

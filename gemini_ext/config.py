@@ -1,4 +1,4 @@
-"""GeminiConfig: every knob of the engine (SPEC.md section 3), validated when built."""
+"""GeminiConfig: every knob of the engine (the README's table), validated when built."""
 
 from __future__ import annotations
 

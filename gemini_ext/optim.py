@@ -52,7 +52,7 @@ def check_optimizer_class(cls) -> bool:
 
 
 class GeminiOptimizer(torch.optim.Optimizer):
-    """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)` (SPEC §3)."""
+    """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
 
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
         from .engine import GeminiEngine  # circular at import time only

@@ -1,4 +1,4 @@
-"""Placement policies (SPEC §2): each decides, the C++ GeminiManager carries it out.
+"""Placement policies: each decides, the C++ GeminiManager carries it out.
 
 [Note: the three policies]
 - `static`: fixed fractions in exact bytes of chunks (core/static_placement.*):

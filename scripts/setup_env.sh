@@ -1,6 +1,6 @@
 # Sourced by scripts/train.sh and scripts/test.sh: installs what is missing, reuses what is there.
-#   torch        pip install torch==2.13.0 when `import torch` fails (a CPU build from local disk on
-#                our CPU machines; GPU machines already have their CUDA torch)
+#   torch        pip install torch==2.13.0 when `import torch` fails (a machine with a CUDA torch
+#                keeps it)
 #   tqdm/pytest  pip, when missing
 #   GoogleTest   Debian's libgtest-dev (tests only), unless already installed or its sources are
 #                in $GX_GTEST_SOURCE, .deps/googletest or /usr/src/googletest

@@ -88,8 +88,8 @@ py::dict build_info() {
 
 // Python types of the core's exceptions, created once and kept for the life of the process.
 // One translator, most derived first. (Plain PyErr_NewException rather than
-// py::register_exception: raising IllegalTransition through the latter segfaulted on the GPU
-// machine, torch 2.11 / Python 3.12, 2026-11-29; the cause was not established.)
+// py::register_exception: raising IllegalTransition through the latter has crashed under
+// torch 2.11 / Python 3.12 CUDA builds, for a cause not established.)
 PyObject* g_usage_error = nullptr;
 PyObject* g_oom_error = nullptr;
 PyObject* g_internal_error = nullptr;

@@ -1,6 +1,6 @@
 // CPU features: which SIMD instruction set the host supports, detected at run time.
 //
-// Design note. Kernels on raw pointers (the CPU Adam of a later issue) are compiled once per ISA
+// Design note. Kernels on raw pointers (CPU Adam) are compiled once per ISA
 // and picked at run time from `best_simd_isa()`, so one wheel runs on any x86-64 host and uses
 // AVX-512 where the host has it. `GEMINI_EXT_SIMD=scalar|avx2|avx512` caps the choice (tests use
 // it to cover every path on one machine); asking for more than the host has is refused.

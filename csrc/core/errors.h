@@ -10,10 +10,10 @@
 //    an InternalError carrying the chunk id, the tensor and both states.
 // The bindings map UsageError to ValueError, OutOfMemoryError and InternalError to RuntimeError.
 //
-// Messages are built by detail::concat without iostreams: inside the extension on the GPU
-// machine (torch 2.11, GCC 13), formatting an integer through std::ostringstream segfaulted in
-// std::ostream::operator<<(long) (seen 2026-11-29 with cuda-gdb); to_string and snprintf do not
-// touch the stream locale machinery.
+// Messages are built by detail::concat without iostreams: inside the extension (torch 2.11
+// CUDA builds, GCC 13), formatting an integer through std::ostringstream has crashed in
+// std::ostream::operator<<(long); to_string and snprintf do not touch the stream locale
+// machinery.
 #pragma once
 
 #include <cstdio>

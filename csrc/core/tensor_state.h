@@ -1,6 +1,6 @@
 // TensorState: the lifecycle of one tensor inside a chunk, as an explicit transition table.
 //
-// Design note. The states (SPEC.md section 2):
+// Design note. The states:
 //   FREE             the tensor has no payload in the chunk (not yet registered, or dropped).
 //   HOLD             the payload is valid and nobody computes with it; the chunk may move.
 //   COMPUTE          a forward or backward computation reads it; the chunk must stay gathered

@@ -48,8 +48,8 @@ void touch_in_parallel(uint8_t* base, size_t bytes) {
 }  // namespace
 
 int64_t host_available_bytes() {
-  // POSIX reads and strtoll, not std::ifstream: extracting an integer through an istream inside
-  // the extension segfaulted on the GPU machine (cuda-gdb, 2026-11-30), as ostream did before
+  // POSIX reads and strtoll, not std::ifstream: integer extraction through an istream has
+  // crashed inside the extension (torch 2.11 CUDA builds), as ostream formatting has
   // (core/errors.h).
   const int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return -1;

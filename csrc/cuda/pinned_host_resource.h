@@ -3,8 +3,8 @@
 // Design note.
 //  * Why two paths. cudaHostAlloc faults in and pins every page of a request from the calling
 //    thread. The host tier asks for one reservation per chunk group (bytes of every chunk of the
-//    group whose first copy is on the host), tens of GB for a model that fills the host: at 20B on
-//    two H200s, enable() spent 109 s of 174 s in that phase (117 GB per rank). A request of at
+//    group whose first copy is on the host), tens of GB for a model that fills the host, where
+//    pinning from one thread takes minutes (over 100 s for 117 GB). A request of at
 //    least kRegisterMinBytes is therefore mapped anonymously (mmap), advised to use transparent
 //    huge pages (512 times fewer faults where the kernel allows them), faulted in by several
 //    threads at once (one write per page), then page-locked with cudaHostRegister, which then

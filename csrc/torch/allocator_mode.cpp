@@ -30,8 +30,8 @@ void install_chunk_allocator() {
         void* p = a.allocate(size, device, stream);
         if (p == nullptr && size > 0) {
           const ProcessAllocatorStats s = a.stats();
-          // Built with concat (std::to_string): integer formatting through std::ostream crashed
-          // inside this extension on the H200 (see README), and torch's TORCH_CHECK formats so.
+          // Built with concat (std::to_string): integer formatting through std::ostream has
+          // crashed inside this extension (core/errors.h), and torch's TORCH_CHECK formats so.
           std::string msg = detail::concat(
               "gemini_ext chunk allocator: out of memory allocating ", size, " bytes on cuda:", device, " (limited by ",
               a.last_error(), ") after evicting every chunk no module computes on: ", s.allocated_bytes.current,

@@ -299,7 +299,7 @@ std::vector<ChunkId> GeminiManager::evictable_locked(ChunkId requester) const {
     // copy, which the step writes, is the truth), never by a move that would write the host.
     if (pending_locked(set_of_chunk(set.spec.param)) && !p.shard_tiers().contains(mgr_.host_tier())) continue;
     // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
-    // waiting for reduction (SPEC: all HOLD / HOLD_AFTER_BWD).
+    // waiting for reduction (all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
         p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0 &&
         !mgr_.gather_in_flight(set.spec.param))  // a prefetched gather still reads the shard

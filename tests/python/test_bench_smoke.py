@@ -76,7 +76,8 @@ def test_offload_bench_smoke(tmp_path):
     for name in ("plain", "gemini-static", "gemini-serial", "gemini-auto"):
         r = rows[name]
         assert "error" not in r, r
-        assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0 and r["exposed_optimizer_s_median"] >= 0
+        assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0
+        assert 0 <= r["exposed_optimizer_s_median"] < r["step_s_median"], "the exposed optimizer time is part of a step"
     assert rows["gemini-static"]["overlap_optimizer"] and not rows["gemini-serial"]["overlap_optimizer"]
     # optimizer offloaded, parameters on the device: per step, bf16 gradients down and bf16
     # parameters up, whole chunks (their padding included), nothing else
@@ -143,8 +144,8 @@ def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, 
 
 
 def test_a_run_that_fails_in_close_keeps_its_steps(tmp_path):
-    """examples/train_gpt.py records its steps before close(); when close() fails (30B over two
-    H200s ran out of device memory there) the harness keeps that record and says where it failed."""
+    """examples/train_gpt.py records its steps before close(); when close() fails (out of
+    device memory, say) the harness keeps that record and says where it failed."""
     import os
     import subprocess
     import sys

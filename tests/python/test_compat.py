@@ -1,4 +1,4 @@
-"""The seed-compatible surface: GeminiDDP + GeminiOptimizer(optimizer, model), and Booster."""
+"""The ColossalAI-style surface: GeminiDDP + GeminiOptimizer(optimizer, model), and Booster."""
 
 import pytest
 import torch

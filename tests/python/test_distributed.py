@@ -519,9 +519,9 @@ def test_read_to_a_device_and_dtype_matches_read(world_size):
 def _close_on_a_full_device_body(rank, world_size, device="cuda"):
     """Sharded, close() all-gathers each chunk on the device to restore its parameters. With the
     device nearly full, it restores parameters to the GPU only while room for the next gather
-    remains; the rest waits on the host and follows once the chunks are freed. (On 30B over two
-    H200s the gather itself ran out of memory, after the parameters restored before it had
-    filled the device.)"""
+    remains; the rest waits on the host and follows once the chunks are freed (otherwise the
+    parameters restored first could fill the device and the gather, a collective, would run out
+    of memory)."""
     engine, model, expected = close_on_a_nearly_full_device(256 << 20, dist.group.WORLD)
     assert engine._close_staged_params > 0, "the device had room for a few parameters only"
     assert engine._close_params_left_on_host == 0

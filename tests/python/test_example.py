@@ -25,7 +25,7 @@ def test_train_gpt_example_on_sim(tmp_path):
     assert set(setup) == {"total", "plan", "allocate", "fill", "place"} and "enable()" in out.stdout
     assert sum(v for k, v in setup.items() if k != "total") == pytest.approx(setup["total"], abs=0.05)
     fill = summary["setup_fill_seconds"]
-    assert set(fill) == {"materialize", "from_rank0", "write"} and all(v >= 0 for v in fill.values())
+    assert set(fill) == {"materialize", "from_rank0", "write"} and fill["write"] > 0
     assert sum(fill.values()) <= setup["fill"] + 0.05, "the parts are inside the fill phase"
     assert len(summary["step_seconds"]) == 15 and all(s > 0 for s in summary["step_seconds"])
     assert summary["step_s_median"] in summary["step_seconds"][1:], "the median leaves the warm-up step out"

@@ -1,4 +1,4 @@
-"""The hook cases of the training issue: checkpointing, tied, frozen and unused parameters,
+"""The hook cases: checkpointing, tied, frozen and unused parameters,
 evaluation without grad, two forwards before one backward, and what must be refused."""
 
 import copy

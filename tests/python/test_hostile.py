@@ -14,8 +14,8 @@ from dist_utils import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "hostile_worker.py")
-pytest.importorskip("transformers", reason="the hostile suite builds transformers models (scripts/test.sh installs it)")
-import hostile_worker  # noqa: E402  (after the skip: it imports nothing from transformers at import time)
+import transformers  # noqa: E402,F401  (the suite builds transformers models; scripts/test.sh installs it)
+import hostile_worker  # noqa: E402
 
 SINGLE = [s for s, (_, _, _, world) in hostile_worker.SCENARIOS.items() if world == 1]
 MULTI = [s for s, (_, _, _, world) in hostile_worker.SCENARIOS.items() if world > 1]

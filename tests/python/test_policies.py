@@ -294,8 +294,8 @@ def test_auto_keeps_on_the_device_the_gradients_of_state_the_host_could_not_hold
     """The host holds 40% of the optimizer state, the device the rest plus 60% of the parameters:
     parameters are evicted all the time. The host-bound sets' gradient chunks stay on the device
     (the host has no room for them); parameter chunks make the room, and the host never holds
-    more than it has. Before, such gradients were evicted to the host beyond its plan (30B on two
-    H200s ran out of pinned host memory in the first backward). Training matches torch."""
+    more than it has (evicting such gradients to the host would exceed its plan and run it out of
+    pinned memory in the first backward). Training matches torch."""
     from gemini_ext import policy
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"))

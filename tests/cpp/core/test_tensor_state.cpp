@@ -13,7 +13,7 @@ namespace {
 using S = TensorState;
 const S kAll[] = {S::kFree, S::kCompute, S::kHold, S::kHoldAfterBwd, S::kReadyForReduce};
 
-// The table of SPEC.md section 2, written out independently of the implementation's matrix.
+// The table of states and transitions, written out independently of the implementation's matrix.
 const std::set<std::pair<S, S>> kExpectedLegal = {
     {S::kFree, S::kHold},
     {S::kHold, S::kFree},

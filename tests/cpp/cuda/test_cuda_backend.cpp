@@ -1,6 +1,6 @@
 // The cuda backend under the shared conformance suites, plus the ChunkManager on a real GPU.
 // Every test skips itself on a machine without a CUDA device (CI compiles and runs this binary
-// there; the H200 runs it for real: see the README).
+// there; a GPU machine runs it for real: see docs/TESTING.md).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
