@@ -47,7 +47,7 @@ fi
 
 logs=build/test-logs
 rm -rf "$logs" build/test-tmp
-mkdir -p "$logs"
+mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
 started=$SECONDS
 (cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
