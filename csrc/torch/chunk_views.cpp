@@ -1,5 +1,7 @@
 #include "torch/chunk_views.h"
 
+#include <ATen/ops/from_blob.h>
+
 #include <algorithm>
 
 #include "core/errors.h"

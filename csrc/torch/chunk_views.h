@@ -9,7 +9,7 @@
 // stream, so the cuda backend follows torch's current stream.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 #include <string>

@@ -2,7 +2,7 @@
 // one call of the core kernel (csrc/core/cpu_adam.h) over the host thread pool.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

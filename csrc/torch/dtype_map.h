@@ -1,7 +1,7 @@
 // Mapping between ATen scalar types and the core's DType (the only place that knows both).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "core/types.h"
 

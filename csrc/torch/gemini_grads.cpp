@@ -2,6 +2,9 @@
 // zero_grad, and reading / writing masters, moments and step counts for state dicts and
 // checkpoints. See gemini_manager.h.
 #include "core/errors.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include "torch/dtype_map.h"
 #include "torch/gemini_manager.h"
 

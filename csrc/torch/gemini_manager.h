@@ -48,7 +48,7 @@
 //    mutex serialises every entry point.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <condition_variable>

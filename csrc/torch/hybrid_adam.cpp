@@ -1,5 +1,11 @@
 #include "torch/hybrid_adam.h"
 
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
+
 #include <algorithm>
 #include <chrono>
 #include <set>

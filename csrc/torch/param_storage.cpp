@@ -1,5 +1,7 @@
 #include "torch/param_storage.h"
 
+#include <ATen/ops/empty.h>
+
 #include "core/errors.h"
 #include "torch/dtype_map.h"
 

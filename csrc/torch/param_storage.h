@@ -22,7 +22,7 @@
 //            data-pointer access check), never a read of stale, freed or foreign memory.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>
 
 #include <map>

@@ -1,5 +1,7 @@
 #include "torch/pg_communicator.h"
 
+#include <ATen/ops/from_blob.h>
+
 #include <optional>
 
 #include "core/errors.h"
