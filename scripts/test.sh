@@ -21,6 +21,7 @@ ensure_extension
 cd "$REPO"
 
 cpp_stage() {
+  local stage_started=$SECONDS
   echo "== C++: configure and build the core tests"
   local generator=() src
   command -v ninja >/dev/null && generator=(-G Ninja)
@@ -36,6 +37,7 @@ cpp_stage() {
     echo "== CUDA sources of the torch layer: compile-only check"
     "$PYTHON" scripts/cuda_compile_check.py
   fi
+  echo "[C++ stage took $((SECONDS - stage_started)) s]"
 }
 
 cuda_build="$("$PYTHON" -c 'import gemini_ext; print(gemini_ext._C.build_info()["cuda"])')"
@@ -62,7 +64,7 @@ wait "$smoke_pid" || rc=$?
 echo "== pytest $smoke [done after $((SECONDS - started)) s]"
 cat "$logs/pytest-bench-smoke.log"
 wait "$cpp_pid" || rc=$?
-echo "[C++ stage done after $((SECONDS - started)) s]"
+echo "== C++ stage [done after $((SECONDS - started)) s]"
 cat "$logs/cpp.log"
 [ "$rc" -eq 0 ] && echo "== all stages passed" || echo "== FAILED: see the output above"
 exit "$rc"
