@@ -44,27 +44,32 @@ _gpt = _load_model_module()
 GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch, _gpt.checkpoint_blocks
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every peer runner takes (bench/offload.py passes them to each)."""
     p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="125m")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
-    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True), fused CPU AdamW")
-    p.add_argument("--plain", action="store_true",
-                   help="plain PyTorch instead of FSDP2: the model on the GPU, bf16 autocast, fused AdamW (one rank)")
     p.add_argument("--device-budget", default=None,
                    help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True), fused CPU AdamW")
+    p.add_argument("--plain", action="store_true",
+                   help="plain PyTorch instead of FSDP2: the model on the GPU, bf16 autocast, fused AdamW (one rank)")
     p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built: cuda initialises a 13B model in seconds instead of minutes; "
                         "fully_shard then moves the shards to the host under --offload. meta: FSDP2's "
                         "meta-device flow (fully_shard on meta, to_empty, then GPT.init_weights on the shards): "
                         "no rank holds the whole model")
-    p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
 
@@ -74,6 +79,65 @@ def _parse_bytes(text: str) -> int:
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * scale)
     return int(text)
+
+
+def summarize(system: str, args, n_params: int, dev: torch.device, world: int, seq: int, losses: list[float],
+              step_seconds: list[float], optimizer_seconds: list[float], setup_seconds: dict) -> dict:
+    """The summary every peer runner writes (examples/train_gpt.py's keys): throughput and medians
+    over the steps after the first, peaks over ranks (a collective: every rank calls it)."""
+    timed = step_seconds[1:] or step_seconds
+    torch_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Largest and summed over ranks, from an all_gather: an all_reduce with ReduceOp.MAX on gloo
+    # made about one exit in four abort in teardown under torch 2.13 (CPU), one with SUM did not.
+    peaks = torch.tensor([torch_peak, rss], dtype=torch.float64, device=dev)
+    gathered = [torch.empty_like(peaks) for _ in range(world)]
+    dist.all_gather(gathered, peaks)
+    per_rank = torch.stack(gathered)
+    worst, total = per_rank.max(0).values, per_rank.sum(0)
+    return {
+        "system": system, "preset": args.preset,
+        "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
+        "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
+        "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
+        "step_s_median": sorted(timed)[len(timed) // 2],
+        "step_seconds": step_seconds, "setup_seconds": setup_seconds,
+        # clipping, the optimizer step and zero_grad after backward: all on the critical path here
+        "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
+        "peak_device_bytes_max_rank": int(worst[0].item()),  # torch's allocations: all of the peer's
+        "peak_host_rss_bytes_max_rank": int(worst[1].item()),
+        "peak_host_rss_bytes_all_ranks": int(total[1].item()),
+    }
+
+
+def run_steps(train_step, cfg, args, seq: int, dev: torch.device, rank: int, world: int):
+    """args.steps steps of train_step(x, y) -> (loss, time the optimizer part began) on synthetic
+    batches; (mean losses over ranks, step seconds, optimizer seconds)."""
+    losses, step_seconds, optimizer_seconds = [], [], []
+    for step in range(args.steps):
+        x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
+        start = time.perf_counter()
+        loss, before_opt = train_step(x, y)
+        loss_value = loss.item()
+        step_seconds.append(time.perf_counter() - start)
+        optimizer_seconds.append(time.perf_counter() - before_opt)
+        t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, step_seconds, optimizer_seconds
+
+
+def finish(summary: dict, args, rank: int, extra: str = "") -> None:
+    """Rank 0 prints the summary line and writes --json-out; then the group is torn down."""
+    if rank == 0:
+        print(f"== {summary['system']}: gpt-{args.preset} ({summary['parameters'] / 1e6:.1f}M params) on "
+              f"{summary['ranks']} x {summary['device']}, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+              f"{summary['tokens_per_s']:,.0f} tokens/s, median step {summary['step_s_median'] * 1e3:.1f} ms" + extra)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(summary, f, indent=2)
+    dist.barrier()  # no rank tears the group down while another still uses it (gloo aborts otherwise)
+    dist.destroy_process_group()
 
 
 def main(argv=None) -> dict:
@@ -131,11 +195,9 @@ def main(argv=None) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
 
     setup_seconds = {"total": time.perf_counter() - setup_started}
-    losses, step_seconds, optimizer_seconds = [], [], []
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.plain and on_cuda)
-    for step in range(args.steps):
-        x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
-        start = time.perf_counter()
+
+    def train_step(x, y) -> tuple[torch.Tensor, float]:
         with autocast:
             loss = model(x, y)
         loss.backward()
@@ -146,57 +208,26 @@ def main(argv=None) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_value = loss.item()
-        step_seconds.append(time.perf_counter() - start)
-        optimizer_seconds.append(time.perf_counter() - before_opt)
-        t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        return loss, before_opt
 
-    timed = step_seconds[1:] or step_seconds
-    torch_peak = torch.cuda.max_memory_allocated(dev) if on_cuda else 0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # Largest and summed over ranks, from an all_gather: an all_reduce with ReduceOp.MAX on gloo
-    # made about one exit in four abort in teardown under torch 2.13 (CPU), one with SUM did not.
-    peaks = torch.tensor([torch_peak, rss], dtype=torch.float64, device=dev)
-    gathered = [torch.empty_like(peaks) for _ in range(world)]
-    dist.all_gather(gathered, peaks)
-    per_rank = torch.stack(gathered)
-    worst, total = per_rank.max(0).values, per_rank.sum(0)
-    summary = {
-        "system": "plain pytorch" if args.plain else "fsdp2" + (" + cpu offload" if args.offload else ""),
-        "preset": args.preset,
-        "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
-        "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
-        "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
-        "step_s_median": sorted(timed)[len(timed) // 2],
-        "step_seconds": step_seconds, "setup_seconds": setup_seconds,
-        # clipping, the optimizer step and zero_grad after backward: all on the critical path here
-        "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
-        "peak_device_bytes_max_rank": int(worst[0].item()),  # torch's allocations: all of FSDP2's
-        "peak_host_rss_bytes_max_rank": int(worst[1].item()),
-        "peak_host_rss_bytes_all_ranks": int(total[1].item()),
-    }
-    if rank == 0:
-        print(f"== {summary['system']}: gpt-{args.preset} ({n_params / 1e6:.1f}M params) on {world} x {dev.type}, "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-              f"median step {summary['step_s_median'] * 1e3:.1f} ms, peak device "
-              f"{summary['peak_device_bytes_max_rank'] / 2**30:.2f} GiB/rank, host RSS "
-              f"{summary['peak_host_rss_bytes_all_ranks'] / 2**30:.2f} GiB over ranks")
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(summary, f, indent=2)
-    dist.barrier()  # no rank tears the group down while another still uses it (gloo aborts otherwise)
-    dist.destroy_process_group()
+    losses, step_seconds, optimizer_seconds = run_steps(train_step, cfg, args, seq, dev, rank, world)
+    summary = summarize("plain pytorch" if args.plain else "fsdp2" + (" + cpu offload" if args.offload else ""),
+                        args, n_params, dev, world, seq, losses, step_seconds, optimizer_seconds, setup_seconds)
+    finish(summary, args, rank, f", peak device {summary['peak_device_bytes_max_rank'] / 2**30:.2f} GiB/rank, host "
+                                f"RSS {summary['peak_host_rss_bytes_all_ranks'] / 2**30:.2f} GiB over ranks")
     return summary
+
+
+def exit_without_teardown() -> None:
+    """Under torch 2.13 (CPU build) over gloo, about one FSDP2 process exit in ten aborted in the
+    interpreter's teardown ("terminate called without an active exception", no Python frame),
+    after the run and its summary were complete and without gemini_ext loaded (this file loads
+    only the model's source). Leave without that teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Under torch 2.13 (CPU build) over gloo, about one FSDP2 process exit in ten aborted in the
-    # interpreter's teardown ("terminate called without an active exception", no Python frame),
-    # after the run and its summary were complete and without gemini_ext loaded (this file loads
-    # only the model's source). Leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()

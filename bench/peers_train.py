@@ -19,16 +19,14 @@ and CUDA kernels on first use, which takes minutes; set TORCH_EXTENSIONS_DIR to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from fsdp2_train import GPT, GPT_PRESETS, _parse_bytes, checkpoint_blocks, synthetic_batch
+from fsdp2_train import (GPT, GPT_PRESETS, _parse_bytes, add_common_args, checkpoint_blocks, exit_without_teardown, finish, run_steps,
+                         summarize)
 
 SYSTEMS = ("deepspeed-offload", "deepspeed-offload-optim", "colossalai-static", "colossalai-auto")
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.1
@@ -37,19 +35,9 @@ BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.1
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", choices=SYSTEMS, required=True)
-    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="125m")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
-    p.add_argument("--device-budget", default=None,
-                   help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
-    p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p)
     p.add_argument("--stubs", default=None,
                    help="a folder appended to sys.path after transformers and peft are imported (ColossalAI)")
-    p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
 
@@ -149,51 +137,13 @@ def main(argv=None) -> dict:
     torch.cuda.reset_peak_memory_stats(dev)
     setup_seconds = {"total": time.perf_counter() - setup_started}
 
-    losses, step_seconds, optimizer_seconds = [], [], []
-    for step in range(args.steps):
-        x, y = synthetic_batch(cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
-        start = time.perf_counter()
-        loss, before_opt = train_step(x, y)
-        loss_value = loss.item()
-        step_seconds.append(time.perf_counter() - start)
-        optimizer_seconds.append(time.perf_counter() - before_opt)
-        t = torch.tensor([loss_value], dtype=torch.float64, device=dev)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-
-    timed = step_seconds[1:] or step_seconds
-    peaks = torch.tensor([torch.cuda.max_memory_allocated(dev), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
-                         dtype=torch.float64, device=dev)
-    gathered = [torch.empty_like(peaks) for _ in range(world)]
-    dist.all_gather(gathered, peaks)
-    per_rank = torch.stack(gathered)
-    worst, total = per_rank.max(0).values, per_rank.sum(0)
-    summary = {
-        "system": args.system, "preset": args.preset,
-        "parameters": n_params, "device": dev.type, "steps": args.steps, "batch": args.batch, "seq_len": seq,
-        "ranks": world, "first_loss": losses[0], "last_loss": losses[-1],
-        "tokens_per_s": world * args.batch * seq * len(timed) / sum(timed),
-        "step_s_median": sorted(timed)[len(timed) // 2],
-        "step_seconds": step_seconds, "setup_seconds": setup_seconds,
-        "exposed_optimizer_s_median": sorted(optimizer_seconds[1:] or optimizer_seconds)[len(timed) // 2],
-        "peak_device_bytes_max_rank": int(worst[0].item()),
-        "peak_host_rss_bytes_max_rank": int(worst[1].item()),
-        "peak_host_rss_bytes_all_ranks": int(total[1].item()),
-    }
-    if rank == 0:
-        print(f"== {args.system}: gpt-{args.preset} ({n_params / 1e6:.1f}M params) on {world} x cuda, "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-              f"median step {summary['step_s_median'] * 1e3:.1f} ms")
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(summary, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    losses, step_seconds, optimizer_seconds = run_steps(train_step, cfg, args, seq, dev, rank, world)
+    summary = summarize(args.system, args, n_params, dev, world, seq, losses, step_seconds, optimizer_seconds,
+                        setup_seconds)
+    finish(summary, args, rank)
     return summary
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
