@@ -110,6 +110,12 @@ def summarize(system: str, args, n_params: int, dev: torch.device, world: int, s
     }
 
 
+def cap_device_memory(dev: torch.device, budget: str) -> None:
+    """Caps torch's allocator on `dev` at `budget` bytes ("16GiB" or an int)."""
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, _parse_bytes(budget) / total), dev)
+
+
 def run_steps(train_step, cfg, args, seq: int, dev: torch.device, rank: int, world: int):
     """args.steps steps of train_step(x, y) -> (loss, time the optimizer part began) on synthetic
     batches; (mean losses over ranks, step seconds, optimizer seconds)."""
@@ -166,8 +172,7 @@ def main(argv=None) -> dict:
     if args.checkpoint:
         checkpoint_blocks(model)
     if args.device_budget and on_cuda:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, _parse_bytes(args.device_budget) / total), dev)
+        cap_device_memory(dev, args.device_budget)
     if args.plain:
         if world != 1:
             raise SystemExit("fsdp2_train.py --plain: one rank only (plain PyTorch has no sharding).")

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from fsdp2_train import (GPT, GPT_PRESETS, _parse_bytes, add_common_args, checkpoint_blocks, exit_without_teardown, finish, run_steps,
-                         summarize)
+from fsdp2_train import (GPT, GPT_PRESETS, add_common_args, cap_device_memory, checkpoint_blocks,
+                         exit_without_teardown, finish, run_steps, summarize)
 
 SYSTEMS = ("deepspeed-offload", "deepspeed-offload-optim", "colossalai-static", "colossalai-auto")
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.1
@@ -125,8 +125,7 @@ def main(argv=None) -> dict:
     seq = args.seq or cfg.max_seq_len
     torch.manual_seed(args.seed)
     if args.device_budget:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, _parse_bytes(args.device_budget) / total), dev)
+        cap_device_memory(dev, args.device_budget)
     setup_started = time.perf_counter()
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())

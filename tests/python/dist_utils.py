@@ -10,6 +10,7 @@ threads, its CUDA context) is inherited. run_torchrun launches them with torchru
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 # Imported once by the fork server; torch._dynamo is what an optimizer's first step imports.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gemini_ext", "dist_utils", "parity_utils"]
+multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
 
 
 def free_port() -> int:
@@ -43,8 +45,6 @@ def _entry(rank, world_size, port, backend, body, args):
 
 
 def run_ranks(world_size: int, body, *args, backend: str = "gloo") -> None:
-    import multiprocessing
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
     mp.start_processes(_entry, args=(world_size, free_port(), backend, body, args), nprocs=world_size,
                        join=True, start_method="forkserver")
 
