@@ -286,8 +286,9 @@ def test_model_larger_than_the_sim_device_fails_clearly():
 
 
 def test_running_out_of_memory_inside_the_block_notes_where_memory_stood():
-    """An out-of-memory error raised in the `with` block (here the host tier's) leaves with the chunks' share of device and host memory beside the process's
-    resident memory and the host's MemAvailable, so that a plan that missed something shows it."""
+    """An out-of-memory error raised in the `with` block (here the host tier's) leaves with the
+    chunks' share of device and host memory beside the process's resident memory and the host's
+    MemAvailable, so that a plan that missed something shows it."""
     with pytest.raises(gx.OutOfMemoryError, match="raised by the test") as err:
         with gx.enable(torch.nn.Linear(64, 64), _cfg("sim")) as engine:
             pool = engine._mgr.pool_stats(engine._mgr.host_tier)
