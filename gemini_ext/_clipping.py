@@ -31,7 +31,7 @@ class GradClipper:
         norm_type = float(norm_type)
         if not max_norm >= 0.0:
             raise ValueError(f"engine.clip_grad_norm_(max_norm={max_norm}): expected max_norm >= 0.")
-        gm = engine._gm
+        gm = engine.runtime
         gm.flush_grads()
         scale = engine.scaler.scale if engine.scaler is not None else 1.0
         total = self._norm(norm_type) / scale * self._coef
@@ -50,8 +50,8 @@ class GradClipper:
 
     def _norm(self, norm_type: float) -> float:
         engine = self._engine
-        if norm_type == 2.0 and engine._optimizer is not None:
-            return math.sqrt(engine._optimizer._hybrid.grad_norm_sq())
+        if norm_type == 2.0 and engine.attached_optimizer is not None:
+            return math.sqrt(engine.attached_optimizer.grad_norm_sq())
         # Any other order: from the gradients themselves (read_grad gathers when sharded).
         total = 0.0
         for p in engine.parameters():
@@ -71,7 +71,7 @@ class GradClipper:
         backward pass ran after the call."""
         coef, backwards = self._coef, self._backwards
         self.reset()
-        if backwards is not None and coef != 1.0 and self._engine._gm.counters()["backward_passes"] != backwards:
+        if backwards is not None and coef != 1.0 and self._engine.runtime.counters()["backward_passes"] != backwards:
             raise RuntimeError("gemini_ext: a backward pass ran after engine.clip_grad_norm_() and before "
                                "optimizer.step(); its gradients would be added unclipped to clipped ones. Call "
                                "engine.clip_grad_norm_() after the last backward of the step (after gradient "

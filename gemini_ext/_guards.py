@@ -43,14 +43,14 @@ def engine_opened(engine) -> None:
 def engine_closed(engine) -> None:
     with _lock:
         _engines.discard(engine)
-        if _installed and not any(not e._closed for e in _engines):
+        if _installed and not any(not e.closed for e in _engines):
             _uninstall()
 
 
 def _owner(p):
     """(engine, index) of an open engine managing `p`, or None."""
     for engine in list(_engines):
-        if engine._closed:
+        if engine.closed:
             continue
         i = engine.find_parameter(p)
         if i is not None:

@@ -39,7 +39,8 @@ class ParamAccess:
 
     def __init__(self, engine, model: torch.nn.Module, params: list, orig: list, compute_dtype: torch.dtype):
         self._engine = engine
-        self._gm = engine._gm
+        self._model = model
+        self._gm = engine.runtime
         self._params = params
         self._orig = orig  # (dtype, device) per parameter, as close() restores it
         self._dtype = compute_dtype
@@ -146,10 +147,53 @@ class ParamAccess:
                 out.append(i)
         return sorted(out)
 
+    # --- the engine's full state dicts ------------------------------------------------------
+    def full_state_dict(self) -> dict:
+        """engine.state_dict(): fp32 CPU tensors under the model's keys, parameters from their masters."""
+        self.absorb_writes()
+        out = {}
+        for key, value in self._model.state_dict(keep_vars=True).items():
+            idx = self._engine.find_parameter(value)
+            if idx is not None:
+                out[key] = self._gm.read("param", idx)
+            else:
+                v = value.detach()
+                out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()
+        self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
+        return out
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool) -> object:
+        """engine.load_state_dict(): masters, their 16-bit copies and buffers from a full state dict."""
+        self.absorb_writes()
+        own = self._model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"engine.load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''},"
+                               f" unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; pass "
+                               "strict=False to load the matching subset.")
+        with torch.no_grad():
+            for key, target in own.items():
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"engine.load_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
+                                     f"expects {tuple(target.shape)}.")
+                idx = self._engine.find_parameter(target)
+                if idx is not None:
+                    self._gm.write("param", idx, value.detach().float().cpu())
+                else:
+                    target.copy_(value)
+        self._gm.synchronize()
+        self._gm.note_param_versions()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
     # --- the model's own state dicts ----------------------------------------------------------
     def _state_dict_hook(self, own: list[tuple[str, int]]):
         def hook(module, state_dict, prefix, local_metadata):
-            if self._engine._closed:
+            if self._engine.closed:
                 return
             cached_for, cache = self._sd_cache
             if cached_for is None or cached_for() is not state_dict:
@@ -167,14 +211,14 @@ class ParamAccess:
         return hook
 
     def _state_dict_done(self, module, state_dict, prefix, local_metadata) -> None:
-        if self._engine._closed:
+        if self._engine.closed:
             return
         self._sd_cache = (None, {})
         self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
 
     def _load_hook(self, own: list[tuple[str, int]]):
         def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            if self._engine._closed:
+            if self._engine.closed:
                 return
             self.absorb_writes()
             for name, i in own:
@@ -189,5 +233,5 @@ class ParamAccess:
         return hook
 
     def _load_done(self, module, incompatible_keys) -> None:
-        if not self._engine._closed:
+        if not self._engine.closed:
             self._gm.note_param_versions()

@@ -33,6 +33,7 @@ Version 1 checkpoints load into sharded engines too (each rank keeps its part of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -55,17 +56,17 @@ def save(engine, path: str) -> None:
         _save_sharded(engine, path)
         return
     path = os.path.abspath(os.fspath(path))
-    opt = engine._optimizer
+    opt = engine.attached_optimizer
     payload = {
         "model": engine.state_dict(),
         "optimizer": opt.state_dict() if opt is not None else None,
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "engine": {"optimizer_steps": engine._optimizer_steps, "skipped_steps": engine._skipped_steps},
+        "engine": dataclasses.asdict(engine.counters),
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None},
     }
     index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [SHARD],
-             "precision": engine.config.precision, "optimizer_steps": engine._optimizer_steps,
+             "precision": engine.config.precision, "optimizer_steps": engine.counters.optimizer_steps,
              "parameters": engine.num_parameters}
     tmp = f"{path}.tmp-{os.getpid()}"
     if os.path.exists(tmp):
@@ -94,27 +95,11 @@ def _replace_dir(tmp: str, path: str) -> None:
 
 
 def _kinds(engine, idx: int) -> list[str]:
-    if not engine._params[idx].requires_grad:
-        return ["param"]
-    return ["param", "exp_avg", "exp_avg_sq"] if engine._optimizer is not None else ["param"]
-
-
-def _pieces(engine, idx: int, world_size: int) -> list[list[int]]:
-    """[rank, begin, end] for each rank holding elements of parameter idx (same layout everywhere)."""
-    chunk, slot = engine._slots[idx]
-    info = engine._mgr.chunk_info(chunk)
-    _, offset, numel, _, _ = info["slots"][slot]
-    shard = info["shard_numel"]
-    out = []
-    for r in range(world_size):
-        lo, hi = max(offset, r * shard), min(offset + numel, (r + 1) * shard)
-        if lo < hi:
-            out.append([r, lo - offset, hi - offset])
-    return out
+    return engine.layout.value_kinds(idx, with_state=engine.attached_optimizer is not None)
 
 
 def _optimizer_common(engine):
-    opt = engine._optimizer
+    opt = engine.attached_optimizer
     if opt is None:
         return None
     groups = []
@@ -122,16 +107,16 @@ def _optimizer_common(engine):
         entry = {k: v for k, v in g.items() if k != "params"}
         entry["params"] = [engine.parameter_index(p) for p in g["params"]]
         groups.append(entry)
-    return {"param_groups": groups, "steps": [engine._gm.step_of(i) for i in range(engine.num_parameters)]}
+    return {"param_groups": groups, "steps": [engine.runtime.step_of(i) for i in range(engine.num_parameters)]}
 
 
 def _save_sharded(engine, path: str) -> None:
     if engine.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
-        dist.barrier(engine._dp_group)
+        engine.groups.barrier()
         return
     _save_zero_group(engine, path)
     if engine.replica_group is not None:
-        dist.barrier(engine._dp_group)
+        engine.groups.barrier()
 
 
 def _save_zero_group(engine, path: str) -> None:
@@ -148,24 +133,24 @@ def _save_zero_group(engine, path: str) -> None:
     error = None
     try:
         tensors = {}
-        for idx, name in enumerate(engine._names):
+        for idx, name in enumerate(engine.layout.names):
             tensors[name] = {}
             for kind in _kinds(engine, idx):
-                begin, end, value = engine._gm.read_local(kind, idx)
+                begin, end, value = engine.runtime.read_local(kind, idx)
                 tensors[name][kind] = [begin, end, value]
         payload = {"rank": rank, "world_size": world, "tensors": tensors,
                    "rng": {"cpu": torch.get_rng_state(),
                            "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None}}
         if rank == 0:
             own = engine.model.state_dict(keep_vars=True)
-            params = {id(p) for p in engine._params}
+            params = {id(p) for p in engine.layout.params}
             payload["common"] = {
-                "names": list(engine._names),
+                "names": list(engine.layout.names),
                 "buffers": {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
                             for k, v in own.items() if id(v) not in params},
                 "optimizer": _optimizer_common(engine),
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-                "engine": {"optimizer_steps": engine._optimizer_steps, "skipped_steps": engine._skipped_steps},
+                "engine": dataclasses.asdict(engine.counters),
             }
         torch.save(payload, os.path.join(tmp, rank_file(rank)))
     except Exception as e:  # noqa: BLE001  (every rank must learn of a failure, or the others hang)
@@ -180,11 +165,12 @@ def _save_zero_group(engine, path: str) -> None:
     if rank == 0:
         index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world,
                  "files": [rank_file(r) for r in range(world)], "precision": engine.config.precision,
-                 "optimizer_steps": engine._optimizer_steps,
-                 "parameters": [{"name": name, "shape": list(engine._params[i].shape),
-                                 "numel": engine._params[i].numel(),
-                                 "trainable": bool(engine._params[i].requires_grad),
-                                 "pieces": _pieces(engine, i, world)} for i, name in enumerate(engine._names)]}
+                 "optimizer_steps": engine.counters.optimizer_steps,
+                 "parameters": [{"name": name, "shape": list(engine.layout.params[i].shape),
+                                 "numel": engine.layout.numels[i],
+                                 "trainable": bool(engine.layout.params[i].requires_grad),
+                                 "pieces": engine.layout.pieces(i, world)}
+                                for i, name in enumerate(engine.layout.names)]}
         with open(os.path.join(tmp, "index.json"), "w") as f:
             json.dump(index, f, indent=1)
             f.flush()
@@ -209,7 +195,7 @@ def load(engine, path: str) -> None:
         return
     payload = torch.load(os.path.join(path, SHARD), map_location="cpu", weights_only=False)
     engine.load_state_dict(payload["model"])
-    opt = engine._optimizer
+    opt = engine.attached_optimizer
     if payload["optimizer"] is not None:
         if opt is None:
             raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
@@ -217,8 +203,7 @@ def load(engine, path: str) -> None:
         opt.load_state_dict(payload["optimizer"])
     if payload["scaler"] is not None and engine.scaler is not None:
         engine.scaler.load_state_dict(payload["scaler"])
-    engine._optimizer_steps = payload["engine"]["optimizer_steps"]
-    engine._skipped_steps = payload["engine"]["skipped_steps"]
+    _restore_counters(engine, payload["engine"])
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] is not None and engine.device_kind == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"])
@@ -226,11 +211,16 @@ def load(engine, path: str) -> None:
 
 def _my_range(engine, idx: int) -> tuple[int, int]:
     """The elements of parameter idx this process holds: its shard's part, or all of it."""
-    numel = engine._params[idx].numel()
+    numel = engine.layout.numels[idx]
     if engine.process_group is None:
         return 0, numel
-    mine = [p for p in _pieces(engine, idx, engine.world_size) if p[0] == engine.rank]
+    mine = [p for p in engine.layout.pieces(idx, engine.world_size) if p[0] == engine.rank]
     return (mine[0][1], mine[0][2]) if mine else (0, 0)
+
+
+def _restore_counters(engine, saved: dict) -> None:
+    engine.counters.optimizer_steps = saved["optimizer_steps"]
+    engine.counters.skipped_steps = saved["skipped_steps"]
 
 
 def _load_sharded(engine, path: str, index: dict) -> None:
@@ -243,22 +233,22 @@ def _load_sharded(engine, path: str, index: dict) -> None:
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}
-    names = engine._names
+    names = engine.layout.names
     missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
     if missing or unexpected:
         raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
     common = payload(0)["common"]
-    opt = engine._optimizer
+    opt = engine.attached_optimizer
     if common["optimizer"] is not None and opt is None:
         raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                            "engine.optimizer(...) before loading it.")
-    gm = engine._gm
+    gm = engine.runtime
     for idx, name in enumerate(names):
         entry = saved[name]
-        if tuple(entry["shape"]) != tuple(engine._params[idx].shape):
+        if tuple(entry["shape"]) != tuple(engine.layout.params[idx].shape):
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
-                             f"the model has {tuple(engine._params[idx].shape)}.")
+                             f"the model has {tuple(engine.layout.params[idx].shape)}.")
         lo, hi = _my_range(engine, idx)
         for kind in _kinds(engine, idx):
             full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
@@ -272,7 +262,7 @@ def _load_sharded(engine, path: str, index: dict) -> None:
     if opt is not None and common["optimizer"] is not None:
         steps = common["optimizer"]["steps"]
         for idx in range(len(names)):
-            if engine._params[idx].requires_grad:
+            if engine.layout.params[idx].requires_grad:
                 gm.set_step(idx, int(steps[idx]))
         for saved_group, mine in zip(common["optimizer"]["param_groups"], opt.param_groups):
             for k, v in saved_group.items():
@@ -285,8 +275,7 @@ def _load_sharded(engine, path: str, index: dict) -> None:
                 own[key].copy_(value)
     if common["scaler"] is not None and engine.scaler is not None:
         engine.scaler.load_state_dict(common["scaler"])
-    engine._optimizer_steps = common["engine"]["optimizer_steps"]
-    engine._skipped_steps = common["engine"]["skipped_steps"]
+    _restore_counters(engine, common["engine"])
     if index["world_size"] == engine.world_size:
         rng = payload(engine.rank)["rng"]
         torch.set_rng_state(rng["cpu"])

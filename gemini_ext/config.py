@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ._env import DEVICES
 from ._units import parse_bytes
+from .policy import POLICY_CLASSES
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-PLACEMENT_POLICIES = ("static", "auto", "const")
-DEVICES = ("auto", "cuda", "sim")
+PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
 

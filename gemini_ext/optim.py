@@ -1,4 +1,7 @@
-"""GeminiOptimizer: Adam / AdamW over the engine's fp32 master chunks (HybridAdam in C++).
+"""GeminiOptimizer: a torch optimizer over the engine's fp32 master chunks (HybridAdam in C++).
+
+The optimizer family's math (hyperparameters, state kinds, kernels) is a rule (_rules.py); what
+follows is common to every rule.
 
 [Note: what a step does]
 1. Gradients still on the device (accumulated under no_sync) go to their optimizer's tier.
@@ -12,7 +15,7 @@
    fused Adam on the device; the 16-bit parameters are rewritten from the masters. With
    `overlap_optimizer` (the default) host chunks are stepped on a background thread and step()
    returns; the next forward waits per chunk.
-6. Speculation: when a backward pass begins, `_arm_for_backward` hands C++ the hyperparameters
+6. Speculation: when a backward pass begins, `backward_started` hands C++ the hyperparameters
    of that moment, so that each host chunk's step can start as soon as its gradients reach the
    host, out of place into spare buffers; step() confirms or drops each one (the Note in
    csrc/torch/hybrid_adam_speculation.cpp). It arms only where the guess "multiplier exactly 1"
@@ -29,44 +32,23 @@ import math
 
 import torch
 
-from . import _C
-from .policy import mem_available_bytes
+from . import _C, _registry
+from ._host_memory import mem_available_bytes
+from ._rules import RULES, rule_for
 
-SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-# Accepted hints: the engine always steps with fused kernels of its own (CPU Adam on the host,
-# torch's fused Adam on the device), which is what fused=True / foreach=True ask for; the values
-# change nothing and are documented as such.
-_IGNORED_FLAGS = ("foreach", "fused")
-# Refused unless False: behaviours the engine does not have (AMSGrad, maximising, a step that is
-# captured in a CUDA graph or differentiated through).
-_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
-
-
-def check_optimizer_class(cls) -> bool:
-    """True for AdamW-style (decoupled) weight decay; TypeError for anything unsupported."""
-    if not (isinstance(cls, type) and issubclass(cls, SUPPORTED_OPTIMIZERS)):
-        name = getattr(cls, "__name__", repr(cls))
-        raise TypeError(f"gemini_ext optimizer: {name} is not supported; supported: torch.optim.Adam, "
-                        "torch.optim.AdamW (pass the class, e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4)).")
-    return issubclass(cls, torch.optim.AdamW)
+SUPPORTED_OPTIMIZERS = tuple(c for rule in RULES for c in rule.classes)
 
 
 class GeminiOptimizer(torch.optim.Optimizer):
     """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
 
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
-        from .engine import GeminiEngine  # circular at import time only
         shared_groups = None
         self._wrapped = None
-        if isinstance(optimizer_or_engine, GeminiEngine):
-            engine, opt_cls = optimizer_or_engine, model_or_cls
-        elif isinstance(optimizer_or_engine, torch.optim.Optimizer):
+        if isinstance(optimizer_or_engine, torch.optim.Optimizer):
             # Seed-compatible form: GeminiOptimizer(torch.optim.AdamW(model.parameters(), ...), model)
             torch_opt = optimizer_or_engine
-            model = model_or_cls
-            engine = getattr(model, "_gemini_engine", None) if model is not None else None
-            if engine is None and isinstance(getattr(model, "module", None), torch.nn.Module):
-                engine = getattr(model.module, "_gemini_engine", None)  # a GeminiDDP
+            engine = _registry.engine_of(model_or_cls)
             if engine is None:
                 raise ValueError("GeminiOptimizer(optimizer, model): `model` must be a module managed by gemini_ext "
                                  "(wrap it with gx.GeminiDDP(model) or gx.enable(model) first).")
@@ -75,25 +57,28 @@ class GeminiOptimizer(torch.optim.Optimizer):
             kwargs = {}
             shared_groups = torch_opt.param_groups
             self._wrapped = torch_opt
+        elif _registry.is_open_engine(optimizer_or_engine):
+            engine, opt_cls = optimizer_or_engine, model_or_cls
         else:
             raise TypeError("GeminiOptimizer: expected (engine, optimizer class) or (torch optimizer, model), got "
                             f"{type(optimizer_or_engine).__name__}.")
-        self._adamw = check_optimizer_class(opt_cls)
-        for flag in _REFUSED_FLAGS:
+        rule = rule_for(opt_cls)
+        for flag in rule.refused_flags:
             if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
                 raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported (the engine's step has no such "
                                  f"mode); pass {flag}=False or leave it out.")
-        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2 if self._adamw else 0.0,
-                    "decoupled_weight_decay": self._adamw}
+        defaults = rule.defaults(opt_cls)
         for key, value in kwargs.items():
             if key in defaults:
                 defaults[key] = value
-            elif key not in _IGNORED_FLAGS + _REFUSED_FLAGS:
+            elif key not in rule.ignored_flags + rule.refused_flags:
+                accepted = ", ".join(k for k in defaults if k != "decoupled_weight_decay")
                 raise TypeError(f"gemini_ext optimizer: unexpected argument {key!r} for {opt_cls.__name__}; "
-                                "accepted: lr, betas, eps, weight_decay.")
-        self._check_hyper(defaults, "defaults")
+                                f"accepted: {accepted}.")
+        rule.check_group(defaults, "defaults")
         self.engine = engine
         self.opt_class = opt_cls
+        self.rule = rule
         if params is None:
             params = [p for p in engine.parameters() if p.requires_grad]
         super().__init__(params, defaults)
@@ -101,9 +86,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
             # The wrapped optimizer's group dicts themselves: an LR scheduler built on it edits ours.
             self.param_groups = shared_groups
         for i, g in enumerate(self.param_groups):
-            self._check_hyper(g, f"param_groups[{i}]")
+            rule.check_group(g, f"param_groups[{i}]")
             if shared_groups is None:
-                for flag in _REFUSED_FLAGS + _IGNORED_FLAGS:
+                for flag in rule.refused_flags + rule.ignored_flags:
                     g.pop(flag, None)
         group_of = [-1] * engine.num_parameters
         for gi, g in enumerate(self.param_groups):
@@ -113,35 +98,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
                                      "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
                 group_of[idx] = gi
-        self._group_of = group_of
-        self._hybrid = _C.HybridAdam(engine._gm)
+        self._hybrid = _C.HybridAdam(engine.runtime)
         self._hybrid.set_param_groups(group_of)
         self.last_grad_norm = None
-        engine._register_optimizer(self)
-
-    @staticmethod
-    def _check_hyper(group: dict, where: str) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.item()
-        if not lr >= 0.0:
-            raise ValueError(f"{where}: lr must be >= 0, got {lr}.")
-        b1, b2 = group["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"{where}: betas must be in [0, 1), got {group['betas']}.")
-        if not group["eps"] >= 0.0:
-            raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}.")
-        if not group["weight_decay"] >= 0.0:
-            raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}.")
+        engine.attach_optimizer(self)
 
     def _hyper(self) -> list[dict]:
-        out = []
-        for g in self.param_groups:
-            lr = g["lr"].item() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-            out.append({"lr": lr, "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]), "eps": float(g["eps"]),
-                        "weight_decay": float(g["weight_decay"]),
-                        "adamw": bool(g.get("decoupled_weight_decay", self._adamw))})
-        return out
+        return [self.rule.kernel_hyper(g, self.opt_class) for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -150,15 +113,30 @@ class GeminiOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self.engine
-        engine._check_open("optimizer.step")
-        engine._check_no_stray_grads()
-        engine._access.absorb_writes()  # in-place writes to parameters reach the masters before the step
-        gm = engine._gm
-        engine._end_iteration()  # the access trace of forward + backward is complete
-        gm.flush_grads()
+        engine.check_open("optimizer.step")
+        engine.check_no_stray_grads()
+        engine.access.absorb_writes()  # in-place writes to parameters reach the masters before the step
+        engine.end_iteration()  # the access trace of forward + backward is complete
+        engine.runtime.flush_grads()
+        multiplier = self._grad_multiplier()
+        if multiplier is None:  # fp16 overflow: the step is skipped
+            engine.counters.skipped_steps += 1
+            return loss
+        self._hybrid.step(self._hyper(), multiplier)
+        engine.runtime.guard_stepping_params()  # parameters of CPU steps still running refuse access until settled
+        engine.counters.optimizer_steps += 1
+        if self._wrapped is not None:
+            self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
+        return loss
+
+    def _grad_multiplier(self) -> float | None:
+        """The one factor folded into every gradient read: 1/loss_scale times the clipping
+        coefficients (engine.clip_grad_norm_ since the last step, then `max_norm`); None when the
+        fp16 loss scaler found an overflow."""
+        engine = self.engine
         scaler = engine.scaler
         scale = scaler.scale if scaler is not None else 1.0
-        clipped = engine._clipper.take()  # engine.clip_grad_norm_ since the last step (1.0: none)
+        clipped = engine.clipper.take()  # engine.clip_grad_norm_ since the last step (1.0: none)
         multiplier = clipped / scale
         max_norm = engine.config.max_norm
         if max_norm > 0 or scaler is not None:
@@ -168,25 +146,21 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 found_inf = not math.isfinite(norm)
                 scaler.update(found_inf)
                 if found_inf:
-                    engine._skipped_steps += 1
-                    return loss
+                    return None
             if max_norm > 0:
                 coef = max_norm / (norm + 1e-6)
                 if coef < 1.0:
                     multiplier *= coef
-        self._hybrid.step(self._hyper(), multiplier)
-        gm.guard_stepping_params()  # parameters of CPU steps still running refuse access until settled
-        engine._optimizer_steps += 1
-        if self._wrapped is not None:
-            self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
-        return loss
+        return multiplier
 
-    def _arm_for_backward(self) -> None:
+    # --- what the engine calls ----------------------------------------------------------------
+    def backward_started(self) -> None:
+        """A backward pass began: arm speculative CPU steps where their guess can hold."""
         engine = self.engine
         cfg = engine.config
         if not cfg.overlap_optimizer or engine.scaler is not None:
             return
-        if engine._clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
+        if engine.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
             return
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
@@ -195,14 +169,25 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return
         self._hybrid.arm(self._hyper())
 
+    def grad_norm_sq(self) -> float:
+        """The sum of squares of every gradient in the chunks (over every rank when sharded)."""
+        return self._hybrid.grad_norm_sq()
+
+    def release_spares(self) -> None:
+        self._hybrid.release_spares()
+
+    def detach(self) -> None:
+        """The engine closed: its chunks are gone."""
+        self._hybrid = None
+
     def speculation_stats(self) -> dict:
         """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
         return {**self._hybrid.speculations(), "spare_bytes": self._hybrid.spare_bytes()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine._check_open("optimizer.zero_grad")
-        self.engine._gm.zero_grad()
-        self.engine._clipper.reset()
+        self.engine.check_open("optimizer.zero_grad")
+        self.engine.runtime.zero_grad()
+        self.engine.clipper.reset()
 
     def last_step_stats(self) -> dict:
         return self._hybrid.last_step()
@@ -217,21 +202,22 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 pos += 1
 
     def state_dict(self) -> dict:
-        """torch.optim.Adam(W)'s format: per parameter step, exp_avg, exp_avg_sq (fp32, CPU)."""
-        gm = self.engine._gm
+        """The torch optimizer's format: per parameter its step and each state kind of the rule
+        (fp32, CPU)."""
+        gm = self.engine.runtime
         state = {}
         for pos, idx in self._ordered_params():
             step = gm.step_of(idx)
             if step == 0:
                 continue  # never stepped: torch has no state for it either
-            state[pos] = {"step": torch.tensor(float(step)), "exp_avg": gm.read("exp_avg", idx),
-                          "exp_avg_sq": gm.read("exp_avg_sq", idx)}
+            state[pos] = {"step": torch.tensor(float(step)),
+                          **{kind: gm.read(kind, idx) for kind in self.rule.state_kinds}}
         gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
         groups = []
         pos = 0
         for g in self.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
-            entry.update({"amsgrad": False, "maximize": False})
+            entry.update(self.rule.state_dict_extras())
             entry["params"] = list(range(pos, pos + len(g["params"])))
             pos += len(g["params"])
             groups.append(entry)
@@ -246,7 +232,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"optimizer.load_state_dict: param group {i} has {len(saved['params'])} parameters "
                                  f"in the state dict and {len(mine['params'])} here.")
-        gm = self.engine._gm
+        gm = self.engine.runtime
         saved_ids = [pid for g in groups for pid in g["params"]]
         state = state_dict["state"]
         for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
@@ -254,14 +240,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if entry is None:
                 gm.set_step(idx, 0)
                 zero = torch.zeros(self.engine.parameter_numel(idx))
-                gm.write("exp_avg", idx, zero)
-                gm.write("exp_avg_sq", idx, zero)
+                for kind in self.rule.state_kinds:
+                    gm.write(kind, idx, zero)
                 continue
             step = entry["step"]
             gm.set_step(idx, int(step.item() if isinstance(step, torch.Tensor) else step))
-            gm.write("exp_avg", idx, entry["exp_avg"].detach().float().cpu())
-            gm.write("exp_avg_sq", idx, entry["exp_avg_sq"].detach().float().cpu())
+            for kind in self.rule.state_kinds:
+                gm.write(kind, idx, entry[kind].detach().float().cpu())
+        skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
-                if k not in ("params",) + _REFUSED_FLAGS + _IGNORED_FLAGS:
+                if k not in skipped:
                     mine[k] = v

@@ -1,4 +1,14 @@
-"""Placement policies: each decides, the C++ GeminiManager carries it out.
+"""Placement policies: pure functions of measurements that return a placement.
+
+A policy is called twice over: `initial(m)` before any memory is taken (the chunk layout is
+known), and `after_iteration(m, current)` at each iteration's end when `decides_after_iterations`
+holds. Each returns a `Placement`: per chunk set, where its optimizer state lives, its parameter
+chunk's home, whether it stays gathered, whether its gradient stays on the device; and the
+device budget for chunks. The engine (gemini_ext/_placement.py) gathers the `Measurements`
+(doing the collectives, so every rank decides alike), calls the policy, and applies the
+difference through the C++ GeminiManager. A policy moves nothing and keeps no state of its own:
+what it needs from the past comes in `current`. Adding a policy means adding one class here and
+decorating it with `@register`.
 
 [Note: the three policies]
 - `static`: fixed fractions in exact bytes of chunks (core/static_placement.*):
@@ -39,216 +49,206 @@
 
 from __future__ import annotations
 
-import os
-import time
-import warnings
+import dataclasses
 
-import torch
-
-from . import _C, allocator
-from ._env import logger
+from . import _C
 from ._units import format_bytes
 
-POLICIES = ("static", "auto", "const")
+HOST_MARGIN = 1 / 8  # of the host's available memory, never planned for
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """What a policy decides from. Figures that differ between ranks arrive reduced over them."""
+    device_kind: str                    # "cuda" or "sim"
+    allocator_mode: str                 # "default" or "chunk" (GEMINI_EXT_ALLOCATOR)
+    device_capacity_bytes: int          # gpu_memory_limit, or the device (the sim capacity on sim)
+    set_shard_bytes: tuple              # per chunk set: this rank's shard of its parameter chunk, bytes
+    trainable: tuple                    # per chunk set: has gradients and optimizer state
+    set_bytes_per_element: int          # gradient, master and optimizer state (_layout.set_bytes_per_element)
+    compute_itemsize: int               # bytes per element of the parameter chunks
+    sharded: bool                       # chunks are sharded over a process group
+    world_size: int                     # ranks of that group
+    host_available_bytes: int | None = None  # the least of any rank (policies with reads_host_memory)
+    non_model_peak_bytes: int = 0       # the last iteration's, the most of any rank
+    trace_rerecordings: int = 0         # how often the access trace changed so far
+
+    def trainable_shard_bytes(self) -> list[int]:
+        return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
+
+    def frozen_shard_bytes(self) -> list[int]:
+        return [b for b, t in zip(self.set_shard_bytes, self.trainable) if not t]
+
+
+@dataclasses.dataclass(frozen=True)
+class SetPlacement:
+    optim_on_host: bool = False       # optimizer state (master, states) on the host: CPU steps
+    param_home_on_host: bool = False  # the parameter chunk's home is the host (a device copy is a cache)
+    keep_gathered: bool = False       # sharded: stays gathered after forward, until its gradients are reduced
+    grad_stays_on_device: bool = False  # its state is on the device because the host cannot hold it
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    sets: tuple                     # SetPlacement per chunk set
+    device_budget_bytes: int = 0    # device bytes chunks may hold; 0: the backend's capacity
+    decision: dict = dataclasses.field(default_factory=dict)  # what was measured and chosen (stats())
+    warnings: tuple = ()            # for the user: the engine warns with each
+
+    @property
+    def host_bound_sets(self) -> int:
+        """Trainable sets (from the front) whose state the host cannot hold."""
+        return sum(s.grad_stays_on_device for s in self.sets)
+
+    def with_optim_on_host(self, on_host: list[bool]) -> tuple:
+        return tuple(dataclasses.replace(s, optim_on_host=h) for s, h in zip(self.sets, on_host))
+
+
+POLICY_CLASSES: dict = {}
+
+
+def register(cls):
+    """Makes a policy class selectable by its name (GeminiConfig.placement_policy)."""
+    POLICY_CLASSES[cls.name] = cls
+    return cls
 
 
 class PlacementPolicy:
-    name = "static"
+    name = ""
+    reads_host_memory = False  # whether Measurements.host_available_bytes must be gathered
+    MARGIN = 1 / 16            # of the device, kept free when the budget is planned from measurements
 
     def __init__(self, config):
         self.config = config
-        self.decision: dict = {}
-        self.min_device_sets = 0  # trainable sets (from the front) whose state the host cannot hold
 
-    def fractions(self) -> tuple[float, float]:
+    def decides_after_iterations(self, device_kind: str) -> bool:
+        return False
+
+    def initial(self, m: Measurements) -> Placement:
+        """The placement before the first iteration."""
+        param_frac, optim_frac = self.fractions(m)
+        sizes = m.trainable_shard_bytes()
+        plan = _C.static_placement(sizes, param_frac, optim_frac)
+        host_bound = self.host_bound(m, sizes, plan)
+        sets = [SetPlacement(optim_on_host=on_host, param_home_on_host=home, keep_gathered=not reshard,
+                             grad_stays_on_device=host_bound and not on_host)
+                for (home, on_host), reshard in zip(plan, self._reshard(m, sizes))]
+        frozen = m.frozen_shard_bytes()
+        plan = _C.static_placement(frozen, self.frozen_param_frac(), 0.0)
+        sets += [SetPlacement(param_home_on_host=home, keep_gathered=not reshard)
+                 for (home, _), reshard in zip(plan, self._reshard(m, frozen))]
+        return Placement(tuple(sets), self.warm_up_budget(m))
+
+    def fractions(self, m: Measurements) -> tuple[float, float]:
         """(offload_param_frac, offload_optim_frac) of the initial placement."""
         return self.config.offload_param_frac, self.config.offload_optim_frac
 
-    def initial_fractions(self, engine, param_chunk_bytes: list[int]) -> tuple[float, float]:
-        """The initial placement's fractions, given the 16-bit bytes of each trainable parameter
-        chunk (this rank's shards) in execution order."""
-        return self.fractions()
+    def frozen_param_frac(self) -> float:
+        return self.config.offload_param_frac
 
-    def device_budget(self, engine) -> int:
-        return 0  # the backend's capacity
-
-    def after_iteration(self, engine) -> None:
-        """Decides again after the first iteration and whenever the access trace was re-recorded
-        (other control flow, sequence length, eval vs train), from the iteration just measured."""
-        if not self.plans_from_measurements(engine):
-            return
-        rerecordings = engine._gm.trace_info()["rerecordings"]
-        if self.decision and rerecordings == self.decision["trace_rerecordings"]:
-            return
-        self._decide(engine, rerecordings)
-
-    def plans_from_measurements(self, engine) -> bool:
+    def host_bound(self, m: Measurements, sizes: list[int], plan) -> bool:
+        """Whether the plan's device sets are there because the host cannot hold their state."""
         return False
 
-    def _decide(self, engine, rerecordings: int) -> None:
-        raise NotImplementedError
+    def warm_up_budget(self, m: Measurements) -> int:
+        return 0
+
+    def _reshard(self, m: Measurements, sizes: list[int]) -> list[bool]:
+        """shard_param_frac (sharded only): which parameter chunks are re-sharded after each use,
+        in exact bytes from the front of the execution order: the chunks used first in forward
+        are needed last in backward, so keeping them gathered would hold their memory longest.
+        The others stay gathered from forward until their gradients are reduced."""
+        if not m.sharded:
+            return [True] * len(sizes)
+        return [home for home, _ in _C.static_placement(sizes, self.config.shard_param_frac, 0.0)]
+
+    def after_iteration(self, m: Measurements, current: Placement) -> Placement:
+        """A placement from the iteration just measured (called after the first iteration and
+        whenever the access trace was re-recorded: other control flow, eval vs train)."""
+        return current
 
 
-def device_capacity_bytes(engine) -> int:
-    """The device bytes the engine plans for: `gpu_memory_limit` (or GEMINI_EXT_GPU_LIMIT), never
-    more than the device has; the sim device's capacity on sim."""
-    capacity = engine._ctx.capacity_bytes
-    if engine.device_kind == "cuda":
-        total = torch.cuda.mem_get_info(engine.compute_device)[1]
-        capacity = min(capacity, total) if capacity else total
-    return int(capacity)
-
-
-def measured_chunk_budget(engine, margin: float) -> tuple[int, int, int]:
-    """(device capacity, peak non-model bytes of the last iteration, chunk budget): the capacity
-    (`gpu_memory_limit`, or the device) minus what torch's allocator peaked at minus a margin,
-    never below three of the largest chunks (one in compute, one gradient chunk, one being
-    fetched); it warns when it had to raise the budget to that floor."""
-    capacity = device_capacity_bytes(engine)
-    non_model = engine._steps_log[-1]["non_model_peak_bytes"] if engine._steps_log else 0
-    if engine._dp_group is not None:
-        # Every rank takes the same decision: from the largest measurement of any rank.
-        t = torch.tensor([float(non_model)], dtype=torch.float64, device=engine.compute_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=engine._dp_group)
-        non_model = int(t.item())
+def measured_chunk_budget(m: Measurements, margin: float, policy: str) -> tuple[int, list[str]]:
+    """The chunk budget from the last iteration: the capacity minus what torch's allocator
+    peaked at minus a margin, never below three of the largest chunks (one in compute, one
+    gradient chunk, one being fetched); with a warning when it had to raise it to that floor."""
+    capacity, non_model = m.device_capacity_bytes, m.non_model_peak_bytes
     budget = int(capacity - non_model - capacity * margin)
-    floor = 3 * largest_chunk_bytes(engine)
-    if budget < floor:
-        warnings.warn(f"gemini_ext {engine.policy.name} placement: the device has {format_bytes(capacity)} and an "
-                      f"iteration peaked at {format_bytes(non_model)} of non-model memory, leaving less than three "
-                      f"chunks ({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, "
-                      "use activation checkpointing or smaller chunks.", stacklevel=3)
-        budget = floor
-    return int(capacity), int(non_model), budget
+    floor = 3 * max(m.set_shard_bytes)
+    if budget >= floor:
+        return budget, []
+    return floor, [f"gemini_ext {policy} placement: the device has {format_bytes(capacity)} and an iteration peaked "
+                   f"at {format_bytes(non_model)} of non-model memory, leaving less than three chunks "
+                   f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, use "
+                   "activation checkpointing or smaller chunks."]
 
 
-HOST_MARGIN = 1 / 8
-
-
-def _proc_field_bytes(path: str, key: str) -> int | None:
-    """A "Key:  N kB" line of a /proc file (Linux) in bytes; None where it cannot be read."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def mem_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where it cannot be read."""
-    return _proc_field_bytes("/proc/meminfo", "MemAvailable:")
-
-
-def process_rss_bytes() -> int | None:
-    """VmRSS of /proc/self/status in bytes: this process's resident memory, chunks and everything
-    else; None where it cannot be read."""
-    return _proc_field_bytes("/proc/self/status", "VmRSS:")
-
-
-def host_available_bytes() -> int | None:
-    """Host memory this process may still fill: MemAvailable over the ranks of this node
-    (LOCAL_WORLD_SIZE); None where it cannot be read."""
-    available = mem_available_bytes()
-    if available is None:
-        return None
-    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def host_optimizer_bytes_per_element(engine) -> int:
-    """Host bytes per element of a chunk set whose optimizer state lives on the host: its 16-bit
-    gradient, the fp32 master (16-bit precisions only), exp_avg and exp_avg_sq."""
-    item = engine.compute_dtype.itemsize
-    return item + (4 if engine.compute_dtype != torch.float32 else 0) + 8
-
-
-def largest_chunk_bytes(engine) -> int:
-    mgr = engine._mgr
-    item = engine.compute_dtype.itemsize
-    return max(mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in engine._gm.set_placements()) * item
-
-
+@register
 class StaticPolicy(PlacementPolicy):
     name = "static"
-    MARGIN = 1 / 16
 
-    def plans_from_measurements(self, engine) -> bool:
-        return engine.device_kind == "cuda"  # on sim, activations live on the host
+    def decides_after_iterations(self, device_kind: str) -> bool:
+        return device_kind == "cuda"  # on sim, activations live on the host
 
-    def _decide(self, engine, rerecordings: int) -> None:
+    def after_iteration(self, m: Measurements, current: Placement) -> Placement:
         # Plan for the activations just measured: the fractions stay, what does not fit is evicted.
-        capacity, non_model, budget = measured_chunk_budget(engine, self.MARGIN)
-        engine._gm.set_device_budget(budget)
-        self.decision = {"device_capacity_bytes": capacity, "non_model_peak_bytes": non_model,
-                         "chunk_budget_bytes": budget, "trace_rerecordings": rerecordings,
-                         "decisions": self.decision.get("decisions", 0) + 1}
+        budget, warnings = measured_chunk_budget(m, self.MARGIN, self.name)
+        decision = {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,
+                    "chunk_budget_bytes": budget, "trace_rerecordings": m.trace_rerecordings,
+                    "decisions": current.decision.get("decisions", 0) + 1}
+        return Placement(current.sets, budget, decision, tuple(warnings))
 
 
-class ConstPolicy(PlacementPolicy):
-    name = "const"
-
-    def __init__(self, config):
-        super().__init__(config)
-        if config.const_gpu_budget is None:
-            raise ValueError("placement_policy='const' needs const_gpu_budget (bytes or a string such as '8GiB'): "
-                             "the constant device budget for chunks.")
-
-    def device_budget(self, engine) -> int:
-        return int(self.config.const_gpu_budget)
-
-
+@register
 class AutoPolicy(PlacementPolicy):
     name = "auto"
-    MARGIN = 1 / 16
+    reads_host_memory = True
     WARMUP_RESERVE = 1 / 8  # of the device, kept from chunks for the warm-up's unmeasured activations
 
-    def fractions(self):
-        return 0.0, 1.0  # warm-up: parameters on the device, every optimizer state on the host
+    def decides_after_iterations(self, device_kind: str) -> bool:
+        return True
 
-    def initial_fractions(self, engine, param_chunk_bytes):
+    def frozen_param_frac(self) -> float:
+        return 0.0
+
+    def _host_room(self, m: Measurements) -> tuple[int, int, float | None]:
+        """(parameter copies, optimizer state, the host room for them) in bytes on the host; the
+        room is None where host memory cannot be read."""
+        sizes = m.trainable_shard_bytes()
+        params_host = sum(sizes)  # the parameter chunks' host copies
+        optim_host = sum(b // m.compute_itemsize for b in sizes) * m.set_bytes_per_element
+        room = None if m.host_available_bytes is None else m.host_available_bytes * (1 - HOST_MARGIN)
+        return params_host, optim_host, room
+
+    def fractions(self, m: Measurements) -> tuple[float, float]:
         # Every optimizer state on the host for the warm-up, unless the host cannot hold it: then
         # the back of the execution order stays on the host (what fits) and the front goes to
         # the device from the start.
-        item = engine.compute_dtype.itemsize
-        params_host = sum(param_chunk_bytes)  # the parameter chunks' host copies
-        per_element = host_optimizer_bytes_per_element(engine)
-        optim_host = sum(b // item for b in param_chunk_bytes) * per_element
-        available = host_available_bytes()
-        if available is not None and engine._dp_group is not None:
-            t = torch.tensor([float(available)], dtype=torch.float64,
-                             device=engine.compute_device if engine.device_kind == "cuda" else "cpu")
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=engine._dp_group)
-            available = int(t.item())  # every rank takes the same decision
-        if available is None or params_host + optim_host <= available * (1 - HOST_MARGIN):
+        params_host, optim_host, room = self._host_room(m)
+        if room is None or params_host + optim_host <= room:
             return 0.0, 1.0
-        allowed = max(0.0, available * (1 - HOST_MARGIN) - params_host)
-        optim_frac = allowed / optim_host
-        plan = _C.static_placement(list(param_chunk_bytes), 0.0, optim_frac)
-        self.min_device_sets = sum(1 for _, on_host in plan if not on_host)
-        logger.info("auto placement: the host has %s available for %s of parameter copies and %s of optimizer state; "
-                    "the optimizer state of the first %d of %d chunk sets starts on the device",
-                    format_bytes(available), format_bytes(params_host), format_bytes(optim_host),
-                    self.min_device_sets, len(param_chunk_bytes))
-        forced_elements = sum(b // item for b, (_, on_host) in zip(param_chunk_bytes, plan) if not on_host)
-        self._check_device_holds_forced_state(engine, param_chunk_bytes, forced_elements, available, params_host,
-                                              optim_host)
-        return 0.0, optim_frac
+        return 0.0, max(0.0, room - params_host) / optim_host
 
-    def _check_device_holds_forced_state(self, engine, param_chunk_bytes, forced_elements: int, available: int,
-                                         params_host: int, optim_host: int) -> None:
+    def host_bound(self, m: Measurements, sizes: list[int], plan) -> bool:
+        params_host, optim_host, room = self._host_room(m)
+        if room is None or params_host + optim_host <= room:
+            return False
+        forced_elements = sum(b // m.compute_itemsize for b, (_, on_host) in zip(sizes, plan) if not on_host)
+        self._check_device_holds_forced_state(m, sizes, forced_elements, m.host_available_bytes, params_host,
+                                              optim_host)
+        return any(not on_host for _, on_host in plan)
+
+    def _check_device_holds_forced_state(self, m: Measurements, param_chunk_bytes, forced_elements: int,
+                                         available: int, params_host: int, optim_host: int) -> None:
         """Before any memory is taken: the optimizer state the host cannot hold, with its
         gradients and three gathered chunks in flight, must fit the warm-up's device budget and
         the margin of every later decision (nothing evicts that state or its gradients; only
         parameter chunks make room). Otherwise the model does not fit this rank's host and
         device together, and the first iteration would run out of memory after the whole set-up."""
-        item = engine.compute_dtype.itemsize
-        master = 4 if engine.compute_dtype != torch.float32 else 0
-        forced = forced_elements * (master + 8 + item)  # master, exp_avg, exp_avg_sq, gradient
-        in_flight = 3 * max(param_chunk_bytes) * engine.world_size  # gathered: every rank's shard
-        capacity = device_capacity_bytes(engine)
-        warm_up = self.device_budget(engine)  # 0: the whole device
+        forced = forced_elements * m.set_bytes_per_element  # master, states, gradient
+        in_flight = 3 * max(param_chunk_bytes) * m.world_size  # gathered: every rank's shard
+        capacity = m.device_capacity_bytes
+        warm_up = self.warm_up_budget(m)  # 0: the whole device
         later = int(capacity * (1 - self.MARGIN))  # the most a later decision can give
         budget = min(warm_up or capacity, later)
         if forced + in_flight <= budget:
@@ -266,44 +266,39 @@ class AutoPolicy(PlacementPolicy):
             f"with their gradients, plus {format_bytes(in_flight)} for three parameter chunks in flight, against a "
             f"device budget of {format_bytes(budget)}{reserve}. To train it, {fixes}.")
 
-    def device_budget(self, engine) -> int:
-        # The warm-up's chunk budget. Activations are not measured yet: on cuda under the default
-        # allocator (chunks never give way to torch's allocations) WARMUP_RESERVE of the device is
-        # kept for them, else chunks could fill the device (optimizer state the host cannot hold,
-        # say) and the first forward run out of memory. On sim activations live on the host, and
-        # under GEMINI_EXT_ALLOCATOR=chunk an allocation evicts chunks: the whole device (0).
-        if engine.device_kind != "cuda" or allocator.mode() == "chunk":
+    def warm_up_budget(self, m: Measurements) -> int:
+        # Activations are not measured yet: on cuda under the default allocator (chunks never
+        # give way to torch's allocations) WARMUP_RESERVE of the device is kept for them, else
+        # chunks could fill the device (optimizer state the host cannot hold, say) and the first
+        # forward run out of memory. On sim activations live on the host, and under
+        # GEMINI_EXT_ALLOCATOR=chunk an allocation evicts chunks: the whole device (0).
+        if m.device_kind != "cuda" or m.allocator_mode == "chunk":
             return 0
-        return int(device_capacity_bytes(engine) * (1 - self.WARMUP_RESERVE))
+        return int(m.device_capacity_bytes * (1 - self.WARMUP_RESERVE))
 
-    def plans_from_measurements(self, engine) -> bool:
-        return True
-
-    def _decide(self, engine, rerecordings: int) -> None:
-        gm, mgr = engine._gm, engine._mgr
-        capacity, non_model, budget = measured_chunk_budget(engine, self.MARGIN)
-        placements = gm.set_placements()
-        shard = {p["param_chunk"]: mgr.chunk_info(p["param_chunk"])["shard_numel"] for p in placements}
-        item = engine.compute_dtype.itemsize
-        p_bytes = sum(shard[p["param_chunk"]] * item for p in placements)
-        largest = max(shard.values()) * item
+    def after_iteration(self, m: Measurements, current: Placement) -> Placement:
+        # The parameter chunks stay on the device (evicted under the budget when they do not all
+        # fit); then the optimizer state of as many sets as fit, from the front, moves there.
+        budget, warnings = measured_chunk_budget(m, self.MARGIN, self.name)
+        p_bytes = sum(m.set_shard_bytes)
+        largest = max(m.set_shard_bytes)
         remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
-        master = 4 if engine.compute_dtype != torch.float32 else 0
+        host_bound_sets = current.host_bound_sets
         on_device = set()
         trainable_seen = 0
-        for index, p in enumerate(placements):  # from the front of the execution order
-            if not p["trainable"]:
+        for index, (shard, trainable) in enumerate(zip(m.set_shard_bytes, m.trainable)):
+            if not trainable:
                 continue
-            cost = shard[p["param_chunk"]] * (master + 4 + 4 + item)  # master, m, v, gradient
-            host_bound = trainable_seen < self.min_device_sets  # the host cannot hold it
+            cost = shard // m.compute_itemsize * m.set_bytes_per_element
+            host_bound = trainable_seen < host_bound_sets  # the host cannot hold it
             trainable_seen += 1
             if cost > remaining and not host_bound:
                 break
             remaining -= cost
             on_device.add(index)
         if remaining < 0:
-            if self.min_device_sets:
-                why = (f"the host cannot hold the optimizer state of the first {self.min_device_sets} chunk sets and the "
+            if host_bound_sets:
+                why = (f"the host cannot hold the optimizer state of the first {host_bound_sets} chunk sets and the "
                        f"device budget ({format_bytes(budget)}) cannot hold it beside the parameters either "
                        f"({format_bytes(-remaining)} short)")
                 fix = "More data-parallel ranks or more host memory would keep every parameter chunk on the device."
@@ -311,29 +306,33 @@ class AutoPolicy(PlacementPolicy):
                 why = (f"the parameter chunks ({format_bytes(p_bytes)}) and two chunks in flight do not fit the device "
                        f"budget ({format_bytes(budget)})")
                 fix = "Lower the batch size or use activation checkpointing."
-            warnings.warn(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as needed. {fix}",
-                          stacklevel=3)
-        # Shrink first (states going to the host free device bytes), then grow.
-        moves_started = time.perf_counter()
-        for index, p in enumerate(placements):
-            if p["trainable"] and not p["optim_on_host"] and index not in on_device:
-                gm.set_optim_on_host(index, True)
-        gm.set_device_budget(budget)
-        for index in sorted(on_device):
-            if placements[index]["optim_on_host"]:
-                gm.set_optim_on_host(index, False)
-        self.decision = {"device_capacity_bytes": capacity, "non_model_peak_bytes": non_model,
-                         "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
-                         "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
-                         "optim_sets_kept_on_device_for_host": self.min_device_sets,
-                         "trace_rerecordings": rerecordings,
-                         "move_seconds": time.perf_counter() - moves_started,  # the state moved to its tiers
-                         "decisions": self.decision.get("decisions", 0) + 1}
-        logger.info("auto placement (decision %d): capacity %s, non-model peak %s, chunk budget %s, parameter chunks "
-                    "%s, optimizer state of %d chunk sets on the device (moves took %.1f s)", self.decision["decisions"],
-                    format_bytes(capacity), format_bytes(non_model), format_bytes(budget), format_bytes(p_bytes),
-                    len(on_device), self.decision["move_seconds"])
+            warnings.append(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as "
+                            f"needed. {fix}")
+        on_host = [t and index not in on_device for index, t in enumerate(m.trainable)]
+        decision = {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,
+                    "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
+                    "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
+                    "optim_sets_kept_on_device_for_host": host_bound_sets,
+                    "trace_rerecordings": m.trace_rerecordings,
+                    "move_seconds": 0.0,  # the engine times the moves it makes
+                    "decisions": current.decision.get("decisions", 0) + 1}
+        return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings))
+
+
+@register
+class ConstPolicy(PlacementPolicy):
+    name = "const"
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.const_gpu_budget is None:
+            raise ValueError("placement_policy='const' needs const_gpu_budget (bytes or a string such as '8GiB'): "
+                             "the constant device budget for chunks.")
+
+    def warm_up_budget(self, m: Measurements) -> int:
+        return int(self.config.const_gpu_budget)
+
 
 
 def make_policy(config) -> PlacementPolicy:
-    return {"static": StaticPolicy, "const": ConstPolicy, "auto": AutoPolicy}[config.placement_policy](config)
+    return POLICY_CLASSES[config.placement_policy](config)

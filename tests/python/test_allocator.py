@@ -63,7 +63,7 @@ def test_pools_reuse_slots_on_sim_with_exact_accounting():
         stats = engine.stats()
         pools, tiers = stats["pools"], stats["tier_bytes"]
         # slots in use: the chunks' copies, and on the host tier the speculative steps' spares
-        spares = engine._optimizer.speculation_stats()["spare_bytes"]
+        spares = engine.attached_optimizer.speculation_stats()["spare_bytes"]
         assert spares > 0
         for tier in ("device", "pinned_host", "pageable_host"):
             extra = spares if tier == "pageable_host" else 0
@@ -75,7 +75,7 @@ def test_pools_reuse_slots_on_sim_with_exact_accounting():
         assert device["slots_taken_from_arena"] < fetches, "evicted chunks' slots are reused, not re-allocated"
         assert device["arena_extents"] >= 1
         assert device["reserved_bytes"]["current"] <= 8 * 4096 * 4 + 4096 * 4, "the arena stays within the capacity"
-        freed = engine._mgr.trim("device")  # slots not in use and wholly free extents go back
+        freed = engine.chunks.trim("device")  # slots not in use and wholly free extents go back
         assert engine.stats()["pools"]["device"]["reserved_bytes"]["current"] == \
             device["reserved_bytes"]["current"] - freed
 

@@ -36,7 +36,7 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
     with gx.enable(model, _cfg(device)) as engine:
         for name, p in model.named_parameters():
             chunk_id, slot = engine.parameter_slot(p)
-            chunk = engine._mgr.shard_view(chunk_id, "device")
+            chunk = engine.chunks.shard_view(chunk_id, "device")
             offset = engine.chunk_info(chunk_id)["slots"][slot][1]
             assert p.data_ptr() == chunk.data_ptr() + offset * p.element_size(), name
             assert p.untyped_storage().data_ptr() == chunk.data_ptr(), "one storage per chunk"
@@ -46,13 +46,13 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
         assert stats["tier_bytes"]["device"]["current"] > 0
         # offload_optim_frac=0: parameter chunks went to the device once each; the optimizer state
         # was allocated there directly (no copy, nothing of it on the host)
-        moved = sum(engine._mgr.chunk_info(c)["shard_numel"] * 4 for c in engine._mgr.group_chunk_ids("param"))
+        moved = sum(engine.chunks.chunk_info(c)["shard_numel"] * 4 for c in engine.chunks.group_chunk_ids("param"))
         assert stats["traffic"]["h2d_bytes"] == moved
         for g in ("exp_avg", "exp_avg_sq"):
-            for c in engine._mgr.group_chunk_ids(g):
-                assert engine._mgr.chunk_info(c)["shard_tiers"] == "device", (g, c)
-        for c in engine._mgr.group_chunk_ids("grad"):  # born on the device in backward
-            assert engine._mgr.chunk_info(c)["shard_tiers"] == "none", c
+            for c in engine.chunks.group_chunk_ids(g):
+                assert engine.chunks.chunk_info(c)["shard_tiers"] == "device", (g, c)
+        for c in engine.chunks.group_chunk_ids("grad"):  # born on the device in backward
+            assert engine.chunks.chunk_info(c)["shard_tiers"] == "none", c
 
 
 def test_close_restores_ordinary_parameters_on_their_original_device():
@@ -60,7 +60,7 @@ def test_close_restores_ordinary_parameters_on_their_original_device():
     engine = gx.enable(model, _cfg("sim"))
     with torch.no_grad():
         model.weight.fill_(2.0)
-    gm = engine._gm
+    gm = engine.runtime
     engine.close()
     engine.close()  # idempotent
     assert sys.getrefcount(gm) == 2, "nothing but this test holds the manager: its chunks are freed at close"
@@ -115,24 +115,25 @@ def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(
     opt.step()
     engine.synchronize()  # the CPU steps may still be running (direct reads need it)
     # bf16 training: close() gives back the fp32 masters' values
-    expected = {n: engine._gm.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
-    on_host = [p["optim_on_host"] for p in engine._gm.set_placements()]
+    expected = {n: engine.runtime.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
+    on_host = [p["optim_on_host"] for p in engine.runtime.set_placements()]
     assert any(on_host) and not all(on_host)
-    reserved_before = engine._mgr.reserved_bytes("device")["current"]
+    reserved_before = engine.chunks.reserved_bytes("device")["current"]
     calls, reserved, device_bytes = [], [], []
-    real_drop, real_trim = gx.engine.GeminiEngine._drop_set_state, gx.engine.GeminiEngine._trim_chunk_memory
+    restorer = gx._restore.ModelRestorer
+    real_drop, real_trim = restorer.drop_set_state, restorer.trim_chunk_memory
 
     def drop(self, chunks, kinds):
-        calls.append((self._set_chunks.index(chunks), kinds))
+        calls.append((self._layout.sets.index(chunks), kinds))
         real_drop(self, chunks, kinds)
-        device_bytes.append(self._mgr.tier_bytes("device")["current"])
+        device_bytes.append(self._chunks.tier_bytes("device")["current"])
 
     def trim(self):
         real_trim(self)
-        reserved.append(self._mgr.reserved_bytes("device")["current"])
+        reserved.append(self._chunks.reserved_bytes("device")["current"])
 
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_drop_set_state", drop)
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_trim_chunk_memory", trim)
+    monkeypatch.setattr(restorer, "drop_set_state", drop)
+    monkeypatch.setattr(restorer, "trim_chunk_memory", trim)
     engine.close()
     n = len(on_host)
     assert calls[:n] == [(s, ("grad", "exp_avg", "exp_avg_sq")) for s in range(n)], "state first, every set"
@@ -219,7 +220,7 @@ def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_
     """When the whole model cannot fit the device and host once the chunks are freed (a model
     sharded because nothing holds it whole), enable() warns while the values can still be saved
     and close() frees the chunks and leaves each parameter an empty tensor of its dtype and device."""
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_restore_room_bytes", lambda self: 1000)
+    monkeypatch.setattr(gx._restore, "restore_room_bytes", lambda chunks, device: 1000)
     model = GPT(GPT_PRESETS["tiny"])
     model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
     with pytest.warns(UserWarning, match=r"larger than this rank's device and host memory.*save_checkpoint"):
@@ -229,7 +230,7 @@ def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_
     for name, p in model.named_parameters():
         assert p.numel() == 0 and p.dtype == torch.float32 and p.device.type == "cpu", name
     assert model.scale.dtype == torch.float64 and torch.equal(model.scale, torch.ones(3, dtype=torch.float64))
-    assert model._gemini_engine is None and engine._closed
+    assert gx._registry.engine_of(model) is None and engine.closed
 
 
 def test_existing_gradients_follow_their_parameters():
@@ -291,8 +292,8 @@ def test_running_out_of_memory_inside_the_block_notes_where_memory_stood():
     MemAvailable, so that a plan that missed something shows it."""
     with pytest.raises(gx.OutOfMemoryError, match="raised by the test") as err:
         with gx.enable(torch.nn.Linear(64, 64), _cfg("sim")) as engine:
-            pool = engine._mgr.pool_stats(engine._mgr.host_tier)
-            device = engine._mgr.tier_bytes("device")["current"]
+            pool = engine.chunks.pool_stats(engine.chunks.host_tier)
+            device = engine.chunks.tier_bytes("device")["current"]
             raise gx.OutOfMemoryError("pageable_host out of memory (raised by the test)")
     note = "\n".join(err.value.__notes__)
     assert f"chunks on the device {gx.format_bytes(device)}" in note, note

@@ -49,7 +49,7 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
     cfg = config(device, placement_policy="const", const_gpu_budget=3 * CHUNK_BYTES, max_prefetch=0)
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        assert [p["param_chunk"] for p in engine._gm.set_placements()] == [0, 4, 8, 12]
+        assert [p["param_chunk"] for p in engine.runtime.set_placements()] == [0, 4, 8, 12]
         _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
         stats = engine.stats()
@@ -81,10 +81,10 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
-        engine._gm.synchronize()  # every copy and compute event complete: all waits collected
-        engine._mgr.poll()
-        waits = engine._mgr.traffic()
-        fetches = engine._gm.counters()["sync_fetch_waits"]
+        engine.runtime.synchronize()  # every copy and compute event complete: all waits collected
+        engine.chunks.poll()
+        waits = engine.chunks.traffic()
+        fetches = engine.runtime.counters()["sync_fetch_waits"]
     iterations = _iterations(timeline)
     assert iterations[0] == ["F0", "F4", "E0", "F8", "E4", "F12",                 # enable()
                              "E8", "F0", "E12", "F4", "E0", "F8", "E4", "F12",    # warm-up forward (LRU)
@@ -133,7 +133,7 @@ def test_a_changed_trace_is_re_recorded():
 def test_static_fractions_select_the_documented_chunks(frac):
     model = _four_layers()
     with gx.enable(model, config("sim", offload_param_frac=frac, offload_optim_frac=frac)) as engine:
-        placements = engine._gm.set_placements()
+        placements = engine.runtime.set_placements()
         stats = engine.stats()["placement"]
     n = round(4 * frac)
     assert [p["param_home_on_host"] for p in placements] == [True] * n + [False] * (4 - n), "params: from the front"
@@ -224,30 +224,30 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"))
     with gx.enable(make_models()[0], config("sim")) as probe:  # the layout, to size the host
-        sizes = [probe._mgr.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe._gm.set_placements()]
+        sizes = [probe.chunks.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe.runtime.set_placements()]
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     limit = params_host + optim_host // 2  # room for half the optimizer state
-    monkeypatch.setattr(policy, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
+    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
     kw = {"sim_capacity": capacity_chunks * CHUNK_BYTES} if capacity_chunks else {}
     cfg = config("sim", placement_policy="auto", **kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with gx.enable(model, cfg) as engine:
-            forced = engine.policy.min_device_sets
+            forced = engine.placer.current.host_bound_sets
             assert 0 < forced < len(sizes)
-            placements = engine._gm.set_placements()
+            placements = engine.runtime.set_placements()
             assert [p["optim_on_host"] for p in placements] == [i >= forced for i in range(len(sizes))]
             for p in placements[:forced]:
                 for kind in ("exp_avg", "exp_avg_sq"):
-                    chunk = engine._mgr.group_chunk_ids(kind)[placements.index(p)]
-                    assert engine._mgr.chunk_info(chunk)["shard_tiers"] == "device"
+                    chunk = engine.chunks.group_chunk_ids(kind)[placements.index(p)]
+                    assert engine.chunks.chunk_info(chunk)["shard_tiers"] == "device"
             opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
             for step in range(6):
                 x, y = batch_of(model, step, 16)
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
-            host_peak = engine._mgr.tier_bytes(engine._mgr.host_tier)["peak"]
+            host_peak = engine.chunks.tier_bytes(engine.chunks.host_tier)["peak"]
             stats = engine.stats()
     assert host_peak <= limit, (host_peak, limit)
     decision = stats["placement"]["decision"]
@@ -263,7 +263,7 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
 def _param_chunk_bytes(device):
     """The 16-bit (here fp32) bytes of each parameter chunk of make_models()'s model, in order."""
     with gx.enable(make_models()[0], config(device)) as probe:
-        return [probe._mgr.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe._gm.set_placements()]
+        return [probe.chunks.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe.runtime.set_placements()]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -275,7 +275,7 @@ def test_auto_refuses_while_planning_a_model_the_host_and_device_cannot_hold_tog
     from gemini_ext import policy
     sizes = _param_chunk_bytes(device)
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
-    monkeypatch.setattr(policy, "host_available_bytes",
+    monkeypatch.setattr(gx._host_memory, "host_available_bytes",
                         lambda: int((params_host + optim_host // 4) / (1 - policy.HOST_MARGIN)))
     cap = {"gpu_memory_limit": sum(sizes)} if device == "cuda" else {"sim_capacity": sum(sizes)}
     model, _ = make_models()
@@ -302,7 +302,7 @@ def test_auto_keeps_on_the_device_the_gradients_of_state_the_host_could_not_hold
     sizes = _param_chunk_bytes("sim")
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     limit = params_host + int(optim_host * 0.4)
-    monkeypatch.setattr(policy, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
+    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
     device_state = optim_host - int(optim_host * 0.4)  # with its gradients
     cfg = config("sim", placement_policy="auto", overlap_optimizer=False,
                  sim_capacity=device_state + int(0.6 * params_host))
@@ -324,7 +324,7 @@ def test_the_budget_error_names_the_gradients_kept_on_the_device_for_the_host(mo
     sizes = _param_chunk_bytes("sim")
     params_host, optim_host = sum(sizes), sum(sizes) * 3
     limit = params_host + int(optim_host * 0.4)
-    monkeypatch.setattr(policy, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
+    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: int(limit / (1 - policy.HOST_MARGIN)))
     monkeypatch.setattr(policy.AutoPolicy, "_check_device_holds_forced_state", lambda *args, **kwargs: None)
     device_state = optim_host - int(optim_host * 0.4)
     cfg = config("sim", placement_policy="auto", overlap_optimizer=False,
@@ -349,31 +349,31 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
     from gemini_ext.policy import AutoPolicy
     model, _ = make_models()
     with gx.enable(model, config(device, placement_policy="auto")) as engine:
-        warm_up = engine._gm.device_budget
+        warm_up = engine.runtime.device_budget
         if device == "cuda" and gx.allocator.mode() == "default":
             total = torch.cuda.mem_get_info(engine.compute_device)[1]
             assert warm_up == int(total * (1 - AutoPolicy.WARMUP_RESERVE))
         else:
-            assert warm_up == engine._ctx.capacity_bytes
+            assert warm_up == engine.device.context.capacity_bytes
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         x, y = (t.to(engine.compute_device) for t in batch_of(model, 0, 16))
         model(x, y).backward()
         opt.step()
         decision = engine.stats()["placement"]["decision"]
-        assert engine._gm.device_budget == decision["chunk_budget_bytes"] != warm_up
+        assert engine.runtime.device_budget == decision["chunk_budget_bytes"] != warm_up
 
 
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
     from gemini_ext import policy
     model, _ = make_models()
     calls = []
-    real = policy.AutoPolicy._decide
+    real = policy.AutoPolicy.after_iteration
 
-    def spy(self, engine, rerecordings):
-        calls.append(rerecordings)
-        return real(self, engine, rerecordings)
+    def spy(self, measured, current):
+        calls.append(measured.trace_rerecordings)
+        return real(self, measured, current)
 
-    monkeypatch.setattr(policy.AutoPolicy, "_decide", spy)
+    monkeypatch.setattr(policy.AutoPolicy, "after_iteration", spy)
     with gx.enable(model, config("sim", placement_policy="auto")) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         for step, seq in enumerate((16, 16, 16, 8, 8)):  # a shorter sequence changes nothing in the
@@ -413,16 +413,16 @@ def test_moving_optimizer_state_between_steps_keeps_parity(device):
         for phase in ("host", "half on device", "back on host"):
             if phase == "half on device":
                 for i in range(0, n, 2):
-                    engine._gm.set_optim_on_host(i, False)
+                    engine.runtime.set_optim_on_host(i, False)
                 assert engine.stats()["placement"]["optim_chunks_on_device"] == len(range(0, n, 2))
             elif phase == "back on host":
                 for i in range(n):
-                    engine._gm.set_optim_on_host(i, True)
+                    engine.runtime.set_optim_on_host(i, True)
                 assert engine.stats()["placement"]["optim_chunks_on_device"] == 0
             for _ in range(3):
                 train_step(model, opt, step, engine.compute_device)
                 train_step(reference, ref_opt, step, dev)
                 step += 1
         with pytest.raises(ValueError, match="chunk set index"):
-            engine._gm.set_optim_on_host(n + 5, True)
+            engine.runtime.set_optim_on_host(n + 5, True)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5

@@ -1,0 +1,127 @@
+"""Carrying a placement policy's decisions out: the engine's side of gemini_ext/policy.py.
+
+`Placer` gathers the measurements a policy decides from (host memory, the last iteration's
+non-model peak from the MemoryTracer, the access trace's re-recordings), reducing the figures
+that differ between ranks so that every rank takes the same decision; calls the policy; and
+applies the difference through the C++ GeminiManager: optimizer state leaving the device first
+(it frees device bytes), then the budget, then state joining the device. It warns with what the
+policy found and logs each decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+from . import _C, _host_memory, allocator
+from ._env import logger
+from ._layout import set_bytes_per_element
+from .policy import Measurements, Placement, SetPlacement
+
+
+class Placer:
+    def __init__(self, policy, layout, device, groups):
+        self.policy = policy
+        self._layout = layout
+        self._device = device  # ComputeDevice
+        self._groups = groups  # DataParallelGroups
+        self.current: Placement | None = None
+
+    def _measure(self, **iteration) -> Measurements:
+        layout = self._layout
+        available = None
+        if self.policy.reads_host_memory:
+            available = _host_memory.host_available_bytes()
+            if available is not None:
+                available = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
+        return Measurements(
+            device_kind=self._device.kind, allocator_mode=allocator.mode(),
+            device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
+            trainable=tuple(s.trainable for s in layout.sets),
+            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, len(layout.state_kinds)),
+            compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
+            world_size=self._groups.world_size, host_available_bytes=available, **iteration)
+
+    def initial(self) -> Placement:
+        """The policy's placement before any memory is taken."""
+        self.current = self.policy.initial(self._measure())
+        self._report(self.current)
+        return self.current
+
+    def set_specs(self) -> list[dict]:
+        """Per chunk set: its chunks and placement, as the GeminiManager takes them."""
+        out = []
+        for chunks, place in zip(self._layout.sets, self.current.sets):
+            states = {kind: chunks.states.get(kind, -1) for kind in self._layout.state_kinds}
+            out.append({"param": chunks.param, "grad": chunks.grad, "master": chunks.master, **states,
+                        **dataclasses.asdict(place)})
+        return out
+
+    def device_state_chunks(self) -> tuple[list[int], list[int]]:
+        """(optimizer-state chunks, gradient chunks) of the sets whose state starts on the device:
+        the state is allocated there directly, never on the host, and the gradients get no copy
+        yet (they are born on the device)."""
+        state, grads = [], []
+        for chunks, place in zip(self._layout.sets, self.current.sets):
+            if chunks.trainable and not place.optim_on_host:
+                state += [c for k, c in chunks.optimizer_side().items() if k != "grad"]
+                grads.append(chunks.grad)
+        return state, grads
+
+    def after_iteration(self, runtime, tracer) -> None:
+        """Decides again after the first iteration and whenever the access trace was re-recorded
+        (other control flow, sequence length, eval vs train), from the iteration just measured."""
+        if not self.policy.decides_after_iterations(self._device.kind):
+            return
+        rerecordings = runtime.trace_info()["rerecordings"]
+        if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
+            return
+        non_model = int(self._groups.reduce(tracer.last_non_model_peak_bytes(), "max"))
+        measured = self._measure(non_model_peak_bytes=non_model, trace_rerecordings=rerecordings)
+        current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
+                                               p["grad_stays_on_device"]) for p in runtime.set_placements()),
+                            self.current.device_budget_bytes, self.current.decision)
+        chosen = self.policy.after_iteration(measured, current)
+        self._apply(runtime, current, chosen)
+        self.current = chosen
+        self._report(chosen)
+
+    def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
+            if dataclasses.replace(was, optim_on_host=now.optim_on_host) != now:
+                raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): policy "
+                                       f"{self.policy.name!r} changed more than the optimizer state's tier of chunk "
+                                       f"set {k} between iterations: {was} -> {now}")
+        started = time.perf_counter()
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):  # shrink first: frees device bytes
+            if now.optim_on_host and not was.optim_on_host:
+                runtime.set_optim_on_host(k, True)
+        runtime.set_device_budget(chosen.device_budget_bytes)
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
+            if was.optim_on_host and not now.optim_on_host:
+                runtime.set_optim_on_host(k, False)
+        if "move_seconds" in chosen.decision:
+            chosen.decision["move_seconds"] = time.perf_counter() - started  # the state moved to its tiers
+
+    def _report(self, placement: Placement) -> None:
+        for message in placement.warnings:
+            warnings.warn(message, stacklevel=5)
+        if placement.decision:
+            logger.info("%s placement (decision %d): %s", self.policy.name, placement.decision["decisions"],
+                        ", ".join(f"{k} {v}" for k, v in placement.decision.items() if k != "decisions"))
+        elif placement.host_bound_sets:
+            logger.info("%s placement: the host cannot hold every optimizer state; that of the first %d of %d chunk "
+                        "sets starts on the device", self.policy.name, placement.host_bound_sets,
+                        len(placement.sets))
+
+    def summary(self, runtime) -> dict:
+        """stats()["placement"]."""
+        placements = runtime.set_placements()
+        return {
+            "policy": self.policy.name,
+            "decision": dict(self.current.decision),
+            "param_chunks_home_host": sum(p["param_home_on_host"] for p in placements),
+            "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
+            "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),
+        }

@@ -1,0 +1,122 @@
+"""MemoryTracer: per-iteration figures of model data against non-model data, chunk traffic and
+waits, and the scheduling timeline (engine.stats()["steps"], engine.memory_timeline()).
+
+Model data is the chunks: their bytes on the device after each scheduling event come from the
+C++ manager's timeline (fetch 'F', prefetch 'P', evict 'E', iteration end 'S'). Non-model data is
+everything torch's CUDA allocator holds besides (activations, temporaries), measured per
+iteration in a window of our own so that torch's peak statistics stay the user's (on sim,
+activations live in host memory: 0). `memory_figures()` says where memory stands, for logs and
+out-of-memory errors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import allocator
+from ._host_memory import mem_available_bytes, process_rss_bytes
+from ._units import format_bytes
+
+HISTORY = 10_000  # iterations kept
+HOST_TIERS = ("pinned_host", "pageable_host")
+
+
+class MemoryTracer:
+    def __init__(self, chunks, runtime, device):
+        self._chunks = chunks
+        self._runtime = runtime
+        self._device = device  # ComputeDevice
+        self.steps = []  # per iteration: traffic and scheduling deltas
+        self._last_totals = None
+
+    def begin(self) -> None:
+        """Starts the first iteration's non-model window."""
+        if self._device.is_cuda:
+            allocator.begin_non_model_window(self._device.torch_device)
+
+    def end_iteration(self) -> None:
+        """Records the iteration that just ended (the manager closed its access trace)."""
+        totals = self._totals()
+        last = self._last_totals or {k: 0 for k in totals}
+        entry = {k: totals[k] - last[k] for k in totals}
+        entry["prefetch_misses"] = entry["sync_fetches"]  # a chunk compute needed that was not fetched ahead
+        entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
+        entry["host_bytes"] = sum(self._chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
+        if self._device.is_cuda:
+            device = self._device.torch_device
+            entry["non_model_peak_bytes"] = allocator.non_model_peak_bytes(device)
+            allocator.begin_non_model_window(device)
+        else:
+            entry["non_model_peak_bytes"] = 0
+        self.steps.append(entry)
+        if len(self.steps) > HISTORY:
+            del self.steps[:-HISTORY]
+        self._last_totals = totals
+
+    def last_non_model_peak_bytes(self) -> int:
+        return self.steps[-1]["non_model_peak_bytes"] if self.steps else 0
+
+    def _totals(self) -> dict:
+        self._chunks.poll()  # collects the copy waits measured so far
+        t, c = self._chunks.traffic(), self._runtime.counters()
+        return {"h2d_bytes": t["h2d_bytes"], "d2h_bytes": t["d2h_bytes"], "evictions": c["evictions"],
+                "prefetches": t["prefetches"], "prefetch_hits": t["prefetch_hits"],
+                "prefetch_wasted": t["prefetch_wasted"], "sync_fetches": c["sync_fetch_waits"],
+                "wait_seconds": c["wait_seconds"], "copy_wait_seconds": t["copy_wait_seconds"],
+                "copy_waits": t["copy_waits"]}
+
+    def _iteration_device_peak(self) -> int:
+        peak = 0
+        for _, kind, _, device_bytes in reversed(self._runtime.timeline()[:-1]):  # back to the previous end
+            if kind == "S":
+                break
+            peak = max(peak, device_bytes)
+        return peak
+
+    def timeline(self) -> dict:
+        events = [{"t": t, "kind": kind, "chunk": chunk, "device_bytes": b}
+                  for t, kind, chunk, b in self._runtime.timeline()]
+        return {"events": events, "steps": list(self.steps), "device_budget_bytes": self._runtime.device_budget}
+
+    def stats(self) -> dict:
+        """engine.stats()'s figures of the chunks: layout, bytes per tier, traffic, counters."""
+        chunks, runtime = self._chunks, self._runtime
+        tiers = {t: chunks.tier_bytes(t) for t in ("device", *HOST_TIERS)}
+        return {
+            "num_chunks": chunks.num_chunks,
+            "wasted_bytes_all_groups": chunks.wasted_bytes(),
+            "tier_bytes": tiers,
+            "peak_device_bytes": tiers["device"]["peak"],
+            "host_bytes": sum(tiers[t]["current"] for t in HOST_TIERS),
+            "traffic": chunks.traffic(),
+            "counters": runtime.counters(),
+            # the chunk pools: a reserved arena per tier, slots reused after their last uses
+            "pools": {t: chunks.pool_stats(t) for t in tiers},
+            "steps": list(self.steps[-100:]),
+            "device_budget_bytes": runtime.device_budget,
+            "trace": {k: v for k, v in runtime.trace_info().items() if k != "recorded"},
+        }
+
+    def memory_figures(self) -> str:
+        """Where memory stands: chunks against everything else, on the device and on the host."""
+        chunks = self._chunks
+        host = chunks.host_tier
+        pool = chunks.pool_stats(host)
+        rss, available = process_rss_bytes(), mem_available_bytes()
+        parts = [f"chunks on the device {format_bytes(chunks.tier_bytes('device')['current'])}",
+                 f"chunks on the host ({host}) {format_bytes(pool['in_use_bytes']['current'])} in use, "
+                 f"{format_bytes(pool['reserved_bytes']['current'])} reserved by the pool"]
+        if rss is not None:
+            parts.append(f"this process's resident memory {format_bytes(rss)}")
+        if available is not None:
+            parts.append(f"the host's MemAvailable {format_bytes(available)}")
+        if self._device.is_cuda:
+            device = self._device.torch_device
+            free, total = torch.cuda.mem_get_info(device)
+            parts.append(f"the device's free memory {format_bytes(free)} of {format_bytes(total)}, "
+                         f"{format_bytes(allocator.torch_allocated_bytes(device))} allocated by torch")
+        return "; ".join(parts)
+
+    def detach(self) -> None:
+        """The engine is closing: let go of the chunk manager and the runtime."""
+        self._chunks = self._runtime = None
