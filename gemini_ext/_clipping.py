@@ -2,7 +2,7 @@
 
 [Note: clipping without touching the gradients]
 The total norm is taken over the gradient chunks now (the 2-norm from the per-chunk squared
-sums HybridAdam keeps, any other p-norm from the gradients themselves; all-reduced or gathered
+sums HybridOptimizer keeps, any other p-norm from the gradients themselves; all-reduced or gathered
 when sharded, so every rank gets the same figure) and returned as torch does, before clipping.
 The coefficient min(1, max_norm / (norm + 1e-6)) is not applied to the chunks: it is folded into
 the factor the next optimizer step reads every gradient with, exactly as `max_norm` is, so

@@ -53,9 +53,8 @@ class Placer:
         """Per chunk set: its chunks and placement, as the GeminiManager takes them."""
         out = []
         for chunks, place in zip(self._layout.sets, self.current.sets):
-            states = {kind: chunks.states.get(kind, -1) for kind in self._layout.state_kinds}
-            out.append({"param": chunks.param, "grad": chunks.grad, "master": chunks.master, **states,
-                        **dataclasses.asdict(place)})
+            out.append({"param": chunks.param, "grad": chunks.grad, "master": chunks.master,
+                        "states": list(chunks.states.items()), **dataclasses.asdict(place)})
         return out
 
     def device_state_chunks(self) -> tuple[list[int], list[int]]:

@@ -1,14 +1,14 @@
 """Optimizer rules: the math of one optimizer family behind one interface.
 
 The engine steps chunk sets generically (residency, runs of slots, coherence of the copies, the
-overlapped CPU pipeline, speculation: csrc/torch/hybrid_adam*.cpp); a rule says what differs
+overlapped CPU pipeline, speculation: csrc/torch/hybrid_optimizer*.cpp); a rule says what differs
 between optimizers:
 - `state_kinds`: the optimizer-state chunks every trainable chunk set carries beside its
   gradient and master, fp32 and laid out like the parameters (Adam: exp_avg, exp_avg_sq). The
   checkpoint pieces, `state_dict()` and `close()` iterate these kinds;
 - which torch optimizer classes it stands for, their defaults and the arguments it accepts or
   refuses, and the hyperparameters validated per group;
-- `kernel_hyper`: one group's hyperparameters as the C++ kernels take them;
+- `kernel_hyper`: one group's hyperparameters as the C++ rule takes them (name -> float);
 - `state_dict_extras`: the keys torch's own optimizer writes into each param group that the
   engine's step has no knob for.
 Adding an optimizer means adding a rule here and its kernels in C++ (csrc/core for the CPU,
@@ -21,7 +21,7 @@ import torch
 
 
 class OptimizerRule:
-    name = ""
+    name = ""  # the C++ rule stepping it (csrc/torch/optimizer_rule.h)
     state_kinds: tuple[str, ...] = ()
     classes: tuple[type, ...] = ()
     # Accepted hints that change nothing (the engine always uses its fused kernels).
@@ -77,7 +77,7 @@ class AdamRule(OptimizerRule):
     def kernel_hyper(self, group: dict, cls) -> dict:
         return {"lr": _number(group["lr"]), "beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
                 "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
-                "adamw": bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW)))}
+                "adamw": float(bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW))))}
 
     def state_dict_extras(self) -> dict:
         return {"amsgrad": False, "maximize": False}

@@ -16,8 +16,8 @@ Format version 2 (sharded engines: a process group; every rank calls save and lo
 writes only what it holds, so no rank gathers the model:
 - `rank<r:05d>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
   {kind: [begin, end, fp32 tensor]}}, "rng": that rank's RNG states}, where kind is "param"
-  (the fp32 master; the parameter itself when frozen), "exp_avg" and "exp_avg_sq" (when the
-  engine has an optimizer), and [begin, end) are the elements of the flattened parameter that
+  (the fp32 master; the parameter itself when frozen) and each state kind of the optimizer
+  rule ("exp_avg" and "exp_avg_sq" for Adam; when the engine has an optimizer), and [begin, end) are the elements of the flattened parameter that
   lie in r's shard. Rank 0's file also has "common": {"names", "buffers" (full, fp32 CPU),
   "optimizer": {"param_groups" (hyperparameters, torch.optim's layout without "state"),
   "steps": per-parameter step counts} or None, "scaler", "engine" (counters)}.

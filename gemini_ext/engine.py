@@ -462,8 +462,6 @@ class GeminiEngine:
         self._closed = True
         _guards.engine_closed(self)
         _registry.unregister(self.model, self)
-        if self._optimizer is not None:
-            self._optimizer.detach()
         self.tracer.detach()
         if getattr(self, "_restorer", None) is not None:
             self._restorer.detach()

@@ -1,4 +1,4 @@
-"""GeminiOptimizer: a torch optimizer over the engine's fp32 master chunks (HybridAdam in C++).
+"""GeminiOptimizer: a torch optimizer over the engine's fp32 master chunks (HybridOptimizer in C++).
 
 The optimizer family's math (hyperparameters, state kinds, kernels) is a rule (_rules.py); what
 follows is common to every rule.
@@ -11,14 +11,15 @@ follows is common to every rule.
    counts untouched) and the loss scaler backs off.
 4. One factor, 1/loss_scale times the clipping coefficient max_norm / (norm + 1e-6) when that
    is below 1 (torch.nn.utils.clip_grad_norm_'s rule), is folded into every gradient read.
-5. HybridAdam steps every chunk where its state lives: our fused CPU Adam on the host, torch's
-   fused Adam on the device; the 16-bit parameters are rewritten from the masters. With
+5. HybridOptimizer steps every chunk where its state lives with the rule's kernels (Adam: our
+   fused CPU Adam on the host, torch's fused Adam on the device); the 16-bit parameters are
+   rewritten from the masters. With
    `overlap_optimizer` (the default) host chunks are stepped on a background thread and step()
    returns; the next forward waits per chunk.
 6. Speculation: when a backward pass begins, `backward_started` hands C++ the hyperparameters
    of that moment, so that each host chunk's step can start as soon as its gradients reach the
    host, out of place into spare buffers; step() confirms or drops each one (the Note in
-   csrc/torch/hybrid_adam_speculation.cpp). It arms only where the guess "multiplier exactly 1"
+   csrc/torch/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
    can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
    host has room for the spares (at most half of MemAvailable).
 `param_groups` hold the same Parameter objects the model uses, so LR schedulers edit `lr` as
@@ -32,7 +33,7 @@ import math
 
 import torch
 
-from . import _C, _registry
+from . import _registry
 from ._host_memory import mem_available_bytes
 from ._rules import RULES, rule_for
 
@@ -98,10 +99,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
                                      "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
                 group_of[idx] = gi
-        self._hybrid = _C.HybridAdam(engine.runtime)
-        self._hybrid.set_param_groups(group_of)
+        engine.attach_optimizer(self)  # raises if the engine has one already
+        engine.runtime.attach_optimizer(rule.name, group_of)  # the C++ rule steps the chunk sets
         self.last_grad_norm = None
-        engine.attach_optimizer(self)
 
     def _hyper(self) -> list[dict]:
         return [self.rule.kernel_hyper(g, self.opt_class) for g in self.param_groups]
@@ -122,7 +122,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if multiplier is None:  # fp16 overflow: the step is skipped
             engine.counters.skipped_steps += 1
             return loss
-        self._hybrid.step(self._hyper(), multiplier)
+        engine.runtime.optimizer_step(self._hyper(), multiplier)
         engine.runtime.guard_stepping_params()  # parameters of CPU steps still running refuse access until settled
         engine.counters.optimizer_steps += 1
         if self._wrapped is not None:
@@ -140,7 +140,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         multiplier = clipped / scale
         max_norm = engine.config.max_norm
         if max_norm > 0 or scaler is not None:
-            norm = math.sqrt(self._hybrid.grad_norm_sq()) / scale * clipped
+            norm = math.sqrt(engine.runtime.grad_norm_sq()) / scale * clipped
             self.last_grad_norm = norm
             if scaler is not None:
                 found_inf = not math.isfinite(norm)
@@ -164,25 +164,22 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
-        needed = self._hybrid.spare_bytes_needed()
+        needed = engine.runtime.spare_bytes_needed()
         if needed > 0 and needed > (mem_available_bytes() or 0) // 2:  # unreadable: no speculation
             return
-        self._hybrid.arm(self._hyper())
+        engine.runtime.arm_speculation(self._hyper())
 
     def grad_norm_sq(self) -> float:
         """The sum of squares of every gradient in the chunks (over every rank when sharded)."""
-        return self._hybrid.grad_norm_sq()
+        return self.engine.runtime.grad_norm_sq()
 
     def release_spares(self) -> None:
-        self._hybrid.release_spares()
-
-    def detach(self) -> None:
-        """The engine closed: its chunks are gone."""
-        self._hybrid = None
+        self.engine.runtime.release_spares()
 
     def speculation_stats(self) -> dict:
         """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
-        return {**self._hybrid.speculations(), "spare_bytes": self._hybrid.spare_bytes()}
+        runtime = self.engine.runtime
+        return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.check_open("optimizer.zero_grad")
@@ -190,7 +187,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.engine.clipper.reset()
 
     def last_step_stats(self) -> dict:
-        return self._hybrid.last_step()
+        return self.engine.runtime.last_step()
 
     # --- state ------------------------------------------------------------------------------
     def _ordered_params(self):

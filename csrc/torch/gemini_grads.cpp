@@ -26,7 +26,7 @@ void GeminiManager::reduce_locked(ChunkSet& set) {
   mgr_.reduce(p);  // READY_FOR_REDUCE -> HOLD
   set.reduced = true;
   offload_grads_locked(set);
-  release_if_idle_locked(p);
+  residency_.release_if_idle(p);
   ungather_kept_locked(set);  // its backward is over: the gradients of every tensor are in
 }
 
@@ -44,7 +44,7 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (set.grad_place == GradPlace::kDevice) {
     earlier = shard_view(*ctx_, mgr_, g, Tier::kDevice).clone();
   }
-  with_room_locked(g, [&] { mgr_.reduce_scatter(g); });
+  residency_.with_room(g, [&] { mgr_.reduce_scatter(g); });
   set.grad_collecting = false;
   at::Tensor reduced = shard_view(*ctx_, mgr_, g, Tier::kDevice);
   if (replicas_ != nullptr && replicas_->world_size() > 1) {
@@ -74,7 +74,7 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
   mgr_.move(g, mgr_.host_tier(), async_reduce_);
   set.grad_place = GradPlace::kHost;
   counters_.grad_chunks_offloaded += 1;
-  if (grads_offloaded_hook_) grads_offloaded_hook_(set_of_chunk(set.spec.param));
+  if (optimizer_) optimizer_->speculate(set_of_chunk(set.spec.param));  // its step may start now
 }
 
 void GeminiManager::flush_grads() {
@@ -111,25 +111,19 @@ void GeminiManager::wait_grads() {
     if (set.trainable && mgr_.in_flight(set.spec.grad)) mgr_.wait(set.spec.grad);
 }
 
-Tier GeminiManager::where_current(ChunkId id) const {
-  const Chunk& c = mgr_.chunk(id);
-  if (c.shard_tiers().contains(mgr_.host_tier())) return mgr_.host_tier();
-  if (c.shard_tiers().contains(Tier::kDevice)) return Tier::kDevice;
-  GX_INTERNAL_ASSERT(false, "chunk ", id, " holds no data on any tier");
-}
-
 namespace {
-ChunkId chunk_of_kind(const ChunkSet& set, const std::string& kind, int param) {
-  if (kind == "param") return set.spec.master >= 0 ? set.spec.master : set.spec.param;
-  GX_CHECK(kind == "exp_avg" || kind == "exp_avg_sq", "state kind: expected 'param', 'exp_avg' or 'exp_avg_sq', got '",
-           kind, "'.");
-  GX_CHECK(set.trainable, "parameter ", param, " is frozen (requires_grad=False): it has no optimizer state '", kind,
-           "'.");
-  return kind == "exp_avg" ? set.spec.exp_avg : set.spec.exp_avg_sq;
+ChunkId chunk_of_kind(const ChunkSet& set, StateKind kind, int param) {
+  if (kind == StateKind::kParam) return set.spec.master >= 0 ? set.spec.master : set.spec.param;
+  GX_CHECK(set.trainable, "parameter ", param, " is frozen (requires_grad=False): it has no optimizer state '",
+           state_kind_name(kind), "'.");
+  const ChunkId id = set.spec.state(kind);
+  GX_CHECK(id >= 0, "parameter ", param, " has no optimizer state '", state_kind_name(kind),
+           "': the optimizer rule does not keep it.");
+  return id;
 }
 }  // namespace
 
-TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int param) {
+TensorHandle GeminiManager::value_handle_locked(StateKind kind, int param) {
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
@@ -140,16 +134,16 @@ TensorHandle GeminiManager::value_handle_locked(const std::string& kind, int par
   return TensorHandle{id, ps.slot};
 }
 
-at::Tensor GeminiManager::read(const std::string& kind, int param) {
+at::Tensor GeminiManager::read(StateKind kind, int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  return cpu_fp32_copy(value_view_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id)));
+  return cpu_fp32_copy(value_view_locked(h.chunk_id, h.slot_index, residency_.where_current(h.chunk_id)));
 }
 
-at::Tensor GeminiManager::read_to(const std::string& kind, int param, at::Device device, at::ScalarType dtype) {
+at::Tensor GeminiManager::read_to(StateKind kind, int param, at::Device device, at::ScalarType dtype) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  return value_view_locked(h.chunk_id, h.slot_index, where_current(h.chunk_id))
+  return value_view_locked(h.chunk_id, h.slot_index, residency_.where_current(h.chunk_id))
       .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
 }
 
@@ -158,13 +152,13 @@ void GeminiManager::release_read_cache() {
   drop_whole_cache_locked();
 }
 
-std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(const std::string& kind, int param) {
+std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(StateKind kind, int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
   const ChunkId id = h.chunk_id;
   const SlotPart part = slot_part_in_shard(mgr_, h);
   if (part.begin == part.end) return {0, 0, at::empty({0}, at::kFloat)};
-  at::Tensor shard = shard_view(*ctx_, mgr_, id, where_current(id));
+  at::Tensor shard = shard_view(*ctx_, mgr_, id, residency_.where_current(id));
   return {part.begin, part.end, cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin))};
 }
 
@@ -192,18 +186,18 @@ at::Tensor GeminiManager::whole_slot_locked(ChunkId id, size_t slot, Tier tier) 
   return whole_cache_.narrow(0, s.offset_numel, s.numel).view(s.shape);
 }
 
-void GeminiManager::write(const std::string& kind, int param, const at::Tensor& value) {
+void GeminiManager::write(StateKind kind, int param, const at::Tensor& value) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   settle_all_locked();
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   std::vector<ChunkId> targets{chunk_of_kind(set, kind, param)};
-  if (kind == "param" && set.spec.master >= 0) targets.push_back(set.spec.param);  // and its 16-bit copy
+  if (kind == StateKind::kParam && set.spec.master >= 0) targets.push_back(set.spec.param);  // and its 16-bit copy
   ctx_->sync_compute_stream();
   drop_whole_cache_locked();
   const int64_t numel = mgr_.chunk(ps.chunk).slot(ps.slot).numel;
-  GX_CHECK(value.numel() == numel, "write of '", kind, "' of parameter ", param, ": expected ", numel,
+  GX_CHECK(value.numel() == numel, "write of '", state_kind_name(kind), "' of parameter ", param, ": expected ", numel,
            " elements, got ", value.numel(), ".");
   for (ChunkId id : targets) {
     mgr_.wait(id);
@@ -232,7 +226,15 @@ at::Tensor GeminiManager::read_grad(int param) {
   return cpu_fp32_copy(value_view_locked(set.spec.grad, ps.slot, tier));
 }
 
-int64_t GeminiManager::step_of(int param) const {
+bool GeminiManager::has_grad(int param) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  check_param(param);
+  const ParamSpec& ps = params_[static_cast<size_t>(param)];
+  return sets_[static_cast<size_t>(set_of_chunk(ps.chunk))].has_grad[ps.slot] != 0;
+}
+
+int64_t GeminiManager::step_of(int param) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
   check_param(param);
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   return sets_[static_cast<size_t>(set_of_chunk(ps.chunk))].step[ps.slot];
@@ -257,6 +259,19 @@ double GeminiManager::all_reduce_sum(double local) {
   at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(ctx_->device_for(Tier::kDevice)));
   mgr_.communicator()->all_reduce(t.data_ptr(), 1, DType::kFloat64, ReduceOp::kSum, StreamKind::kCompute);
   return t.item<double>();
+}
+
+std::tuple<std::vector<ChunkId>, int64_t, int64_t, bool> GeminiManager::trace_info() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return {trace_.recorded(), trace_.iterations(), trace_.rerecordings(), trace_.usable()};
+}
+
+EngineCounters GeminiManager::counters() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  EngineCounters c = counters_;
+  c.optimizer_wait_seconds = pipeline_.wait_seconds();
+  c.optimizer_waits = pipeline_.waits();
+  return c;
 }
 
 void GeminiManager::synchronize() {

@@ -14,7 +14,16 @@ using S = TensorState;
 
 GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& mgr, std::vector<ChunkSetSpec> specs,
                              std::vector<ParamSpec> params, std::string policy_name)
-    : ctx_(std::move(ctx)), mgr_(mgr), params_(std::move(params)), policy_name_(std::move(policy_name)) {
+    : ctx_(std::move(ctx)),
+      mgr_(mgr),
+      params_(std::move(params)),
+      policy_name_(std::move(policy_name)),
+      pipeline_([this](int s) { storages_->set_stepping(sets_[static_cast<size_t>(s)].spec.param, false); },
+                [this](int s) {
+                  return detail::concat("chunk set ", s, " (parameter chunk ", sets_[static_cast<size_t>(s)].spec.param,
+                                        ")");
+                }),
+      residency_(*ctx_, mgr_, sets_, set_of_p_chunk_, trace_, pipeline_, counters_, timeline_, policy_name_) {
   GX_CHECK(mgr_.finalized(), "GeminiManager: the ChunkManager must be finalized first.");
   set_of_p_chunk_.assign(mgr_.num_chunks(), -1);
   for (const auto& spec : specs) {
@@ -23,7 +32,9 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
     set.trainable = spec.grad >= 0;
     const Chunk& p = mgr_.chunk(spec.param);
     GX_INTERNAL_ASSERT(set_of_p_chunk_[static_cast<size_t>(spec.param)] < 0, "chunk ", spec.param, " in two sets");
-    for (ChunkId companion : {spec.grad, spec.master, spec.exp_avg, spec.exp_avg_sq}) {
+    std::vector<ChunkId> companions = spec.optimizer_chunks();
+    companions.push_back(spec.grad);
+    for (ChunkId companion : companions) {
       if (companion < 0) continue;
       const Chunk& c = mgr_.chunk(companion);
       GX_INTERNAL_ASSERT(c.num_slots() == p.num_slots() && c.padded_numel() == p.padded_numel(), "chunk ", companion,
@@ -32,8 +43,7 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
         GX_INTERNAL_ASSERT(c.slot(k).offset_numel == p.slot(k).offset_numel, "slot ", k, " of chunk ", companion,
                            " is not at the offset of its parameter");
     }
-    GX_INTERNAL_ASSERT(!set.trainable || (spec.exp_avg >= 0 && spec.exp_avg_sq >= 0), "trainable chunk ",
-                       spec.param, " without optimizer state chunks");
+    GX_INTERNAL_ASSERT(set.trainable || spec.states.empty(), "frozen chunk ", spec.param, " with optimizer state");
     set.params.assign(p.num_slots(), -1);
     set.has_grad.assign(p.num_slots(), 0);
     set.step.assign(p.num_slots(), 0);
@@ -65,8 +75,12 @@ void GeminiManager::stop_reclaiming() {
 
 GeminiManager::~GeminiManager() {
   MemoryPressure::instance().remove_reclaimer(reclaimer_id_);
+  try {
+    optimizer_.reset();  // its speculative steps are settled and its spares freed
+  } catch (...) {
+  }
   // CPU steps still running write chunk memory: they finish before anything is freed.
-  if (optimizer_worker_) optimizer_worker_->drain();
+  pipeline_.drain();
   mgr_.set_listener(nullptr);
   storages_->unbind_all();
 }
@@ -79,6 +93,11 @@ int GeminiManager::set_of_chunk(ChunkId p_chunk) const {
 void GeminiManager::check_param(int param) const {
   GX_CHECK(param >= 0 && static_cast<size_t>(param) < params_.size(), "parameter index: expected in [0, ",
            params_.size(), "), got ", param, ".");
+}
+
+void GeminiManager::check_set(int set_index) const {
+  GX_CHECK(set_index >= 0 && static_cast<size_t>(set_index) < sets_.size(), "chunk set index: expected in [0, ",
+           sets_.size(), "), got ", set_index, ".");
 }
 
 void GeminiManager::check_module(int module) const {
@@ -111,6 +130,7 @@ at::Tensor GeminiManager::slot_view(ChunkId id, size_t slot, Tier tier) {
 
 bool GeminiManager::end_iteration() {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  move_phase(HookEvent::kEndIteration);
   note_locked('S', -1);
   const bool repeated = trace_.end_iteration();
   refresh_forward_order_locked();
@@ -126,9 +146,8 @@ void GeminiManager::apply_placement() {
     const auto& spec = set.spec;
     const bool device_truth = !set.trainable || !spec.optim_on_host;
     if (set.trainable && !spec.optim_on_host) {
-      for (ChunkId id : {spec.master, spec.exp_avg, spec.exp_avg_sq}) {
-        if (id < 0) continue;
-        with_room_locked(id, [&] { mgr_.move(id, Tier::kDevice); });
+      for (ChunkId id : spec.optimizer_chunks()) {
+        residency_.with_room(id, [&] { mgr_.move(id, Tier::kDevice); });
       }
       // Gradients are born on the device in backward and stay there: until then the chunk holds
       // no copy (the engine creates it without one; a first copy elsewhere carries nothing).
@@ -139,12 +158,12 @@ void GeminiManager::apply_placement() {
     if (spec.param_home_on_host) continue;
     if (device_truth) {
       // A frozen chunk or one stepped on the device: its device copy is the truth.
-      with_room_locked(spec.param, [&] { mgr_.move(spec.param, Tier::kDevice); });
-      lru_.touch(spec.param);
+      residency_.with_room(spec.param, [&] { mgr_.move(spec.param, Tier::kDevice); });
+      residency_.touch(spec.param);
     } else if (sharded()) {
-      ensure_shard_on_device_locked(spec.param);  // a cache of the permanent host copy
+      residency_.ensure_shard_on_device(spec.param);  // a cache of the permanent host copy
     } else {
-      ensure_on_device_locked(spec.param);  // a cache of the permanent host copy
+      residency_.ensure_on_device(spec.param);  // a cache of the permanent host copy
       mgr_.release(spec.param);
     }
   }
@@ -201,23 +220,24 @@ void GeminiManager::fetch_for_compute_locked(const Module& m, bool forward) {
   for (ChunkId c : m.chunks) {
     trace_.record(c);
     if (const int s = set_of_chunk(c); s >= 0) settle_locked(s);  // its CPU step, if still running
-    ensure_on_device_locked(c);
+    residency_.ensure_on_device(c);
     // Mark this chunk's tensors before fetching the next chunk, so that fetch cannot evict it.
     for (int p : m.params) {
       const ParamSpec& ps = params_[static_cast<size_t>(p)];
       if (ps.chunk != c) continue;
       to_compute(mgr_, ps);
-      if (forward && !in_backward_) forward_refs_[static_cast<size_t>(p)] += 1;
+      if (forward && !in_backward()) forward_refs_[static_cast<size_t>(p)] += 1;
       if (!forward && mgr_.state(TensorHandle{ps.chunk, ps.slot}) == S::kCompute)
         backward_claimed_[static_cast<size_t>(p)] = 1;
     }
   }
-  prefetch_locked();
+  residency_.prefetch();
 }
 
 void GeminiManager::pre_forward(int module) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
+  move_phase(HookEvent::kPreForward);
   fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/true);
 }
 
@@ -225,7 +245,8 @@ void GeminiManager::post_forward(int module) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
   const Module& m = modules_[static_cast<size_t>(module)];
-  if (in_backward_) {
+  move_phase(HookEvent::kPostForward);
+  if (in_backward()) {
     // A forward re-run inside backward (activation checkpointing). Tensors a pre-backward hook
     // claimed stay in COMPUTE for that backward; the others are released, and their own
     // pre-backward hook fetches them again when their backward comes.
@@ -235,7 +256,7 @@ void GeminiManager::post_forward(int module) {
       if (!backward_claimed_[static_cast<size_t>(p)] && mgr_.state(h) == S::kCompute)
         mgr_.transition(h, S::kHoldAfterBwd);
     }
-    for (ChunkId c : m.chunks) release_if_idle_locked(c);
+    for (ChunkId c : m.chunks) residency_.release_if_idle(c);
     return;
   }
   for (int p : m.params) {
@@ -245,19 +266,20 @@ void GeminiManager::post_forward(int module) {
     const TensorHandle h{ps.chunk, ps.slot};
     if (refs == 0 && mgr_.state(h) == S::kCompute) mgr_.transition(h, S::kHold);
   }
-  for (ChunkId c : m.chunks) release_if_idle_locked(c);
+  for (ChunkId c : m.chunks) residency_.release_if_idle(c);
 }
 
 void GeminiManager::pre_backward(int module) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
-  in_backward_ = true;
+  move_phase(HookEvent::kPreBackward);
   fetch_for_compute_locked(modules_[static_cast<size_t>(module)], /*forward=*/false);
 }
 
 void GeminiManager::post_backward(int module) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   check_module(module);
+  move_phase(HookEvent::kPostBackward);
   const Module& m = modules_[static_cast<size_t>(module)];
   for (int p : m.params) {
     const ParamSpec& ps = params_[static_cast<size_t>(p)];
@@ -265,7 +287,7 @@ void GeminiManager::post_backward(int module) {
     backward_claimed_[static_cast<size_t>(p)] = 0;
     if (mgr_.state(h) == S::kCompute) mgr_.transition(h, S::kHoldAfterBwd);
   }
-  for (ChunkId c : m.chunks) release_if_idle_locked(c);
+  for (ChunkId c : m.chunks) residency_.release_if_idle(c);
 }
 
 void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
@@ -273,6 +295,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   check_param(param);
   at::Tensor& grad = p.mutable_grad();
   if (!grad.defined()) return;
+  move_phase(HookEvent::kGradArrived);
   ctx_->sync_compute_stream();
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   GX_INTERNAL_ASSERT(ps.trainable, "a gradient arrived for frozen parameter ", param);
@@ -287,7 +310,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   if (sharded()) {
     // Every rank holds whole gradients until the chunk is reduced: a gathered G buffer.
     if (!set.grad_collecting) {
-      with_room_locked(g, [&] { mgr_.allocate_gathered(g); }, static_cast<int64_t>(mgr_.chunk(g).chunk_bytes()));
+      residency_.with_room(g, [&] { mgr_.allocate_gathered(g); }, static_cast<int64_t>(mgr_.chunk(g).chunk_bytes()));
       gathered_chunk_view(*ctx_, mgr_, g).zero_();  // slots without a gradient, padding and gaps read as 0
       set.grad_collecting = true;
       accumulate = false;  // gradients reduced earlier are added when this buffer is reduced
@@ -295,7 +318,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
     slot = gathered_view(*ctx_, mgr_, TensorHandle{g, ps.slot});
   } else {
     if (set.grad_place == GradPlace::kNone) {
-      allocate_on_device_locked(g);
+      residency_.allocate_on_device(g);
       shard_view(*ctx_, mgr_, g, Tier::kDevice).zero_();  // slots without a gradient read as 0
       set.grad_place = GradPlace::kDevice;
     }
@@ -347,12 +370,12 @@ void GeminiManager::end_backward() {
       if (s == S::kHoldAfterBwd || s == S::kReadyForReduce) mgr_.transition(TensorHandle{p, k}, S::kHold);
     }
     set.reduced = false;
-    release_if_idle_locked(p);
+    residency_.release_if_idle(p);
     ungather_kept_locked(set);  // kept gathered through backward, which is over
   }
   std::fill(forward_refs_.begin(), forward_refs_.end(), 0);
   std::fill(backward_claimed_.begin(), backward_claimed_.end(), 0);
-  in_backward_ = false;
+  move_phase(HookEvent::kEndBackward);
   counters_.backward_passes += 1;
 }
 

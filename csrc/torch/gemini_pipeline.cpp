@@ -1,11 +1,8 @@
-// GeminiManager, part 4: the optimizer pipeline. Host sets' CPU optimizer steps run on a
-// background thread in forward order while the caller goes on (zero_grad, the next batch, the
-// next forward); each set is settled (its step waited for, P's other copy made coherent) the
-// first time something needs its chunks. See gemini_manager.h and hybrid_adam.h.
-#include <chrono>
-#include <exception>
-#include <thread>
-
+// GeminiManager, the optimizer pipeline and the optimizer's entry points. Host sets' CPU
+// optimizer steps run on a background thread in forward order while the caller goes on
+// (zero_grad, the next batch, the next forward); each set is settled (its step waited for, P's
+// other copy made coherent) the first time something needs its chunks (core/optimizer_pipeline.h).
+// The optimizer step itself is hybrid_optimizer.cpp; every entry point below holds the lock.
 #include "core/errors.h"
 #include "torch/gemini_manager.h"
 
@@ -13,71 +10,15 @@ namespace gx::torch_layer {
 
 void GeminiManager::launch_host_step_locked(int set_index, std::function<void()> compute,
                                             std::function<void()> complete, std::function<bool()> eager) {
-  GX_INTERNAL_ASSERT(!pending_locked(set_index), "chunk set ", set_index, " launched while its previous step is pending");
-  if (!optimizer_worker_) optimizer_worker_ = std::make_unique<SerialExecutor>();
-  auto seconds = std::make_shared<double>(0.0);
   // The next forward's order decides which finished-gradient set the optimizer thread takes next.
   const int64_t priority = forward_rank_.at(static_cast<size_t>(set_index));
-  std::shared_future<void> done = optimizer_worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
-    {
-      std::unique_lock<std::mutex> lock(gate->mutex);
-      gate->opened.wait(lock, [&] { return !gate->held; });
-    }
-    if (gate->delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate->delay_us));
-    const auto t0 = std::chrono::steady_clock::now();
-    compute();
-    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }, priority);
-  pending_.emplace(set_index, PendingStep{std::move(done), std::move(complete), seconds, std::move(eager)});
-  pending_order_.push_back(set_index);
+  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority);
   if (!overlap_optimizer_) settle_locked(set_index);
-}
-
-void GeminiManager::settle_locked(int set_index) {
-  auto it = pending_.find(set_index);
-  if (it == pending_.end()) return;
-  PendingStep step = std::move(it->second);
-  pending_.erase(it);
-  for (auto o = pending_order_.begin(); o != pending_order_.end(); ++o) {
-    if (*o == set_index) {
-      pending_order_.erase(o);
-      break;
-    }
-  }
-  if (step.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    const auto t0 = std::chrono::steady_clock::now();
-    step.done.wait();
-    counters_.optimizer_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    counters_.optimizer_waits += 1;
-  }
-  try {
-    step.done.get();  // rethrows what the CPU step threw
-  } catch (const std::exception& e) {
-    throw InternalError(detail::concat(
-        "gemini_ext: the CPU optimizer step of chunk set ", set_index, " (parameter chunk ",
-        sets_[static_cast<size_t>(set_index)].spec.param, ") failed on the optimizer thread: ", e.what(),
-        ". Its master weights and moments may be partly updated: reload the last checkpoint."));
-  }
-  host_step_seconds_ += *step.seconds;
-  step.complete();
-  storages_->set_stepping(sets_[static_cast<size_t>(set_index)].spec.param, false);
 }
 
 void GeminiManager::guard_stepping_params() {
   std::lock_guard<OwnedMutex> lock(mutex_);
-  for (int s : pending_order_) storages_->set_stepping(sets_[static_cast<size_t>(s)].spec.param, true);
-}
-
-bool GeminiManager::try_settle_locked(int set_index) {
-  auto it = pending_.find(set_index);
-  if (it == pending_.end()) return true;
-  if (it->second.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
-  settle_locked(set_index);
-  return true;
-}
-
-void GeminiManager::settle_all_locked() {
-  while (!pending_order_.empty()) settle_locked(pending_order_.front());
+  for (int s : pipeline_.pending_sets()) storages_->set_stepping(sets_[static_cast<size_t>(s)].spec.param, true);
 }
 
 void GeminiManager::settle_all() {
@@ -85,7 +26,10 @@ void GeminiManager::settle_all() {
   settle_all_locked();
 }
 
-size_t GeminiManager::pending_steps() const { return pending_.size(); }
+size_t GeminiManager::pending_steps() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return pipeline_.pending_count();
+}
 
 void GeminiManager::refresh_forward_order_locked() {
   forward_order_.clear();
@@ -102,21 +46,73 @@ void GeminiManager::refresh_forward_order_locked() {
   for (size_t k = 0; k < forward_order_.size(); ++k) forward_rank_[static_cast<size_t>(forward_order_[k])] = static_cast<int64_t>(k);
 }
 
-void GeminiManager::hold_optimizer_thread(bool hold) {
-  {
-    std::lock_guard<std::mutex> lock(gate_->mutex);
-    gate_->held = hold;
-  }
-  gate_->opened.notify_all();
+void GeminiManager::hold_optimizer_thread(bool hold) { pipeline_.hold(hold); }
+
+void GeminiManager::set_optimizer_task_delay_us(int64_t delay_us) { pipeline_.set_task_delay_us(delay_us); }
+
+// --- the optimizer's entry points ---------------------------------------------------------------
+
+void GeminiManager::attach_optimizer(const std::string& rule, std::vector<int> group_of_param) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  GX_CHECK(!optimizer_, "attach_optimizer: this manager has an optimizer already; there can be only one.");
+  auto opt = std::make_unique<HybridOptimizer>(*this, make_optimizer_rule(rule));
+  opt->set_param_groups(std::move(group_of_param));
+  optimizer_ = std::move(opt);
 }
 
-void GeminiManager::set_optimizer_task_delay_us(int64_t delay_us) {
-  std::lock_guard<std::mutex> lock(gate_->mutex);
-  gate_->delay_us = delay_us;
+HybridOptimizer& GeminiManager::optimizer_locked() {
+  GX_CHECK(optimizer_, "the engine has no optimizer yet: create it with engine.optimizer(...) first.");
+  return *optimizer_;
 }
 
-double GeminiManager::host_step_seconds() const { return host_step_seconds_; }
+double GeminiManager::grad_norm_sq() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return optimizer_locked().grad_norm_sq();
+}
 
-void GeminiManager::reset_host_step_seconds() { host_step_seconds_ = 0.0; }
+void GeminiManager::optimizer_step(const std::vector<HyperValues>& groups, double grad_multiplier) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  optimizer_locked().step(groups, grad_multiplier);
+}
+
+void GeminiManager::arm_speculation(const std::vector<HyperValues>& groups) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  optimizer_locked().arm(groups);
+}
+
+void GeminiManager::disarm_speculation() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  optimizer_locked().disarm();
+}
+
+bool GeminiManager::speculation_armed() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return optimizer_locked().armed();
+}
+
+size_t GeminiManager::spare_bytes_needed() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return optimizer_locked().spare_bytes_needed();
+}
+
+size_t GeminiManager::spare_bytes() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return optimizer_locked().spare_bytes();
+}
+
+void GeminiManager::release_spares() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  if (optimizer_) optimizer_->release_spares();
+}
+
+std::pair<int64_t, int64_t> GeminiManager::speculations() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return {optimizer_locked().speculations_confirmed(), optimizer_locked().speculations_dropped()};
+}
+
+StepStats GeminiManager::last_step() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return optimizer_locked().last_step();
+}
 
 }  // namespace gx::torch_layer

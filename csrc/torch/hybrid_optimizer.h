@@ -1,5 +1,9 @@
-// HybridAdam: the optimizer step over chunk sets, CPU Adam where the state is on the host and
-// torch's fused Adam where it is on the device.
+// HybridOptimizer: the optimizer step over chunk sets, a rule's CPU kernel where the state is on
+// the host and its device kernel where it is on the device (optimizer_rule.h; Adam is one rule).
+//
+// A component of the GeminiManager: it has no lock of its own and is reached only through the
+// manager's entry points (optimizer_step, grad_norm_sq, arm_speculation, ...), which hold the
+// manager's lock while they call it.
 //
 // Design note.
 //  * Units of work. Within a chunk set, consecutive slots that have a gradient, belong to the
@@ -7,13 +11,12 @@
 //    kernel call over its element range (alignment padding between slots included: it is zero in
 //    every companion and stays zero). Slots without a gradient are skipped, exactly as
 //    torch.optim skips a parameter whose grad is None, and keep their own step count.
-//  * Host sets: our fused CPU Adam reads the fp32 master, m, v and the 16-bit (or fp32)
-//    gradient from the pinned host copies and writes master, m, v and the 16-bit parameter into
-//    P's host copy in one pass. P's device copy is then refreshed by one H2D copy (home on the
-//    device) or dropped (home on the host).
-//  * Device sets: torch's _fused_adamw_ / _fused_adam_ on the device copies (the gradient cast
-//    to fp32 first), then the master is rounded into P's device copy; a stale host copy of P is
-//    dropped.
+//  * Host sets: the rule's CPU kernel reads the fp32 master, its states and the 16-bit (or fp32)
+//    gradient from the pinned host copies and writes master, states and the 16-bit parameter
+//    into P's host copy in one pass. P's device copy is then refreshed by one H2D copy (home on
+//    the device) or dropped (home on the host).
+//  * Device sets: the rule's device kernel on the device copies, then the master is rounded into
+//    P's device copy; a stale host copy of P is dropped.
 //  * Host sets run on the manager's optimizer thread, in forward order, and step() returns
 //    before they finish (gemini_pipeline.cpp; the Note in step() says why this is exact).
 //    GeminiConfig.overlap_optimizer=False settles each one before step() returns.
@@ -22,49 +25,53 @@
 #pragma once
 
 #include <map>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <vector>
 
-#include "core/cpu_adam.h"
-#include "torch/gemini_manager.h"
+#include "core/chunk_manager.h"
+#include "torch/chunk_set.h"
+#include "torch/optimizer_rule.h"
 
 namespace gx::torch_layer {
+
+class GeminiManager;
 
 // After a host step wrote P's host copy: P's device copy, if any, is refreshed from it (home on
 // the device) or dropped (home on the host).
 void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host);
 
 struct StepStats {
-  int64_t host_params = 0;    // elements stepped by CPU Adam in the last step
-  int64_t device_params = 0;  // elements stepped by the fused device Adam
-  double host_seconds = 0.0;  // CPU Adam time on the optimizer thread of the sets settled so far
+  int64_t host_params = 0;    // elements stepped by the CPU kernel in the last step
+  int64_t device_params = 0;  // elements stepped by the device kernel
+  double host_seconds = 0.0;  // CPU kernel time on the optimizer thread of the sets settled so far
   double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
 };
 
-class HybridAdam {
+class HybridOptimizer {
  public:
-  explicit HybridAdam(GeminiManager& manager);
-  ~HybridAdam();
+  HybridOptimizer(GeminiManager& manager, std::unique_ptr<OptimizerRule> rule);
+  ~HybridOptimizer();
   // Parameter group of each parameter (-1: not in the optimizer; never stepped).
   void set_param_groups(std::vector<int> group_of_param);
   // Sum of squares of every gradient held in G chunks, in fp32 (waits for gradient moves).
   double grad_norm_sq();
-  // One AdamHyper per parameter group (its `step` and `grad_scale` fields are ignored: steps are
-  // counted per parameter, and `grad_multiplier` applies to every gradient).
-  void step(const std::vector<AdamHyper>& groups, double grad_multiplier);
+  // One set of hyperparameters per parameter group (steps are counted per parameter, and
+  // `grad_multiplier` applies to every gradient).
+  void step(const std::vector<HyperValues>& groups, double grad_multiplier);
   StepStats last_step() const;  // settles nothing: host_seconds covers the sets settled so far
 
-  // Speculation (hybrid_adam_speculation.cpp). Armed at the start of a backward pass with the
+  // Speculation (hybrid_optimizer_speculation.cpp). Armed at the start of a backward pass with the
   // hyperparameters of that moment: each host set's step then starts as soon as its gradients
   // leave for the host, out of place into spare slots. step() confirms it (the spares take the
   // copies' place when the set is settled) or drops it and steps the set again from the
   // untouched originals. Spares (master, m, v and P's host copy per speculated set) stay
   // allocated between steps: a double buffer of the host optimizer state.
-  void arm(const std::vector<AdamHyper>& groups);
+  void arm(const std::vector<HyperValues>& groups);
   void disarm();
   bool armed() const { return armed_.has_value(); }
   size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
@@ -72,6 +79,8 @@ class HybridAdam {
   void release_spares();
   int64_t speculations_confirmed() const { return confirmed_total_; }
   int64_t speculations_dropped() const { return dropped_total_; }
+  // A host set's gradients left for the host (the manager calls it): its step may start now.
+  void speculate(int set_index);
 
  private:
   struct Run {
@@ -93,14 +102,17 @@ class HybridAdam {
     bool confirmed = false;
     bool settled = false;
   };
-  std::vector<Run> runs_of_locked(const ChunkSet& set, size_t num_groups) const;
+  std::vector<Run> runs_of(const ChunkSet& set, size_t num_groups) const;
   ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
-  void speculate_locked(int set_index);  // the manager's hook: a host set's gradients left for the host
-  void finish_speculation_locked(int set_index, const std::shared_ptr<Speculation>& spec);
-  std::set<int> judge_speculations_locked(const std::vector<AdamHyper>& groups, double grad_multiplier);
+  RunViews run_views(const ChunkSet& set, Tier tier, int64_t begin, int64_t n, bool with_param16) const;
+  void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier);
+  void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
+  void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
+  std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
 
   GeminiManager& m_;
-  std::optional<std::vector<AdamHyper>> armed_;
+  std::unique_ptr<OptimizerRule> rule_;
+  std::optional<std::vector<HyperValues>> armed_;
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
   int64_t confirmed_total_ = 0;

@@ -1,7 +1,7 @@
-// HybridAdam, part 2: the optimizer step started during backward (speculation).
+// HybridOptimizer, part 2: the optimizer step started during backward (speculation).
 //
 // [Note: speculative CPU steps]
-// A host set's CPU Adam needs its gradients (final once the set's chunk is reduced and sent to
+// A host set's CPU step needs its gradients (final once the set's chunk is reduced and sent to
 // the host during backward) and what optimizer.step() decides: the hyperparameters, the
 // clipping coefficient and the fp16 overflow skip, known only after backward. Waiting for them
 // leaves the CPU idle through backward; this file guesses them instead, at the start of the
@@ -24,64 +24,75 @@
 #include <cstring>
 
 #include "core/errors.h"
-#include "torch/cpu_adam_op.h"
-#include "torch/hybrid_adam.h"
+#include "torch/gemini_manager.h"
+#include "torch/hybrid_optimizer.h"
 
 namespace gx::torch_layer {
 
 namespace {
-bool same_hyper(const AdamHyper& a, const AdamHyper& b) {
-  return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
-         a.weight_decay == b.weight_decay && a.decoupled_weight_decay == b.decoupled_weight_decay;
-}
-
 struct CopyRange {
   const uint8_t* from;
   uint8_t* to;
   size_t bytes;
 };
+
+// The byte ranges of each output chunk's host shard that no run writes (`stepped`: ascending,
+// disjoint element ranges), paired with the same ranges of its spare.
+std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std::map<ChunkId, void*>& spares,
+                                        const std::vector<ChunkId>& outputs,
+                                        const std::vector<std::pair<int64_t, int64_t>>& stepped) {
+  std::vector<CopyRange> carry;
+  for (ChunkId id : outputs) {
+    const Chunk& c = mgr.chunk(id);
+    const size_t item = element_size_bytes(c.dtype());
+    const auto* from = static_cast<const uint8_t*>(c.shard_ptr(host));
+    auto* to = static_cast<uint8_t*>(spares.at(id));
+    int64_t at = 0;
+    auto add = [&](int64_t b, int64_t e) {
+      if (e > b) carry.push_back({from + b * item, to + b * item, static_cast<size_t>(e - b) * item});
+    };
+    for (const auto& [b, e] : stepped) {
+      add(at, b);
+      at = e;
+    }
+    add(at, c.shard_numel());
+  }
+  return carry;
+}
 }  // namespace
 
-void HybridAdam::arm(const std::vector<AdamHyper>& groups) {
-  std::lock_guard<OwnedMutex> lock(m_.mutex());
-  armed_ = groups;
-}
+void HybridOptimizer::arm(const std::vector<HyperValues>& groups) { armed_ = groups; }
 
-void HybridAdam::disarm() {
-  std::lock_guard<OwnedMutex> lock(m_.mutex());
-  armed_.reset();
-}
+void HybridOptimizer::disarm() { armed_.reset(); }
 
-size_t HybridAdam::spare_bytes_needed() const {
-  std::lock_guard<OwnedMutex> lock(m_.mutex());
+size_t HybridOptimizer::spare_bytes_needed() const {
   ChunkManager& mgr = m_.chunks();
   size_t bytes = 0;
   for (const ChunkSet& set : m_.sets()) {
     if (!set.trainable || !set.spec.optim_on_host) continue;
-    for (ChunkId id : {set.spec.master, set.spec.exp_avg, set.spec.exp_avg_sq, set.spec.param})
+    std::vector<ChunkId> ids = set.spec.optimizer_chunks();
+    ids.push_back(set.spec.param);
+    for (ChunkId id : ids)
       if (id >= 0 && spares_.count(id) == 0) bytes += mgr.chunk(id).shard_bytes();
   }
   return bytes;
 }
 
-size_t HybridAdam::spare_bytes() const {
-  std::lock_guard<OwnedMutex> lock(m_.mutex());
+size_t HybridOptimizer::spare_bytes() const {
   size_t bytes = 0;
   for (const auto& [id, ptr] : spares_) bytes += m_.chunks().chunk(id).shard_bytes();
   return bytes;
 }
 
-void HybridAdam::release_spares() {
-  std::lock_guard<OwnedMutex> lock(m_.mutex());
+void HybridOptimizer::release_spares() {
   for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) m_.settle_locked(s);
   for (const auto& [id, ptr] : spares_) m_.chunks().release_spare(id, m_.chunks().host_tier(), ptr);
   spares_.clear();
 }
 
-void HybridAdam::speculate_locked(int set_index) {
+void HybridOptimizer::speculate(int set_index) {
   if (!armed_ || set_index < 0) return;
   ChunkManager& mgr = m_.chunks();
-  DeviceContext& ctx = m_.context();
   ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
   if (!set.trainable || !set.spec.optim_on_host || set.grad_place != GradPlace::kHost) return;
   if (m_.pending_locked(set_index) || speculations_.count(set_index) != 0) return;
@@ -89,12 +100,13 @@ void HybridAdam::speculate_locked(int set_index) {
     const int group = group_of_param_[static_cast<size_t>(set.params[k])];
     if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
   }
-  const std::vector<Run> runs = runs_of_locked(set, armed_->size());
+  const std::vector<Run> runs = runs_of(set, armed_->size());
   if (runs.empty()) return;
   const Tier host = mgr.host_tier();
   const bool has_master = set.spec.master >= 0;
   const ChunkId master_id = has_master ? set.spec.master : set.spec.param;
-  std::vector<ChunkId> outputs{master_id, set.spec.exp_avg, set.spec.exp_avg_sq};
+  std::vector<ChunkId> outputs{master_id};
+  for (const auto& [kind, id] : set.spec.states) outputs.push_back(id);
   if (has_master) outputs.push_back(set.spec.param);  // the new 16-bit parameters
   for (ChunkId id : outputs) {
     if (spares_.count(id) != 0) continue;
@@ -109,11 +121,7 @@ void HybridAdam::speculate_locked(int set_index) {
   spec->has_grad = set.has_grad;
   spec->steps_before = set.step;
   spec->outputs = outputs;
-  at::Tensor master = shard_view(ctx, mgr, master_id, host);
-  at::Tensor exp_avg = shard_view(ctx, mgr, set.spec.exp_avg, host);
-  at::Tensor exp_avg_sq = shard_view(ctx, mgr, set.spec.exp_avg_sq, host);
-  at::Tensor grad = shard_view(ctx, mgr, set.spec.grad, host);
-  std::vector<CpuAdamWork> work;
+  std::vector<std::function<void()>> work;
   std::vector<std::pair<int64_t, int64_t>> stepped;  // element ranges of the shard the runs write
   for (const Run& r : runs) {
     const int64_t step = r.step + 1;
@@ -122,40 +130,22 @@ void HybridAdam::speculate_locked(int set_index) {
     const auto [begin, end] = shard_part_of(set, r);
     const int64_t n = end - begin;
     if (n <= 0) continue;  // in other ranks' shards: only the step count advances
-    const AdamHyper& h = (*armed_)[static_cast<size_t>(r.group)];
-    CpuAdamWork w = prepare_cpu_adam(master.narrow(0, begin, n), exp_avg.narrow(0, begin, n),
-                                     exp_avg_sq.narrow(0, begin, n), grad.narrow(0, begin, n), std::nullopt, step, h.lr,
-                                     h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled_weight_decay, 1.0);
-    w.buffers.param_out = reinterpret_cast<float*>(spare(master_id)) + begin;
-    w.buffers.exp_avg_out = reinterpret_cast<float*>(spare(set.spec.exp_avg)) + begin;
-    w.buffers.exp_avg_sq_out = reinterpret_cast<float*>(spare(set.spec.exp_avg_sq)) + begin;
+    RunSpares out;
+    out.master = reinterpret_cast<float*>(spare(master_id)) + begin;
+    for (const auto& [kind, id] : set.spec.states) out.states.push_back(reinterpret_cast<float*>(spare(id)) + begin);
     if (has_master) {
       const DType p_dtype = mgr.chunk(set.spec.param).dtype();
-      w.buffers.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
-      w.buffers.param16_dtype = p_dtype;
+      out.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
+      out.param16_dtype = p_dtype;
     }
-    check_adam_args(w.hyper, w.buffers);
-    work.push_back(w);
+    const RunViews views = run_views(set, host, begin, n, /*with_param16=*/false);
+    work.push_back(rule_->prepare_host_run(views, &out, step, (*armed_)[static_cast<size_t>(r.group)], 1.0));
     spec->host_params += n;
     stepped.emplace_back(begin, end);
   }
   // Elements no run writes (slots without a gradient, padding) are carried over into the spares
   // as they are: after the exchange the chunk holds exactly what an in-place step leaves.
-  std::vector<CopyRange> carry;
-  for (ChunkId id : outputs) {
-    const Chunk& c = mgr.chunk(id);
-    const size_t item = element_size_bytes(c.dtype());
-    const auto* from = static_cast<const uint8_t*>(c.shard_ptr(host));
-    int64_t at = 0;
-    auto add = [&](int64_t b, int64_t e) {
-      if (e > b) carry.push_back({from + b * item, spare(id) + b * item, static_cast<size_t>(e - b) * item});
-    };
-    for (const auto& [b, e] : stepped) {  // runs are in slot order: ascending, disjoint
-      add(at, b);
-      at = e;
-    }
-    add(at, c.shard_numel());
-  }
+  std::vector<CopyRange> carry = unwritten_ranges(mgr, host, spares_, outputs, stepped);
   std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
   speculations_[set_index] = spec;
   m_.launch_host_step_locked(
@@ -163,13 +153,13 @@ void HybridAdam::speculate_locked(int set_index) {
       [grads_landed, work = std::move(work), carry = std::move(carry)] {
         for (const CopyRange& c : carry) std::memcpy(c.to, c.from, c.bytes);
         if (grads_landed) grads_landed->synchronize();
-        for (const CpuAdamWork& w : work) gx::cpu_adam_step(w.hyper, w.buffers);
+        for (const auto& run : work) run();
       },
-      [this, set_index, spec] { finish_speculation_locked(set_index, spec); },
+      [this, set_index, spec] { finish_speculation(set_index, spec); },
       [spec] { return spec->confirmed; });
 }
 
-void HybridAdam::finish_speculation_locked(int set_index, const std::shared_ptr<Speculation>& spec) {
+void HybridOptimizer::finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec) {
   spec->settled = true;
   auto it = speculations_.find(set_index);
   if (it != speculations_.end() && it->second == spec) speculations_.erase(it);
@@ -188,10 +178,9 @@ void HybridAdam::finish_speculation_locked(int set_index, const std::shared_ptr<
   confirmed_total_ += 1;
 }
 
-std::set<int> HybridAdam::judge_speculations_locked(const std::vector<AdamHyper>& groups, double grad_multiplier) {
+std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier) {
   std::set<int> confirmed;
-  bool guess_holds = armed_.has_value() && grad_multiplier == 1.0 && armed_->size() == groups.size();
-  for (size_t g = 0; guess_holds && g < groups.size(); ++g) guess_holds = same_hyper((*armed_)[g], groups[g]);
+  const bool guess_holds = armed_.has_value() && grad_multiplier == 1.0 && *armed_ == groups;
   armed_.reset();
   for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) {
     const ChunkSet& set = m_.sets()[static_cast<size_t>(s)];

@@ -1,0 +1,202 @@
+// gemini_ext._C, manager: the GeminiManager's hooks, residency, gradients and values. Every call
+// that takes the manager's lock releases the GIL (hooks run on autograd threads too).
+#include "bindings/common.h"
+#include "torch/gemini_manager.h"
+#include "torch/pg_communicator.h"
+
+namespace gx::bindings {
+
+using torch_layer::EngineCounters;
+using torch_layer::GeminiManager;
+using torch_layer::SetPlacement;
+using torch_layer::StateKind;
+using nogil = py::call_guard<py::gil_scoped_release>;
+
+namespace {
+
+torch_layer::ChunkSetSpec set_spec_of(const py::dict& d) {
+  torch_layer::ChunkSetSpec s;
+  s.param = d["param"].cast<ChunkId>();
+  s.grad = d["grad"].cast<ChunkId>();
+  s.master = d["master"].cast<ChunkId>();
+  for (const auto& item : d["states"].cast<py::list>()) {
+    auto kind_and_id = item.cast<py::tuple>();
+    s.states.emplace_back(torch_layer::parse_state_kind(kind_and_id[0].cast<std::string>()),
+                          kind_and_id[1].cast<ChunkId>());
+  }
+  s.optim_on_host = d["optim_on_host"].cast<bool>();
+  s.param_home_on_host = d["param_home_on_host"].cast<bool>();
+  s.keep_gathered = d["keep_gathered"].cast<bool>();
+  s.grad_stays_on_device = d["grad_stays_on_device"].cast<bool>();
+  return s;
+}
+
+StateKind kind_of(const std::string& name) { return torch_layer::parse_state_kind(name); }
+
+// Construction, parameters and the hook bodies.
+void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
+  cls.def(py::init([](PyChunkManager& cm, const py::list& sets, const py::list& params, const std::string& policy) {
+             std::vector<torch_layer::ChunkSetSpec> specs;
+             for (const auto& item : sets) specs.push_back(set_spec_of(item.cast<py::dict>()));
+             std::vector<torch_layer::ParamSpec> ps;
+             for (const auto& item : params) {
+               auto t = item.cast<py::tuple>();
+               ps.push_back(torch_layer::ParamSpec{t[0].cast<ChunkId>(), t[1].cast<size_t>(), t[2].cast<bool>()});
+             }
+             return std::make_unique<GeminiManager>(cm.ctx, *cm.mgr, std::move(specs), std::move(ps), policy);
+           }),
+           py::arg("chunk_manager"), py::arg("sets"), py::arg("params"), py::arg("policy"), py::keep_alive<1, 2>())
+      .def("param_views", &GeminiManager::param_views, nogil())
+      .def("param_binding", &GeminiManager::param_binding, nogil())
+      .def("apply_placement", &GeminiManager::apply_placement, nogil())
+      .def("register_module", &GeminiManager::register_module, nogil())
+      .def("watch_params", &GeminiManager::watch_params, nogil())
+      .def("written_params", &GeminiManager::written_params)
+      .def("note_param_versions", &GeminiManager::note_param_versions)
+      .def("pre_forward", &GeminiManager::pre_forward, nogil())
+      .def("post_forward", &GeminiManager::post_forward, nogil())
+      .def("pre_backward", &GeminiManager::pre_backward, nogil())
+      .def("post_backward", &GeminiManager::post_backward, nogil())
+      .def("post_accumulate_grad", [](GeminiManager& g, int param, at::Tensor p) { g.post_accumulate_grad(param, p); },
+           nogil())
+      .def("end_backward", &GeminiManager::end_backward, nogil())
+      .def("set_no_sync", &GeminiManager::set_no_sync, nogil())
+      .def_property_readonly("no_sync", &GeminiManager::no_sync)
+      .def_property_readonly("in_backward", &GeminiManager::in_backward)
+      .def_property_readonly("phase", [](GeminiManager& g) { return std::string(hook_phase_name(g.phase())); })
+      .def("end_iteration", &GeminiManager::end_iteration, nogil());
+}
+
+// Residency and placement.
+void def_residency(py::class_<GeminiManager>& cls) {
+  cls.def("set_async_reduce", &GeminiManager::set_async_reduce)
+      .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
+      .def("set_device_budget", &GeminiManager::set_device_budget, nogil())
+      .def_property_readonly("device_budget", &GeminiManager::device_budget)
+      .def("set_optim_on_host", &GeminiManager::set_optim_on_host, nogil())
+      .def("set_placements",
+           [](GeminiManager& g) {
+             std::vector<SetPlacement> placements;
+             {
+               py::gil_scoped_release release;
+               placements = g.set_placements();
+             }
+             py::list out;
+             for (const auto& p : placements)
+               out.append(as_dict(p, field("param_chunk", &SetPlacement::param_chunk),
+                                  field("trainable", &SetPlacement::trainable),
+                                  field("optim_on_host", &SetPlacement::optim_on_host),
+                                  field("param_home_on_host", &SetPlacement::param_home_on_host),
+                                  field("keep_gathered", &SetPlacement::keep_gathered),
+                                  field("grad_stays_on_device", &SetPlacement::grad_stays_on_device)));
+             return out;
+           })
+      .def("reclaim_device_bytes", &GeminiManager::reclaim_device_bytes, nogil())
+      .def("stop_reclaiming", &GeminiManager::stop_reclaiming);
+}
+
+// Gradients and values (fp32 CPU copies, state dicts, checkpoints).
+void def_gradients_and_values(py::class_<GeminiManager>& cls) {
+  cls.def("flush_grads", &GeminiManager::flush_grads, nogil())
+      .def("zero_grad", &GeminiManager::zero_grad, nogil())
+      .def("has_grad", &GeminiManager::has_grad, nogil())
+      .def("read_grad",
+           [](GeminiManager& g, int param) -> py::object {
+             at::Tensor t;
+             {
+               py::gil_scoped_release release;
+               t = g.read_grad(param);
+             }
+             if (!t.defined()) return py::none();
+             return py::cast(t);
+           })
+      .def("set_replica_communicator",
+           [](GeminiManager& g, std::shared_ptr<torch_layer::ProcessGroupCommunicator> comm) {
+             g.set_replica_communicator(comm.get());
+           },
+           py::keep_alive<1, 2>())
+      .def("read", [](GeminiManager& g, const std::string& kind, int param) { return g.read(kind_of(kind), param); },
+           nogil())
+      .def("read_to",
+           [](GeminiManager& g, const std::string& kind, int param, py::object device, py::object dtype) {
+             const at::Device target = torch::python::detail::py_object_to_device(device);
+             const at::ScalarType scalar_type = torch::python::detail::py_object_to_dtype(dtype);
+             const StateKind k = kind_of(kind);
+             py::gil_scoped_release release;
+             return g.read_to(k, param, target, scalar_type);
+           },
+           py::arg("kind"), py::arg("param"), py::arg("device"), py::arg("dtype"))
+      .def("read_local",
+           [](GeminiManager& g, const std::string& kind, int param) { return g.read_local(kind_of(kind), param); },
+           nogil())
+      .def("write",
+           [](GeminiManager& g, const std::string& kind, int param, const at::Tensor& value) {
+             g.write(kind_of(kind), param, value);
+           },
+           nogil())
+      .def("release_read_cache", &GeminiManager::release_read_cache, nogil())
+      .def("step_of", &GeminiManager::step_of, nogil())
+      .def("set_step", &GeminiManager::set_step, nogil())
+      .def("synchronize", &GeminiManager::synchronize, nogil());
+}
+
+// Trace, timeline and counters.
+void def_observing(py::class_<GeminiManager>& cls) {
+  cls.def("trace_info",
+           [](GeminiManager& g) {
+             std::tuple<std::vector<ChunkId>, int64_t, int64_t, bool> t;
+             {
+               py::gil_scoped_release release;
+               t = g.trace_info();
+             }
+             py::dict d;
+             d["recorded"] = std::get<0>(t);
+             d["iterations"] = std::get<1>(t);
+             d["rerecordings"] = std::get<2>(t);
+             d["usable"] = std::get<3>(t);
+             return d;
+           })
+      .def("timeline",
+           [](GeminiManager& g) {
+             std::vector<TimelineEvent> events;
+             {
+               py::gil_scoped_release release;
+               events = g.timeline();
+             }
+             py::list out;
+             for (const auto& e : events)
+               out.append(py::make_tuple(e.seconds, std::string(1, e.kind), e.chunk, e.device_bytes));
+             return out;
+           })
+      .def("counters", [](GeminiManager& g) {
+        EngineCounters c;
+        {
+          py::gil_scoped_release release;
+          c = g.counters();
+        }
+        return as_dict(c, field("evictions", &EngineCounters::evictions),
+                       field("sync_fetch_waits", &EngineCounters::sync_fetch_waits),
+                       field("wait_seconds", &EngineCounters::wait_seconds),
+                       field("evicted_bytes", &EngineCounters::evicted_bytes),
+                       field("fetches", &EngineCounters::fetches),
+                       field("grad_chunks_offloaded", &EngineCounters::grad_chunks_offloaded),
+                       field("flushed_chunks", &EngineCounters::flushed_chunks),
+                       field("backward_passes", &EngineCounters::backward_passes),
+                       field("reclaims", &EngineCounters::reclaims),
+                       field("reclaimed_bytes", &EngineCounters::reclaimed_bytes),
+                       field("optimizer_wait_seconds", &EngineCounters::optimizer_wait_seconds),
+                       field("optimizer_waits", &EngineCounters::optimizer_waits));
+      });
+}
+
+}  // namespace
+
+void bind_manager(py::module_& m) {
+  py::class_<GeminiManager> cls(m, "GeminiManager");
+  def_setup_and_hooks(cls);
+  def_residency(cls);
+  def_gradients_and_values(cls);
+  def_observing(cls);
+}
+
+}  // namespace gx::bindings

@@ -1,0 +1,74 @@
+// gemini_ext._C, optimizer: the CPU kernels, the state kinds, and the GeminiManager's optimizer
+// entry points (the generic set stepping with a rule: torch/hybrid_optimizer.h).
+#include "bindings/common.h"
+#include "torch/cpu_adam_op.h"
+#include "torch/gemini_manager.h"
+
+namespace gx::bindings {
+
+using torch_layer::GeminiManager;
+using torch_layer::HyperValues;
+using torch_layer::StepStats;
+using nogil = py::call_guard<py::gil_scoped_release>;
+
+void bind_optimizer(py::module_& m) {
+  py::enum_<torch_layer::StateKind>(m, "StateKind")
+      .value("param", torch_layer::StateKind::kParam)
+      .value("exp_avg", torch_layer::StateKind::kExpAvg)
+      .value("exp_avg_sq", torch_layer::StateKind::kExpAvgSq);
+
+  m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
+        py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt,
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
+        "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs.");
+
+  // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
+  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
+  cls.def("attach_optimizer", &GeminiManager::attach_optimizer, py::arg("rule"), py::arg("group_of_param"), nogil())
+      .def("grad_norm_sq", &GeminiManager::grad_norm_sq, nogil())
+      .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
+      .def("arm_speculation", &GeminiManager::arm_speculation, nogil())
+      .def("disarm_speculation", &GeminiManager::disarm_speculation, nogil())
+      .def_property_readonly("speculation_armed", &GeminiManager::speculation_armed)
+      .def("spare_bytes_needed", &GeminiManager::spare_bytes_needed, nogil())
+      .def("spare_bytes", &GeminiManager::spare_bytes, nogil())
+      .def("release_spares", &GeminiManager::release_spares, nogil())
+      .def("speculations",
+           [](GeminiManager& g) {
+             std::pair<int64_t, int64_t> counts;
+             {
+               py::gil_scoped_release release;
+               counts = g.speculations();
+             }
+             py::dict d;
+             d["confirmed"] = counts.first;
+             d["dropped"] = counts.second;
+             return d;
+           })
+      .def("last_step",
+           [](GeminiManager& g) {
+             StepStats s;
+             {
+               py::gil_scoped_release release;
+               s = g.last_step();
+             }
+             return as_dict(s, field("host_params", &StepStats::host_params),
+                            field("device_params", &StepStats::device_params),
+                            field("host_seconds", &StepStats::host_seconds),
+                            field("launch_seconds", &StepStats::launch_seconds),
+                            field("device_seconds", &StepStats::device_seconds),
+                            field("pending_sets", &StepStats::pending_sets));
+           })
+      // the pipeline
+      .def("guard_stepping_params", &GeminiManager::guard_stepping_params, nogil())
+      .def("pending_steps", &GeminiManager::pending_steps, nogil())
+      .def("settle_all", &GeminiManager::settle_all, nogil())
+      .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
+      .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
+      .def("set_optimizer_task_delay_us", &GeminiManager::set_optimizer_task_delay_us);
+}
+
+}  // namespace gx::bindings

@@ -1,0 +1,99 @@
+#include "core/optimizer_pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <thread>
+
+#include "core/errors.h"
+
+namespace gx {
+
+OptimizerPipeline::OptimizerPipeline(std::function<void(int)> on_settled, std::function<std::string(int)> describe)
+    : on_settled_(std::move(on_settled)), describe_(std::move(describe)) {}
+
+OptimizerPipeline::~OptimizerPipeline() { drain(); }
+
+void OptimizerPipeline::drain() {
+  if (worker_) worker_->drain();
+}
+
+void OptimizerPipeline::launch(int set, std::function<void()> compute, std::function<void()> complete,
+                               std::function<bool()> eager, int64_t priority) {
+  GX_INTERNAL_ASSERT(!pending(set), "chunk set ", set, " launched while its previous step is pending");
+  if (!worker_) worker_ = std::make_unique<SerialExecutor>();
+  auto seconds = std::make_shared<double>(0.0);
+  std::shared_future<void> done = worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
+    {
+      std::unique_lock<std::mutex> lock(gate->mutex);
+      gate->opened.wait(lock, [&] { return !gate->held; });
+    }
+    if (gate->delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate->delay_us));
+    const auto t0 = std::chrono::steady_clock::now();
+    compute();
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }, priority);
+  pending_.emplace(set, Pending{std::move(done), std::move(complete), seconds, std::move(eager)});
+  order_.push_back(set);
+}
+
+void OptimizerPipeline::settle(int set) {
+  auto it = pending_.find(set);
+  if (it == pending_.end()) return;
+  Pending step = std::move(it->second);
+  pending_.erase(it);
+  order_.erase(std::find(order_.begin(), order_.end(), set));
+  if (step.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step.done.wait();
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    waits_ += 1;
+  }
+  try {
+    step.done.get();  // rethrows what the CPU step threw
+  } catch (const std::exception& e) {
+    throw InternalError(detail::concat("gemini_ext: the CPU optimizer step of ", describe_(set),
+                                       " failed on the optimizer thread: ", e.what(),
+                                       ". Its master weights and optimizer state may be partly updated: reload the "
+                                       "last checkpoint."));
+  }
+  host_step_seconds_ += *step.seconds;
+  step.complete();
+  on_settled_(set);
+}
+
+bool OptimizerPipeline::try_settle(int set) {
+  auto it = pending_.find(set);
+  if (it == pending_.end()) return true;
+  if (it->second.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+  settle(set);
+  return true;
+}
+
+void OptimizerPipeline::settle_all() {
+  while (!order_.empty()) settle(order_.front());
+}
+
+void OptimizerPipeline::settle_finished() {
+  for (int s : std::vector<int>(order_.begin(), order_.end())) {
+    auto it = pending_.find(s);
+    if (it == pending_.end()) continue;
+    if (it->second.eager && !it->second.eager()) continue;  // speculative, not confirmed yet
+    try_settle(s);                                           // only if it finished
+  }
+}
+
+void OptimizerPipeline::hold(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(gate_->mutex);
+    gate_->held = hold;
+  }
+  gate_->opened.notify_all();
+}
+
+void OptimizerPipeline::set_task_delay_us(int64_t delay) {
+  std::lock_guard<std::mutex> lock(gate_->mutex);
+  gate_->delay_us = delay;
+}
+
+}  // namespace gx

@@ -1,0 +1,83 @@
+// OptimizerPipeline: chunk sets' CPU optimizer steps on a background thread, settled one by one.
+//
+// Design note. A host set's step is launched as two parts: `compute` runs on the executor's
+// thread (raw host memory only, never the manager's books), `complete` runs on the thread that
+// settles the set (under its owner's lock: it makes P's other copy coherent). Until settled the
+// set is pending: its owner settles it before anything touches its chunks. Settling waits for
+// the compute part when it still runs (counted in wait_seconds / waits) and rethrows what it
+// threw as an InternalError naming the set. `eager` says whether a finished step may be settled
+// before anyone needs it (settle_finished, which prefetch calls); a speculative step may not
+// until it was confirmed. The priority of a launch is the set's position in the next forward
+// (SerialExecutor takes the most urgent first). Tests may hold the thread (steps wait before
+// they start) or slow each task down. Not thread-safe itself: its owner calls it under its lock.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/serial_executor.h"
+
+namespace gx {
+
+class OptimizerPipeline {
+ public:
+  // `on_settled(set)` runs after a set's `complete`; `describe(set)` names a set in errors.
+  OptimizerPipeline(std::function<void(int)> on_settled, std::function<std::string(int)> describe);
+  ~OptimizerPipeline();  // lets every launched step finish
+  OptimizerPipeline(const OptimizerPipeline&) = delete;
+  OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
+
+  void launch(int set, std::function<void()> compute, std::function<void()> complete, std::function<bool()> eager,
+              int64_t priority);
+  void settle(int set);      // no-op when the set is not pending
+  bool try_settle(int set);  // settles a finished step; false while it runs
+  void settle_all();         // in launch order
+  void settle_finished();    // the eager steps that finished
+  void drain();              // waits for every compute part (nothing is settled)
+
+  bool pending(int set) const { return pending_.count(set) != 0; }
+  size_t pending_count() const { return pending_.size(); }
+  const std::deque<int>& pending_sets() const { return order_; }  // launch order
+
+  double host_step_seconds() const { return host_step_seconds_; }  // compute time of the settled steps
+  void reset_host_step_seconds() { host_step_seconds_ = 0.0; }
+  double wait_seconds() const { return wait_seconds_; }  // time settling waited for a running step
+  int64_t waits() const { return waits_; }
+
+  void hold(bool hold);                   // tests: steps wait before they start while held
+  void set_task_delay_us(int64_t delay);  // tests: every step takes this much longer
+
+ private:
+  struct Pending {
+    std::shared_future<void> done;
+    std::function<void()> complete;
+    std::shared_ptr<double> seconds;  // written by the task
+    std::function<bool()> eager;
+  };
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable opened;
+    bool held = false;
+    int64_t delay_us = 0;
+  };
+
+  std::function<void(int)> on_settled_;
+  std::function<std::string(int)> describe_;
+  std::map<int, Pending> pending_;  // by set index
+  std::deque<int> order_;           // launch order
+  double host_step_seconds_ = 0.0;
+  double wait_seconds_ = 0.0;
+  int64_t waits_ = 0;
+  std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
+  std::unique_ptr<SerialExecutor> worker_;  // last: joined first
+};
+
+}  // namespace gx

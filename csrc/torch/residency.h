@@ -1,0 +1,95 @@
+// Residency: which chunks are on the device, under the planning budget.
+//
+// Design note. A room of the GeminiManager: no lock of its own, called under the manager's.
+//  * Fetch. A compute access makes a chunk's copy current on the device (sharded: gathered);
+//    fetching a chunk that does not fit first waits for gradient moves in flight (their device
+//    slots come back), then evicts the evictable chunk used farthest in the future (LRU before a
+//    trace exists) and retries; when nothing can go, a pending CPU step is settled (its chunks
+//    become evictable); when that fails too, the OutOfMemoryError names the budget, what is
+//    resident and the knobs.
+//  * Evictable: a parameter chunk with no tensor in COMPUTE or waiting for reduction, not pinned
+//    by the optimizer and not read by a gather in flight; a gradient chunk no backward still
+//    writes into (it waits for the step on the host), unless its set's state is on the device
+//    because the host has no room (grad_stays_on_device). A set whose CPU step is pending only
+//    loses P's device copy as a free drop.
+//  * Home on the host (offload_param_frac): such a chunk's device copy is dropped (or moved back)
+//    when the access stream fetches a different chunk and it is idle, so each use phase
+//    (forward, backward) fetches it about once. Sharded, an idle gathered chunk is re-sharded at
+//    that moment too, so that consecutive modules in one chunk share one all-gather.
+//  * Prefetch follows the recorded trace: unsharded, shard copies into free budget; sharded,
+//    gathers (a collective: chosen only from what every rank shares).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/access_trace.h"
+#include "core/chunk_manager.h"
+#include "core/lru_eviction.h"
+#include "core/optimizer_pipeline.h"
+#include "core/timeline.h"
+#include "torch/chunk_set.h"
+#include "torch/chunk_views.h"
+
+namespace gx::torch_layer {
+
+struct EngineCounters;
+
+class Residency {
+ public:
+  Residency(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets, const std::vector<int>& set_of_p_chunk,
+            const AccessTrace& trace, OptimizerPipeline& pipeline, EngineCounters& counters, Timeline& timeline,
+            const std::string& policy_name);
+
+  // The device bytes chunks may hold (0: the backend's capacity); lowering it evicts what can go now.
+  void set_budget(int64_t bytes);
+  int64_t budget() const;
+  void set_max_prefetch(int max_prefetch) { max_prefetch_ = max_prefetch; }
+
+  void ensure_on_device(ChunkId id);
+  // Sharded: this rank's shard of id on the device (a fetch keeps the host copy); no gathering.
+  void ensure_shard_on_device(ChunkId id);
+  void allocate_on_device(ChunkId id);
+  // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError or over the budget
+  // makes room and retries, until fn succeeds or nothing is left (then OutOfMemoryError).
+  // bytes: what fn adds to the device (-1: the shard, when it is not on the device yet).
+  void with_room(ChunkId id, const std::function<void()>& fn, int64_t bytes = -1);
+  bool make_room(ChunkId requester);  // frees device bytes once; false if nothing can go
+  void evict(ChunkId id);
+  void release_if_idle(ChunkId id);
+  void prefetch();
+  void touch(ChunkId id) { lru_.touch(id); }
+  // Chunks the optimizer is working on: never chosen for eviction while pinned.
+  void pin(ChunkId id) { pinned_.insert(id); }
+  void unpin_all() { pinned_.clear(); }
+  Tier where_current(ChunkId id) const;  // a tier holding a current copy
+  int64_t device_bytes_needed(ChunkId id, bool gather) const;
+  void note(char kind, ChunkId id);  // a timeline event with the device bytes after it
+
+ private:
+  void prefetch_gathers();
+  std::vector<ChunkId> evictable(ChunkId requester) const;
+  [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
+  int set_of_chunk(ChunkId p_chunk) const;
+  bool sharded() const { return mgr_.sharded(); }
+
+  DeviceContext& ctx_;
+  ChunkManager& mgr_;
+  std::vector<ChunkSet>& sets_;
+  const std::vector<int>& set_of_p_chunk_;
+  const AccessTrace& trace_;
+  OptimizerPipeline& pipeline_;
+  EngineCounters& counters_;
+  Timeline& timeline_;
+  const std::string& policy_name_;
+  LruEviction lru_;
+  int max_prefetch_ = 0;
+  int64_t budget_bytes_ = 0;
+  ChunkId last_accessed_ = -1;
+  std::set<ChunkId> pinned_;
+};
+
+}  // namespace gx::torch_layer

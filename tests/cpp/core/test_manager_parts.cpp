@@ -1,0 +1,100 @@
+// The manager's torch-free parts: the hook phase table, the timeline ring, the optimizer pipeline.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/errors.h"
+#include "core/hook_phase.h"
+#include "core/optimizer_pipeline.h"
+#include "core/timeline.h"
+
+namespace gx {
+
+TEST(HookPhase, FollowsAnIterationAndARecomputationInsideBackward) {
+  HookPhase p = HookPhase::kIdle;
+  for (HookEvent e : {HookEvent::kPreForward, HookEvent::kPostForward}) p = next_hook_phase(p, e);
+  EXPECT_EQ(p, HookPhase::kForward);
+  p = next_hook_phase(p, HookEvent::kPreBackward);
+  EXPECT_EQ(p, HookPhase::kBackward);
+  // activation checkpointing re-runs a forward inside backward: still backward
+  for (HookEvent e : {HookEvent::kPreForward, HookEvent::kPostForward, HookEvent::kGradArrived,
+                      HookEvent::kPostBackward})
+    p = next_hook_phase(p, e);
+  EXPECT_EQ(p, HookPhase::kBackward);
+  p = next_hook_phase(p, HookEvent::kEndBackward);
+  EXPECT_EQ(p, HookPhase::kIdle);
+  EXPECT_EQ(next_hook_phase(HookPhase::kForward, HookEvent::kEndIteration), HookPhase::kIdle);
+  EXPECT_EQ(next_hook_phase(HookPhase::kBackward, HookEvent::kEndIteration), HookPhase::kBackward);
+}
+
+TEST(HookPhase, APostForwardWithoutAForwardIsABug) {
+  try {
+    next_hook_phase(HookPhase::kIdle, HookEvent::kPostForward);
+    FAIL() << "expected InternalError";
+  } catch (const InternalError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("post_forward"), std::string::npos) << what;
+    EXPECT_NE(what.find("idle"), std::string::npos) << what;
+  }
+}
+
+TEST(Timeline, KeepsTheNewestEventsOldestFirstOnceFull) {
+  Timeline t(3);
+  for (int i = 0; i < 5; ++i) t.note('F', i, 100 * i);
+  const auto events = t.events();
+  ASSERT_EQ(events.size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(events[k].chunk, static_cast<ChunkId>(k + 2));
+    EXPECT_EQ(events[k].device_bytes, static_cast<int64_t>(100 * (k + 2)));
+  }
+  EXPECT_LE(events[0].seconds, events[2].seconds);
+}
+
+TEST(OptimizerPipeline, SettlesInLaunchOrderAndCompletesOnTheSettlingThread) {
+  std::vector<int> settled;
+  OptimizerPipeline pipe([&](int s) { settled.push_back(s); }, [](int s) { return "set " + std::to_string(s); });
+  std::atomic<int> computed{0};
+  std::thread::id completer;
+  pipe.hold(true);  // nothing starts: both stay pending
+  for (int s : {3, 1})
+    pipe.launch(s, [&] { computed += 1; }, [&] { completer = std::this_thread::get_id(); }, nullptr, s);
+  EXPECT_TRUE(pipe.pending(3) && pipe.pending(1));
+  EXPECT_FALSE(pipe.try_settle(3)) << "held: not finished";
+  pipe.hold(false);
+  pipe.settle_all();
+  EXPECT_EQ(computed.load(), 2);
+  EXPECT_EQ(settled, (std::vector<int>{3, 1}));
+  EXPECT_EQ(completer, std::this_thread::get_id());
+  EXPECT_EQ(pipe.pending_count(), 0u);
+  EXPECT_GE(pipe.waits(), 0);
+}
+
+TEST(OptimizerPipeline, LeavesAStepThatMayNotBeSettledEagerlyAndRethrowsAFailureNamingTheSet) {
+  std::vector<int> settled;
+  OptimizerPipeline pipe([&](int s) { settled.push_back(s); }, [](int s) { return "set " + std::to_string(s); });
+  bool confirmed = false;
+  pipe.launch(0, [] {}, [] {}, [&] { return confirmed; }, 0);
+  pipe.drain();
+  pipe.settle_finished();
+  EXPECT_TRUE(pipe.pending(0)) << "speculative and unconfirmed: not settled eagerly";
+  confirmed = true;
+  pipe.settle_finished();
+  EXPECT_FALSE(pipe.pending(0));
+  pipe.launch(7, [] { throw std::runtime_error("disk on fire"); }, [] {}, nullptr, 0);
+  try {
+    pipe.settle(7);
+    FAIL() << "expected InternalError";
+  } catch (const InternalError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("set 7"), std::string::npos) << what;
+    EXPECT_NE(what.find("disk on fire"), std::string::npos) << what;
+  }
+  EXPECT_EQ(settled, (std::vector<int>{0}));
+}
+
+}  // namespace gx

@@ -1,0 +1,105 @@
+"""The code's shape, checked: the package's imports form no circle, no source file is over 500
+lines and no function over 80 (docs/DESIGN.md; the CPU kernels' per-ISA files may stay parallel).
+Static reads of the tree: no import of gemini_ext, well under a second."""
+
+import ast
+import collections
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "gemini_ext"
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+PARALLEL_BY_DESIGN = {"cpu_adam_avx2.cpp", "cpu_adam_avx512.cpp"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict:
+    """Module -> modules of the package it imports (at module level or inside functions). The
+    package's own __init__ is not an edge target: importing a submodule runs it first anyway."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = collections.defaultdict(set)
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                prefix = base[:len(base) - (node.level - 1)]
+                targets = ([".".join(prefix + [node.module])] if node.module
+                           else [".".join(prefix + [a.name]) for a in node.names])
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != "gemini_ext")
+    return graph
+
+
+def _cycles(graph: dict) -> list:
+    found, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_the_package_imports_form_no_circle():
+    graph = _import_graph()
+    assert graph["gemini_ext.optim"], "the graph sees the package's imports"
+    assert _cycles(graph) == []
+
+
+def _cpp_function_lengths(text: str):
+    """(first line, length, signature) of each top-level function body in a C++ file: a line at
+    brace depth 0 (namespaces aside) that opens a brace after a parameter list."""
+    depth, start = 0, None
+    for number, line in enumerate(text.split("\n"), 1):
+        code = re.sub(r'"(\\.|[^"\\])*"', '""', re.sub(r"//.*", "", line))
+        if re.match(r"^\s*namespace\b", code) or re.match(r"^}\s*//\s*namespace", line):
+            continue
+        if depth == 0 and "{" in code and ")" in code and re.match(r"^[A-Za-z]", code) and \
+                not re.match(r"^(class|struct|enum|union)\b", code):
+            start = (number, code.strip()[:70])
+        depth += code.count("{") - code.count("}")
+        if depth == 0 and start is not None and ("{" in code or "}" in code):
+            yield start[0], number - start[0] + 1, start[1]
+            start = None
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    sources = [p for ext in ("cpp", "h", "cu", "cuh") for p in (ROOT / "csrc").rglob(f"*.{ext}")]
+    assert len(sources) > 40, "the C++ sources were found"
+    for path in sorted(sources):
+        if path.name in PARALLEL_BY_DESIGN:
+            continue
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for first, length, signature in _cpp_function_lengths(text):
+            if length > MAX_FUNCTION_LINES:
+                too_long.append(f"{path.relative_to(ROOT)}:{first} {signature}: {length} lines")
+    assert too_long == []
