@@ -6,10 +6,12 @@ C++ manager's timeline (fetch 'F', prefetch 'P', evict 'E', iteration end 'S'). 
 everything torch's CUDA allocator holds besides (activations, temporaries), measured per
 iteration in a window of our own so that torch's peak statistics stay the user's (on sim,
 activations live in host memory: 0). `memory_figures()` says where memory stands, for logs and
-out-of-memory errors.
+out-of-memory errors. SetupTimer times enable()'s phases the same way (stats()["setup_seconds"]).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -120,3 +122,19 @@ class MemoryTracer:
     def detach(self) -> None:
         """The engine is closing: let go of the chunk manager and the runtime."""
         self._chunks = self._runtime = None
+
+
+class SetupTimer:
+    """Seconds per phase of enable(), for the log and stats(): where a large model's set-up goes."""
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self.phases = {}
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start

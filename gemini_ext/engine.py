@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 import warnings
 
 import torch
@@ -48,7 +47,7 @@ from ._param_access import ParamAccess
 from ._placement import Placer
 from ._process_groups import DataParallelGroups, resolve_process_group
 from ._rules import LAYOUT_RULE
-from ._tracer import MemoryTracer
+from ._tracer import MemoryTracer, SetupTimer
 from ._units import format_bytes
 from .amp import DynamicLossScaler
 from .config import GeminiConfig
@@ -60,22 +59,6 @@ from .search import unique_parameters
 class TrainingCounters:
     optimizer_steps: int = 0
     skipped_steps: int = 0  # fp16 steps skipped for overflow
-
-
-class SetupTimer:
-    """Seconds per phase of enable(), for the log and stats(): where a large model's set-up goes."""
-
-    def __init__(self):
-        self.start = self._last = time.perf_counter()
-        self.phases = {}
-
-    def done(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = now - self._last
-        self._last = now
-
-    def total(self) -> float:
-        return time.perf_counter() - self.start
 
 
 class GeminiEngine:
@@ -100,17 +83,18 @@ class GeminiEngine:
         self._optimizer = None
         self._closed = False
         timer = SetupTimer()
-        named = unique_parameters(model)
-        check_parameters(model, named, config, self.compute_dtype)
-        self.chunk_size = choose_chunk_size(model, named, config, self.world_size)
+        policy = make_policy(config)
         self.device = ComputeDevice(config)
         if self.device.is_cuda:
             self.groups.set_device(self.device.torch_device)
+        named = unique_parameters(model)
+        check_parameters(model, named, config, self.compute_dtype)
+        self.chunk_size = choose_chunk_size(model, named, config, self.world_size)
         self.chunks = self._open_chunk_manager()
         meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
         self.layout = ChunkLayout(self.chunks, named, self.compute_dtype, self.compute_device,
                                   LAYOUT_RULE.state_kinds, self.chunk_size)
-        self.placer = Placer(make_policy(config), self.layout, self.device, self.groups)
+        self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
         device_state, device_grads = self.placer.device_state_chunks()
         timer.done("plan")  # chunk size, layouts, placement plan

@@ -1,10 +1,12 @@
 // gemini_ext._C, allocator: the process-wide chunk allocator, its statistics and memory pressure.
-#include "bindings/common.h"
+#include "bindings/areas.h"
 #include "core/memory_pressure.h"
 #include "torch/allocation_window.h"
 #include "torch/allocator_mode.h"
 
 namespace gx::bindings {
+
+namespace py = pybind11;
 
 void bind_allocator(py::module_& m) {
   m.def("install_chunk_allocator", &torch_layer::install_chunk_allocator,

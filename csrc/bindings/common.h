@@ -1,5 +1,5 @@
-// The pybind11 bindings' shared helpers: tier names, statistics as dicts, the Python-side
-// ChunkManager, and the one conversion helper for plain structs (fields listed once).
+// The helpers of the areas that bind tensors and chunks: tier names, statistics as dicts, the
+// Python-side ChunkManager, and the one conversion helper for plain structs (fields listed once).
 #pragma once
 
 #include <torch/python.h>
@@ -10,6 +10,7 @@
 
 #include "core/chunk_manager.h"
 #include "core/errors.h"
+#include "bindings/areas.h"
 #include "torch/chunk_views.h"
 
 // Hidden like pybind11's own types (the module is built with hidden visibility for them).
@@ -39,13 +40,6 @@ py::dict as_dict(const S& s, std::pair<const char*, T S::*>... fields) {
   ((d[fields.first] = s.*(fields.second)), ...);
   return d;
 }
-
-// Each area adds its part of gemini_ext._C.
-void bind_core(py::module_& m);       // states, placement and search functions, device contexts, communicators
-void bind_chunks(py::module_& m);     // ChunkManager
-void bind_manager(py::module_& m);    // GeminiManager: hooks, residency, gradients, values
-void bind_optimizer(py::module_& m);  // the CPU kernels, state kinds, the manager's optimizer entry points
-void bind_allocator(py::module_& m);  // the process-wide chunk allocator and memory pressure
 
 }  // namespace bindings
 }  // namespace gx

@@ -1,13 +1,15 @@
 // gemini_ext._C: the one pybind11 module. It only translates: Python values to core and torch-
 // layer calls, core exceptions to Python exceptions; no logic lives here. Long-running calls
 // (moves, waits, accesses) and every call that takes the manager's lock release the GIL. The
-// bindings are split by area (bindings/common.h lists them).
-#include <torch/python.h>
+// bindings are split by area (bindings/areas.h lists them).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/version.h>
 
-#include "bindings/common.h"
+#include "bindings/areas.h"
 #include "core/cpu_features.h"
-#include "torch/allocator_mode.h"
+#include "core/errors.h"
+#include "core/tensor_state.h"
 
 #ifdef GX_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -17,6 +19,10 @@
 
 #define GX_STR_(x) #x
 #define GX_STR(x) GX_STR_(x)
+
+namespace gx::torch_layer {
+bool cuda_compiled();  // torch/chunk_views.h: true in CUDA builds of the extension
+}  // namespace gx::torch_layer
 
 namespace py = pybind11;
 using namespace gx;
@@ -83,12 +89,12 @@ void register_exceptions(py::module_& m) {
 
 }  // namespace
 
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gemini_ext native core (chunks, pools, device backends, chunk search)";
   register_exceptions(m);
   m.def("build_info", &build_info);
   bindings::bind_core(m);
-  bindings::bind_chunks(m);
   bindings::bind_manager(m);
   bindings::bind_optimizer(m);
   bindings::bind_allocator(m);

@@ -18,7 +18,7 @@
 //  * Chunk sets (chunk_set.h): P with G, M and the optimizer rule's state chunks. Per set: where
 //    the optimizer state lives (host: the CPU kernel; device: the device kernel) and P's home.
 //  * Coherence. Every copy a chunk has holds the same bytes. For a set whose optimizer state is
-//    on the host, P's host copy is permanent and always current (CPU Adam writes it); its device
+//    on the host, P's host copy is permanent and always current (the CPU step writes it); its device
 //    copy is a cache, dropped for free on eviction. Otherwise P's device copy is the truth, and
 //    eviction moves it to the host. Whoever writes a copy refreshes or drops the others.
 //  * Lifecycle of a parameter tensor (TensorState in P): pre-forward HOLD -> COMPUTE, post-
@@ -31,15 +31,7 @@
 //    of backward, tensors still in COMPUTE go to HOLD_AFTER_BWD, chunks whose tensors got no
 //    gradient are flushed (reduced with the gradients they have), and everything returns to HOLD.
 //    Under no_sync() gradients accumulate in G on the device and nothing is reduced.
-//  * Home on the host (offload_param_frac): such a chunk's device copy is dropped (or moved
-//    back) when the access stream fetches a different chunk and it is idle, so each use phase
-//    (forward, backward) fetches it about once.
-//  * Device budget. Fetching a chunk or a gradient chunk that does not fit first waits for
-//    gradient moves in flight (their device slots come back), then evicts the least recently
-//    used evictable chunk and retries: a parameter chunk with no tensor in COMPUTE, or a
-//    gradient chunk no backward still writes into (it waits for the step on the host), unless
-//    its set's state is on the device because the host has no room (grad_stays_on_device). When
-//    nothing can be evicted the OutOfMemoryError names the budget, what is resident and the knobs.
+//  * Device budget, eviction, prefetch and parameter chunks homed on the host: residency.h.
 //  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
 //    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
 //  * Sharded (the ChunkManager has a communicator; see core/communicator.h). Every copy of every
@@ -54,7 +46,8 @@
 //    and prefetch move this rank's shard only and never drop a gathered buffer. Reading values
 //    (read, read_grad) all-gathers the chunk: every rank must make the same reads.
 //  * Threads. Hook bodies run with the GIL released, on the autograd engine's threads too; one
-//    mutex serialises every entry point.
+//    mutex, private to this class, serialises every entry point. A memory-pressure callback
+//    that arrives while this thread holds it declines (reclaim_device_bytes).
 #pragma once
 
 #include <ATen/core/Tensor.h>
