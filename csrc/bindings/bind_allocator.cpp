@@ -1,4 +1,6 @@
 // gemini_ext._C, allocator: the process-wide chunk allocator, its statistics and memory pressure.
+#include <pybind11/stl.h>
+
 #include "bindings/areas.h"
 #include "core/memory_pressure.h"
 #include "torch/allocation_window.h"
