@@ -35,9 +35,7 @@ import torch
 
 from . import _registry
 from ._host_memory import mem_available_bytes
-from ._rules import RULES, rule_for
-
-SUPPORTED_OPTIMIZERS = tuple(c for rule in RULES for c in rule.classes)
+from ._rules import rule_for
 
 
 class GeminiOptimizer(torch.optim.Optimizer):
