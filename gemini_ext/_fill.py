@@ -19,8 +19,7 @@ import time
 import torch
 
 from . import _C
-
-TIERS = ("device", "pinned_host", "pageable_host")
+from ._layout import TIERS
 
 
 def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:

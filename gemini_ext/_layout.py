@@ -23,6 +23,8 @@ from .search import ALIGNMENT_NUMEL, search_chunk_configuration, wider_search
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHUNK_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter dtypes enable() takes
 STATE_DTYPE = torch.float32  # masters and optimizer state
+HOST_TIERS = ("pinned_host", "pageable_host")
+TIERS = ("device", *HOST_TIERS)  # where a chunk's copies may be
 
 
 def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int) -> int:

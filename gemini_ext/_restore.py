@@ -18,11 +18,9 @@ import warnings
 import torch
 
 from ._env import logger
-from ._fill import TIERS
 from ._host_memory import host_available_bytes
+from ._layout import HOST_TIERS, TIERS
 from ._units import format_bytes
-
-HOST_TIERS = ("pinned_host", "pageable_host")
 
 
 def restore_room_bytes(chunks, device) -> int | None:

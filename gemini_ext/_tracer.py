@@ -17,10 +17,10 @@ import torch
 
 from . import allocator
 from ._host_memory import mem_available_bytes, process_rss_bytes
+from ._layout import HOST_TIERS, TIERS
 from ._units import format_bytes
 
 HISTORY = 10_000  # iterations kept
-HOST_TIERS = ("pinned_host", "pageable_host")
 
 
 class MemoryTracer:
@@ -83,7 +83,7 @@ class MemoryTracer:
     def stats(self) -> dict:
         """engine.stats()'s figures of the chunks: layout, bytes per tier, traffic, counters."""
         chunks, runtime = self._chunks, self._runtime
-        tiers = {t: chunks.tier_bytes(t) for t in ("device", *HOST_TIERS)}
+        tiers = {t: chunks.tier_bytes(t) for t in TIERS}
         return {
             "num_chunks": chunks.num_chunks,
             "wasted_bytes_all_groups": chunks.wasted_bytes(),

@@ -41,7 +41,7 @@ from ._device import ComputeDevice, cuda_available, resolve_device  # noqa: F401
 from ._env import logger
 from ._fill import ChunkFill
 from ._hooks import HookSet
-from ._layout import COMPUTE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
+from ._layout import COMPUTE_DTYPES, HOST_TIERS, ChunkLayout, check_parameters, choose_chunk_size
 from ._materialize import MetaMaterializer
 from ._param_access import ParamAccess
 from ._placement import Placer
@@ -156,7 +156,7 @@ class GeminiEngine:
             runtime.set_no_sync(True)  # gradients accumulate on the device until the step
         views = runtime.param_views()
         runtime.apply_placement()
-        for tier in ("pinned_host", "pageable_host"):  # groups that left the host give their arena back
+        for tier in HOST_TIERS:  # groups that left the host give their arena back
             self.chunks.trim(tier)
         self._bind_parameters(views)
         self._buffers = BufferPlacement(self.model, self.compute_device, self.compute_dtype, config.cast_buffers,

@@ -118,16 +118,24 @@ double HybridOptimizer::grad_norm_sq() {
   return m_.all_reduce_sum(sum);  // sharded: every rank's shards (padding and gaps hold zeros)
 }
 
-RunViews HybridOptimizer::run_views(const ChunkSet& set, Tier tier, int64_t begin, int64_t n,
-                                    bool with_param16) const {
+RunViews HybridOptimizer::set_views(const ChunkSet& set, Tier tier, bool with_param16) const {
   DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
   const bool has_master = set.spec.master >= 0;
   RunViews v;
-  v.master = shard_view(ctx, mgr, has_master ? set.spec.master : set.spec.param, tier).narrow(0, begin, n);
-  for (const auto& [kind, id] : set.spec.states) v.states.push_back(shard_view(ctx, mgr, id, tier).narrow(0, begin, n));
-  v.grad = shard_view(ctx, mgr, set.spec.grad, tier).narrow(0, begin, n);
-  if (has_master && with_param16) v.param16 = shard_view(ctx, mgr, set.spec.param, tier).narrow(0, begin, n);
+  v.master = shard_view(ctx, mgr, has_master ? set.spec.master : set.spec.param, tier);
+  for (const auto& [kind, id] : set.spec.states) v.states.push_back(shard_view(ctx, mgr, id, tier));
+  v.grad = shard_view(ctx, mgr, set.spec.grad, tier);
+  if (has_master && with_param16) v.param16 = shard_view(ctx, mgr, set.spec.param, tier);
+  return v;
+}
+
+RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n) {
+  RunViews v;
+  v.master = set.master.narrow(0, begin, n);
+  for (const at::Tensor& t : set.states) v.states.push_back(t.narrow(0, begin, n));
+  v.grad = set.grad.narrow(0, begin, n);
+  if (set.param16.defined()) v.param16 = set.param16.narrow(0, begin, n);
   return v;
 }
 
@@ -174,7 +182,6 @@ void HybridOptimizer::prepare_device_set(ChunkSet& set) {
 }
 
 void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier) {
-  DeviceContext& ctx = m_.context();
   ChunkManager& mgr = m_.chunks();
   ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
   const std::vector<Run> runs = runs_of(set, groups.size());
@@ -190,6 +197,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     prepare_device_set(set);
   }
   const Tier tier = on_host ? host : Tier::kDevice;
+  const RunViews whole = set_views(set, tier, /*with_param16=*/true);  // this rank's shards, once per set
   std::vector<std::function<void()>> host_work;  // on_host: the runs, checked here, run on the optimizer thread
   for (const Run& r : runs) {
     // The run's elements that lie in this rank's shard, as offsets into the shard.
@@ -198,13 +206,13 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     const int64_t step = r.step + 1;
     if (n > 0) {  // else the run lies in other ranks' shards: only the step count advances
       const HyperValues& h = groups[static_cast<size_t>(r.group)];
-      const RunViews views = run_views(set, tier, begin, n, /*with_param16=*/on_host);
+      const RunViews views = narrow_run(whole, begin, n);
       if (on_host) {
         host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
         stats_.host_params += n;
       } else {
         rule_->device_run(views, step, h, grad_multiplier);
-        if (has_master) shard_view(ctx, mgr, set.spec.param, tier).narrow(0, begin, n).copy_(views.master);
+        if (has_master) views.param16.copy_(views.master);  // the rounded copy for compute
         stats_.device_params += n;
       }
     }

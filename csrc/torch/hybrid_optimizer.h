@@ -39,6 +39,8 @@ namespace gx::torch_layer {
 
 class GeminiManager;
 
+RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n);  // one run's elements of a set's views
+
 // After a host step wrote P's host copy: P's device copy, if any, is refreshed from it (home on
 // the device) or dropped (home on the host).
 void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host);
@@ -104,7 +106,8 @@ class HybridOptimizer {
   };
   std::vector<Run> runs_of(const ChunkSet& set, size_t num_groups) const;
   ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
-  RunViews run_views(const ChunkSet& set, Tier tier, int64_t begin, int64_t n, bool with_param16) const;
+  // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.
+  RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
   void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);

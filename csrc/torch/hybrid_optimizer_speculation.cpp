@@ -121,6 +121,7 @@ void HybridOptimizer::speculate(int set_index) {
   spec->has_grad = set.has_grad;
   spec->steps_before = set.step;
   spec->outputs = outputs;
+  const RunViews originals = set_views(set, host, /*with_param16=*/false);  // read only: outputs go to spares
   std::vector<std::function<void()>> work;
   std::vector<std::pair<int64_t, int64_t>> stepped;  // element ranges of the shard the runs write
   for (const Run& r : runs) {
@@ -138,7 +139,7 @@ void HybridOptimizer::speculate(int set_index) {
       out.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
       out.param16_dtype = p_dtype;
     }
-    const RunViews views = run_views(set, host, begin, n, /*with_param16=*/false);
+    const RunViews views = narrow_run(originals, begin, n);
     work.push_back(rule_->prepare_host_run(views, &out, step, (*armed_)[static_cast<size_t>(r.group)], 1.0));
     spec->host_params += n;
     stepped.emplace_back(begin, end);
