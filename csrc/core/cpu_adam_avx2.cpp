@@ -6,38 +6,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#include <immintrin.h>
+#include "simd_avx2.h"
 
 namespace gx::detail {
-namespace {
-
-inline __m256 load_grad8(const AdamBuffers& b, int64_t i) {
-  switch (b.grad_dtype) {
-    case DType::kBFloat16: {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(b.grad) + i));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    case DType::kFloat16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(b.grad) + i)));
-    default: return _mm256_loadu_ps(static_cast<const float*>(b.grad) + i);
-  }
-}
-
-// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16.
-inline __m128i to_bf16x8(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000));
-  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  out = _mm256_blendv_epi8(out, nan, is_nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);  // qwords 0 and 2
-  return _mm256_castsi256_si128(packed);
-}
-
-}  // namespace
-
 void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
   const __m256 gs = _mm256_set1_ps(c.grad_scale), wd = _mm256_set1_ps(c.weight_decay), decay = _mm256_set1_ps(c.decay);
   const __m256 omb1 = _mm256_set1_ps(c.one_minus_beta1), beta2 = _mm256_set1_ps(c.beta2);
@@ -58,7 +29,7 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
     i = first;
   }
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(load_grad8(b, i), gs);
+    __m256 g = _mm256_mul_ps(simd_avx2::load_grad(b.grad, b.grad_dtype, i), gs);
     __m256 p = _mm256_loadu_ps(b.param + i);
     g = _mm256_fmadd_ps(wd, p, g);
     p = _mm256_mul_ps(p, decay);
@@ -77,7 +48,7 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
       _mm256_storeu_ps(v_out + i, v);
     }
     if (out16 != nullptr) {
-      const __m128i h = bf16_out ? to_bf16x8(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m128i h = bf16_out ? simd_avx2::to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), h);
     }
   }

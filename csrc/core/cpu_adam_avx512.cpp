@@ -6,36 +6,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-#include <immintrin.h>
+#include "simd_avx512.h"
 
 namespace gx::detail {
-namespace {
-
-inline __m512 load_grad16(const AdamBuffers& b, int64_t i) {
-  switch (b.grad_dtype) {
-    case DType::kBFloat16: {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b.grad) + i));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    case DType::kFloat16:
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b.grad) + i)));
-    default: return _mm512_loadu_ps(static_cast<const float*>(b.grad) + i);
-  }
-}
-
-// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16.
-inline __m256i to_bf16x16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F800000));
-  out = _mm512_mask_mov_epi32(out, is_nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(out);
-}
-
-}  // namespace
-
 void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin, int64_t end) {
   const __m512 gs = _mm512_set1_ps(c.grad_scale), wd = _mm512_set1_ps(c.weight_decay), decay = _mm512_set1_ps(c.decay);
   const __m512 omb1 = _mm512_set1_ps(c.one_minus_beta1), beta2 = _mm512_set1_ps(c.beta2);
@@ -58,7 +31,7 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
   }
   const bool nt16 = nt && out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 32 == 0;
   for (; i + 16 <= end; i += 16) {
-    __m512 g = _mm512_mul_ps(load_grad16(b, i), gs);
+    __m512 g = _mm512_mul_ps(simd_avx512::load_grad(b.grad, b.grad_dtype, i), gs);
     __m512 p = _mm512_loadu_ps(b.param + i);
     g = _mm512_fmadd_ps(wd, p, g);
     p = _mm512_mul_ps(p, decay);
@@ -77,7 +50,7 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
       _mm512_storeu_ps(v_out + i, v);
     }
     if (out16 != nullptr) {
-      const __m256i h = bf16_out ? to_bf16x16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i h = bf16_out ? simd_avx512::to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       if (nt16) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out16 + i), h);
       } else {
