@@ -3,9 +3,12 @@
 [Note: the layout]
 Parameters (tied ones once) are registered, in definition order, into chunk groups that share one
 layout: `param` (the compute dtype of `precision`), `grad` (same dtype), `master` (fp32; absent
-for fp32 precision, where the parameter chunk is the master) and one fp32 group per state kind of
-the optimizer rule (Adam: `exp_avg`, `exp_avg_sq`). Frozen parameters (requires_grad=False at
-enable) go to a `frozen` group without companions. Every group starts on the host. The k-th
+for fp32 precision, where the parameter chunk is the master) and `state0`, `state1` (fp32): room
+for the optimizer's state. The optimizer is created after enable(), so the state groups are laid
+out for the native rule with the most state kinds (Adam: two) but get memory only when an
+optimizer is attached, and only for its rule's kinds (`bind_states`: SGD with momentum and Lion
+use one, plain SGD and generically stepped optimizers none). Frozen parameters (requires_grad=False
+at enable) go to a `frozen` group without companions. Every group starts on the host. The k-th
 chunk of every group forms chunk set k: the unit that placement decides and the optimizer steps.
 """
 
@@ -83,7 +86,8 @@ class SetChunks:
     param: int
     grad: int = -1
     master: int = -1
-    states: dict = dataclasses.field(default_factory=dict)  # state kind -> chunk id
+    state_slots: tuple = ()  # the state groups' chunks, with or without memory
+    states: dict = dataclasses.field(default_factory=dict)  # state kind -> chunk id, once an optimizer is attached
 
     @property
     def trainable(self) -> bool:
@@ -100,11 +104,14 @@ class ChunkLayout:
     each one lives. Built on a ChunkManager whose chunks are closed before anything is allocated."""
 
     def __init__(self, chunks, named: list, compute_dtype: torch.dtype, compute_device: torch.device,
-                 state_kinds: tuple[str, ...], chunk_size: int):
+                 state_slots: int, chunk_size: int):
         self.compute_dtype = compute_dtype
         self.has_master = compute_dtype != STATE_DTYPE
-        self.state_kinds = tuple(state_kinds)
-        self.trainable_kinds = ("param", "grad") + self.state_kinds + (("master",) if self.has_master else ())
+        self.state_groups = tuple(f"state{k}" for k in range(state_slots))
+        self.state_kinds: tuple[str, ...] = ()  # the attached optimizer's (bind_states)
+        # The state kinds placement plans room for: every slot until an optimizer says otherwise.
+        self.planned_state_kinds = state_slots
+        self.trainable_kinds = ("param", "grad") + self.state_groups + (("master",) if self.has_master else ())
         host = chunks.host_tier
         trainable = [(n, p) for n, p in named if p.requires_grad]
         frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -150,7 +157,7 @@ class ChunkLayout:
         sets = []
         p_ids = ids("param")
         if p_ids:
-            companions = {k: ids(k) for k in ("grad",) + self.state_kinds + (("master",) if self.has_master else ())}
+            companions = {k: ids(k) for k in ("grad",) + self.state_groups + (("master",) if self.has_master else ())}
             for k, v in companions.items():
                 if len(v) != len(p_ids):
                     raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): group {k} "
@@ -158,9 +165,28 @@ class ChunkLayout:
             for n, c in enumerate(p_ids):
                 sets.append(SetChunks(param=c, grad=companions["grad"][n],
                                       master=companions["master"][n] if self.has_master else -1,
-                                      states={k: companions[k][n] for k in self.state_kinds}))
+                                      state_slots=tuple(companions[k][n] for k in self.state_groups)))
         sets.extend(SetChunks(param=c) for c in ids("frozen"))
         return sets
+
+    def unbound_state_chunks(self) -> list[int]:
+        """The state chunks no optimizer uses yet (they are created without memory)."""
+        return [c for s in self.sets for c in s.state_slots if c not in s.states.values()]
+
+    def state_chunks_for(self, kinds: tuple[str, ...]) -> list[list[int]]:
+        """Per chunk set, the chunks that would hold `kinds` (in order; none for frozen sets)."""
+        if len(kinds) > len(self.state_groups):
+            raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): {len(kinds)} "
+                                   f"state kinds, the layout has {len(self.state_groups)} state groups")
+        return [list(s.state_slots[:len(kinds)]) if s.trainable else [] for s in self.sets]
+
+    def bind_states(self, kinds: tuple[str, ...], planned_state_kinds: int) -> None:
+        """An optimizer with these state kinds was attached (its chunks got memory)."""
+        for s in self.sets:
+            if s.trainable:
+                s.states = dict(zip(kinds, s.state_slots))
+        self.state_kinds = tuple(kinds)
+        self.planned_state_kinds = planned_state_kinds
 
     # --- lookups -----------------------------------------------------------------------------
     def find(self, param) -> int | None:
@@ -193,6 +219,11 @@ class ChunkLayout:
         if not self.params[idx].requires_grad or not with_state:
             return ["param"]
         return ["param", *self.state_kinds]
+
+    def offset_in_chunk(self, idx: int) -> tuple[int, int]:
+        """(offset, numel) of parameter idx in its chunk (the same in every companion)."""
+        offset, numel, _ = self._placement_in_chunk[idx]
+        return offset, numel
 
     def pieces(self, idx: int, world_size: int) -> list[list[int]]:
         """[rank, begin, end] for each rank holding elements of parameter idx (the same layout on

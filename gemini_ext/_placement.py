@@ -27,6 +27,12 @@ class Placer:
         self._device = device  # ComputeDevice
         self._groups = groups  # DataParallelGroups
         self.current: Placement | None = None
+        self._frozen = False
+
+    def freeze(self) -> None:
+        """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
+        state is torch's own)."""
+        self._frozen = True
 
     def _measure(self, **iteration) -> Measurements:
         layout = self._layout
@@ -39,7 +45,7 @@ class Placer:
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
             trainable=tuple(s.trainable for s in layout.sets),
-            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, len(layout.state_kinds)),
+            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds),
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
             world_size=self._groups.world_size, host_available_bytes=available, **iteration)
 
@@ -50,12 +56,10 @@ class Placer:
         return self.current
 
     def set_specs(self) -> list[dict]:
-        """Per chunk set: its chunks and placement, as the GeminiManager takes them."""
-        out = []
-        for chunks, place in zip(self._layout.sets, self.current.sets):
-            out.append({"param": chunks.param, "grad": chunks.grad, "master": chunks.master,
-                        "states": list(chunks.states.items()), **dataclasses.asdict(place)})
-        return out
+        """Per chunk set: its chunks and placement, as the GeminiManager takes them (the state
+        chunks come with the optimizer)."""
+        return [{"param": chunks.param, "grad": chunks.grad, "master": chunks.master, "states": [],
+                 **dataclasses.asdict(place)} for chunks, place in zip(self._layout.sets, self.current.sets)]
 
     def device_state_chunks(self) -> tuple[list[int], list[int]]:
         """(optimizer-state chunks, gradient chunks) of the sets whose state starts on the device:
@@ -71,7 +75,7 @@ class Placer:
     def after_iteration(self, runtime, tracer) -> None:
         """Decides again after the first iteration and whenever the access trace was re-recorded
         (other control flow, sequence length, eval vs train), from the iteration just measured."""
-        if not self.policy.decides_after_iterations(self._device.kind):
+        if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
             return
         rerecordings = runtime.trace_info()["rerecordings"]
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:

@@ -46,7 +46,7 @@ from ._materialize import MetaMaterializer
 from ._param_access import ParamAccess
 from ._placement import Placer
 from ._process_groups import DataParallelGroups, resolve_process_group
-from ._rules import LAYOUT_RULE
+from ._rules import MAX_STATE_KINDS
 from ._tracer import MemoryTracer, SetupTimer
 from ._units import format_bytes
 from .amp import DynamicLossScaler
@@ -93,12 +93,12 @@ class GeminiEngine:
         self.chunks = self._open_chunk_manager()
         meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
         self.layout = ChunkLayout(self.chunks, named, self.compute_dtype, self.compute_device,
-                                  LAYOUT_RULE.state_kinds, self.chunk_size)
+                                  MAX_STATE_KINDS, self.chunk_size)
         self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
         device_state, device_grads = self.placer.device_state_chunks()
         timer.done("plan")  # chunk size, layouts, placement plan
-        self.chunks.finalize(device_state, device_grads)
+        self.chunks.finalize(device_state, device_grads + self.layout.unbound_state_chunks())
         timer.done("allocate")  # every chunk's first copy, zeroed
         fill = ChunkFill(self.layout, self.chunks, self.groups, self.device, meta)
         try:
@@ -330,6 +330,11 @@ class GeminiEngine:
             raise RuntimeError("engine.optimizer(): this engine already has an optimizer; the optimizer state lives "
                                "in the engine's chunks, so there can be only one. Reuse the first one.")
         self._optimizer = opt
+
+    def detach_optimizer(self, opt) -> None:
+        """The optimizer's construction failed after attach_optimizer: the engine has none."""
+        if self._optimizer is opt:
+            self._optimizer = None
 
     def check_open(self, what: str) -> None:
         if self._closed:

@@ -35,7 +35,24 @@ import torch
 
 from . import _registry
 from ._host_memory import mem_available_bytes
-from ._rules import rule_for
+from ._generic import GenericStepper
+from ._lion import Lion  # noqa: F401  (gx.optim.Lion)
+from ._rules import MAX_STATE_KINDS, rule_for
+
+
+def _as_groups(params) -> list[dict]:
+    """torch.optim's `params` argument (tensors, or dicts of options with "params") as group dicts."""
+    params = list(params)
+    if not params:
+        raise ValueError("gemini_ext optimizer: got an empty parameter list.")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    out = []
+    for g in params:
+        entry = dict(g)
+        entry["params"] = [entry["params"]] if isinstance(entry["params"], torch.Tensor) else list(entry["params"])
+        out.append(entry)
+    return out
 
 
 class GeminiOptimizer(torch.optim.Optimizer):
@@ -61,7 +78,59 @@ class GeminiOptimizer(torch.optim.Optimizer):
         else:
             raise TypeError("GeminiOptimizer: expected (engine, optimizer class) or (torch optimizer, model), got "
                             f"{type(optimizer_or_engine).__name__}.")
+        if isinstance(opt_cls, type) and issubclass(opt_cls, GeminiOptimizer):
+            raise TypeError("gemini_ext optimizer: GeminiOptimizer wraps an optimizer class; pass the class itself, "
+                            "e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4).")
         rule = rule_for(opt_cls)
+        if params is None:
+            params = [p for p in engine.parameters() if p.requires_grad]
+        self.engine = engine
+        self.opt_class = opt_cls
+        self.rule = rule
+        self._generic = None
+        if rule.native:
+            defaults = self._native_defaults(rule, opt_cls, params, kwargs)
+        else:
+            groups = _as_groups(params)
+            if self._wrapped is not None:
+                kwargs = dict(self._wrapped.defaults)
+            self._generic = GenericStepper(engine, opt_cls, groups, kwargs)
+            params, defaults = groups, dict(self._generic.defaults)
+        super().__init__(params, defaults)
+        if shared_groups is not None:
+            # The wrapped optimizer's group dicts themselves: an LR scheduler built on it edits ours.
+            self.param_groups = shared_groups
+        for i, g in enumerate(self.param_groups):
+            if rule.native:
+                rule.check_group(g, f"param_groups[{i}]")
+                if shared_groups is None:
+                    for flag in rule.refused_flags + rule.ignored_flags:
+                        g.pop(flag, None)
+        group_of = [-1] * engine.num_parameters
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                idx = engine.parameter_index(p)
+                if not p.requires_grad:
+                    raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
+                                     "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
+                group_of[idx] = gi
+        kinds = rule.kinds_for(self.param_groups)
+        engine.attach_optimizer(self)  # raises if the engine has one already
+        try:
+            engine.runtime.attach_optimizer(rule.name, list(kinds), group_of, engine.layout.state_chunks_for(kinds),
+                                            self._generic.step_set if self._generic is not None else None)
+        except BaseException:
+            engine.detach_optimizer(self)
+            raise
+        # Placement plans for the kinds that now exist; a generic optimizer's state is torch's and
+        # does not move, so the placement stays as it is.
+        engine.layout.bind_states(kinds, len(kinds) if rule.native else MAX_STATE_KINDS)
+        if not rule.native:
+            engine.placer.freeze()
+        self.last_grad_norm = None
+
+    @staticmethod
+    def _native_defaults(rule, opt_cls, params, kwargs) -> dict:
         for flag in rule.refused_flags:
             if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
                 raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported (the engine's step has no such "
@@ -75,33 +144,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"gemini_ext optimizer: unexpected argument {key!r} for {opt_cls.__name__}; "
                                 f"accepted: {accepted}.")
         rule.check_group(defaults, "defaults")
-        self.engine = engine
-        self.opt_class = opt_cls
-        self.rule = rule
-        if params is None:
-            params = [p for p in engine.parameters() if p.requires_grad]
-        super().__init__(params, defaults)
-        if shared_groups is not None:
-            # The wrapped optimizer's group dicts themselves: an LR scheduler built on it edits ours.
-            self.param_groups = shared_groups
-        for i, g in enumerate(self.param_groups):
-            rule.check_group(g, f"param_groups[{i}]")
-            if shared_groups is None:
-                for flag in rule.refused_flags + rule.ignored_flags:
-                    g.pop(flag, None)
-        group_of = [-1] * engine.num_parameters
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                idx = engine.parameter_index(p)
-                if not p.requires_grad:
-                    raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
-                                     "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
-                group_of[idx] = gi
-        engine.attach_optimizer(self)  # raises if the engine has one already
-        engine.runtime.attach_optimizer(rule.name, group_of)  # the C++ rule steps the chunk sets
-        self.last_grad_norm = None
+        return defaults
 
     def _hyper(self) -> list[dict]:
+        if self._generic is not None:
+            return [{} for _ in self.param_groups]  # the optimizer reads its own groups
         return [self.rule.kernel_hyper(g, self.opt_class) for g in self.param_groups]
 
     @torch.no_grad()
@@ -120,6 +167,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if multiplier is None:  # fp16 overflow: the step is skipped
             engine.counters.skipped_steps += 1
             return loss
+        if self._generic is not None:
+            self._generic.sync_hyperparameters(self.param_groups)
         engine.runtime.optimizer_step(self._hyper(), multiplier)
         engine.runtime.guard_stepping_params()  # parameters of CPU steps still running refuse access until settled
         engine.counters.optimizer_steps += 1
@@ -156,7 +205,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """A backward pass began: arm speculative CPU steps where their guess can hold."""
         engine = self.engine
         cfg = engine.config
-        if not cfg.overlap_optimizer or engine.scaler is not None:
+        if not cfg.overlap_optimizer or engine.scaler is not None or not self.rule.native:
             return
         if engine.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
             return
@@ -197,16 +246,20 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 pos += 1
 
     def state_dict(self) -> dict:
-        """The torch optimizer's format: per parameter its step and each state kind of the rule
-        (fp32, CPU)."""
+        """The torch optimizer's format: per parameter each state kind of the rule (fp32, CPU) and
+        its step where torch's own optimizer keeps one; a generic optimizer's own state_dict()."""
+        if self._generic is not None:
+            self._generic.sync_hyperparameters(self.param_groups)
+            return self._generic.state_dict()
         gm = self.engine.runtime
+        kinds = self.engine.layout.state_kinds
         state = {}
         for pos, idx in self._ordered_params():
             step = gm.step_of(idx)
-            if step == 0:
-                continue  # never stepped: torch has no state for it either
-            state[pos] = {"step": torch.tensor(float(step)),
-                          **{kind: gm.read(kind, idx) for kind in self.rule.state_kinds}}
+            if step == 0 or not (kinds or self.rule.state_has_step):
+                continue  # never stepped (or stateless, as plain SGD): torch has no state for it either
+            entry = {"step": torch.tensor(float(step))} if self.rule.state_has_step else {}
+            state[pos] = {**entry, **{kind: gm.read(kind, idx) for kind in kinds}}
         gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
         groups = []
         pos = 0
@@ -227,23 +280,34 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"optimizer.load_state_dict: param group {i} has {len(saved['params'])} parameters "
                                  f"in the state dict and {len(mine['params'])} here.")
-        gm = self.engine.runtime
-        saved_ids = [pid for g in groups for pid in g["params"]]
-        state = state_dict["state"]
-        for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
-            entry = state.get(saved_id)
-            if entry is None:
-                gm.set_step(idx, 0)
-                zero = torch.zeros(self.engine.parameter_numel(idx))
-                for kind in self.rule.state_kinds:
-                    gm.write(kind, idx, zero)
-                continue
-            step = entry["step"]
-            gm.set_step(idx, int(step.item() if isinstance(step, torch.Tensor) else step))
-            for kind in self.rule.state_kinds:
-                gm.write(kind, idx, entry[kind].detach().float().cpu())
+        if self._generic is not None:
+            self._generic.load_state_dict(state_dict)
+        else:
+            self._load_native_state(groups, state_dict["state"])
         skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k not in skipped:
                     mine[k] = v
+
+    def _load_native_state(self, groups: list, state: dict) -> None:
+        gm = self.engine.runtime
+        kinds = self.engine.layout.state_kinds
+        saved_ids = [pid for g in groups for pid in g["params"]]
+        for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
+            entry = state.get(saved_id)
+            if entry is None:
+                gm.set_step(idx, 0)
+                zero = torch.zeros(self.engine.parameter_numel(idx))
+                for kind in kinds:
+                    gm.write(kind, idx, zero)
+                continue
+            missing = [kind for kind in kinds if kind not in entry]
+            if missing:
+                raise ValueError(f"optimizer.load_state_dict: the state of parameter "
+                                 f"{self.engine.parameter_name(idx)!r} has {sorted(entry)}, {self.opt_class.__name__} "
+                                 f"needs {list(kinds)}; load a state dict saved from the same optimizer class.")
+            step = entry.get("step", 1)  # torch's SGD and our Lion keep no step: the state exists, so >= 1
+            gm.set_step(idx, int(step.item() if isinstance(step, torch.Tensor) else step))
+            for kind in kinds:
+                gm.write(kind, idx, entry[kind].detach().float().cpu())

@@ -2,6 +2,7 @@
 // entry points (the generic set stepping with a rule: torch/hybrid_optimizer.h).
 #include "bindings/common.h"
 #include "torch/cpu_adam_op.h"
+#include "torch/cpu_optim_op.h"
 #include "torch/gemini_manager.h"
 
 namespace gx::bindings {
@@ -11,11 +12,43 @@ using torch_layer::HyperValues;
 using torch_layer::StepStats;
 using nogil = py::call_guard<py::gil_scoped_release>;
 
+namespace {
+
+// A native rule by name with its state kinds, or the generic rule calling `step_set` (a Python
+// function, called and released with the GIL held) for each chunk set.
+void attach_optimizer(GeminiManager& g, const std::string& rule, const std::vector<std::string>& kinds,
+                      std::vector<int> group_of_param, const std::vector<std::vector<ChunkId>>& state_chunks,
+                      std::optional<py::function> step_set) {
+  std::unique_ptr<torch_layer::OptimizerRule> r;
+  if (rule == "generic") {
+    GX_CHECK(step_set.has_value(), "attach_optimizer('generic'): step_set is required.");
+    std::shared_ptr<py::function> fn(new py::function(*step_set), [](py::function* f) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    });
+    r = torch_layer::make_generic_rule([fn](int s, const at::Tensor& master, const at::Tensor& grad,
+                                            const std::vector<int>& params, double multiplier) {
+      py::gil_scoped_acquire gil;
+      (*fn)(s, master, grad, params, multiplier);
+    });
+  } else {
+    std::vector<torch_layer::StateKind> parsed;
+    for (const auto& k : kinds) parsed.push_back(torch_layer::parse_state_kind(k));
+    r = torch_layer::make_optimizer_rule(rule, parsed);
+  }
+  py::gil_scoped_release release;
+  g.attach_optimizer(std::move(r), std::move(group_of_param), state_chunks);
+}
+
+}  // namespace
+
 void bind_optimizer(py::module_& m) {
   py::enum_<torch_layer::StateKind>(m, "StateKind")
       .value("param", torch_layer::StateKind::kParam)
       .value("exp_avg", torch_layer::StateKind::kExpAvg)
-      .value("exp_avg_sq", torch_layer::StateKind::kExpAvgSq);
+      .value("exp_avg_sq", torch_layer::StateKind::kExpAvgSq)
+      .value("momentum_buffer", torch_layer::StateKind::kMomentumBuffer)
+      .value("sum", torch_layer::StateKind::kSum);
 
   m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
@@ -25,9 +58,17 @@ void bind_optimizer(py::module_& m) {
         "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
         "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs.");
 
+  m.def("cpu_optim_step", &torch_layer::cpu_optim_step, py::arg("name"), py::arg("param"), py::arg("states"),
+        py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("hyper"),
+        py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt, nogil(),
+        "Fused CPU SGD, Lion or Adagrad (name 'sgd', 'lion', 'adagrad') over one chunk's fp32 master, its "
+        "state and gradient (see csrc/core/cpu_optim.h); hyper: the group's values as the rule names them; "
+        "out=(param_out, state_outs...) writes the results there and leaves the inputs.");
+
   // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
-  cls.def("attach_optimizer", &GeminiManager::attach_optimizer, py::arg("rule"), py::arg("group_of_param"), nogil())
+  cls.def("attach_optimizer", &attach_optimizer, py::arg("rule"), py::arg("kinds"), py::arg("group_of_param"),
+          py::arg("state_chunks"), py::arg("step_set") = std::nullopt)
       .def("grad_norm_sq", &GeminiManager::grad_norm_sq, nogil())
       .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
       .def("arm_speculation", &GeminiManager::arm_speculation, nogil())

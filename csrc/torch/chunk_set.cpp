@@ -9,14 +9,18 @@ const char* state_kind_name(StateKind kind) {
     case StateKind::kParam: return "param";
     case StateKind::kExpAvg: return "exp_avg";
     case StateKind::kExpAvgSq: return "exp_avg_sq";
+    case StateKind::kMomentumBuffer: return "momentum_buffer";
+    case StateKind::kSum: return "sum";
   }
   return "?";
 }
 
 StateKind parse_state_kind(const std::string& name) {
-  for (StateKind k : {StateKind::kParam, StateKind::kExpAvg, StateKind::kExpAvgSq})
+  for (StateKind k : {StateKind::kParam, StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kMomentumBuffer,
+                      StateKind::kSum})
     if (name == state_kind_name(k)) return k;
-  GX_CHECK(false, "state kind: expected 'param', 'exp_avg' or 'exp_avg_sq', got '", name, "'.");
+  GX_CHECK(false, "state kind: expected 'param', 'exp_avg', 'exp_avg_sq', 'momentum_buffer' or 'sum', got '", name,
+           "'.");
 }
 
 ChunkId ChunkSetSpec::state(StateKind kind) const {

@@ -3,8 +3,10 @@
 // Design note. Every parameter chunk P (the compute dtype: bf16, fp16 or fp32) of trainable
 // parameters comes with companions of the same layout: G (gradients, compute dtype), M (fp32
 // master; absent when P itself is fp32) and one fp32 chunk per state kind of the optimizer rule
-// (Adam: exp_avg and exp_avg_sq). Frozen parameters live in chunks of their own with no
-// companions. The set is the unit that placement decides (where the optimizer state lives, P's
+// (Adam: exp_avg and exp_avg_sq; SGD with momentum: momentum_buffer; Lion: exp_avg; Adagrad: sum;
+// none for plain SGD and for optimizers stepped generically). The state chunks are laid out with
+// the others but get memory only when an optimizer is attached (its rule says which kinds).
+// Frozen parameters live in chunks of their own with no companions. The set is the unit that placement decides (where the optimizer state lives, P's
 // home) and that the optimizer steps; its per-slot books (which slot has a gradient, how many
 // steps each took) live here too.
 #pragma once
@@ -22,7 +24,7 @@ namespace gx::torch_layer {
 
 // The values a parameter has besides its compute copy: its fp32 value (the master, or P itself
 // for fp32 and frozen parameters) and the optimizer states a rule may declare.
-enum class StateKind : uint8_t { kParam, kExpAvg, kExpAvgSq };
+enum class StateKind : uint8_t { kParam, kExpAvg, kExpAvgSq, kMomentumBuffer, kSum };
 const char* state_kind_name(StateKind kind);
 StateKind parse_state_kind(const std::string& name);  // UsageError naming the accepted names
 

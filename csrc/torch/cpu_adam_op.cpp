@@ -2,26 +2,10 @@
 
 #include "core/cpu_adam.h"
 #include "core/errors.h"
+#include "torch/cpu_kernel_args.h"
 #include "torch/dtype_map.h"
 
 namespace gx::torch_layer {
-
-namespace {
-void check_tensor(const at::Tensor& t, const char* name, int64_t numel) {
-  GX_CHECK(t.device().is_cpu(), "cpu_adam_step: ", name, " must be a CPU tensor, got one on ", t.device().str(),
-           ". Move the optimizer state of this chunk to the host or use the GPU Adam.");
-  GX_CHECK(t.is_contiguous(), "cpu_adam_step: ", name, " must be contiguous; call .contiguous() first.");
-  GX_CHECK(t.numel() == numel, "cpu_adam_step: ", name, " has ", t.numel(), " elements, expected ", numel,
-           " (the param's).");
-}
-
-SimdIsa parse_isa(const std::string& isa) {
-  if (isa.empty()) return best_simd_isa();
-  for (SimdIsa candidate : {SimdIsa::kScalar, SimdIsa::kAvx2, SimdIsa::kAvx512})
-    if (isa == to_string(candidate)) return candidate;
-  GX_CHECK(false, "cpu_adam_step isa: expected '', 'scalar', 'avx2' or 'avx512', got '", isa, "'.");
-}
-}  // namespace
 
 CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                              const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step,
@@ -32,10 +16,10 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
            c10::toString(param.scalar_type()), ".");
   GX_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
            "cpu_adam_step: exp_avg and exp_avg_sq must be float32.");
-  check_tensor(param, "param", n);
-  check_tensor(exp_avg, "exp_avg", n);
-  check_tensor(exp_avg_sq, "exp_avg_sq", n);
-  check_tensor(grad, "grad", n);
+  check_cpu_tensor(param, "cpu_adam_step", "param", n);
+  check_cpu_tensor(exp_avg, "cpu_adam_step", "exp_avg", n);
+  check_cpu_tensor(exp_avg_sq, "cpu_adam_step", "exp_avg_sq", n);
+  check_cpu_tensor(grad, "cpu_adam_step", "grad", n);
   AdamBuffers b;
   b.param = param.data_ptr<float>();
   b.exp_avg = exp_avg.data_ptr<float>();
@@ -44,7 +28,7 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
   b.grad_dtype = to_gx_dtype(grad.scalar_type());
   b.numel = n;
   if (param16.has_value()) {
-    check_tensor(*param16, "param16", n);
+    check_cpu_tensor(*param16, "cpu_adam_step", "param16", n);
     b.param16 = param16->data_ptr();
     b.param16_dtype = to_gx_dtype(param16->scalar_type());
   }
@@ -65,7 +49,7 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at:
                    const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
                    const std::string& isa, const std::optional<std::vector<at::Tensor>>& out) {
-  const SimdIsa simd = parse_isa(isa);
+  const SimdIsa simd = parse_simd_isa(isa, "cpu_adam_step");
   CpuAdamWork w = prepare_cpu_adam(param, exp_avg, exp_avg_sq, grad, param16, step, lr, beta1, beta2, eps,
                                    weight_decay, adamw, grad_scale);
   if (out.has_value()) {
@@ -74,7 +58,7 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at:
     const char* names[] = {"param_out", "exp_avg_out", "exp_avg_sq_out"};
     for (size_t k = 0; k < 3; ++k) {
       GX_CHECK((*out)[k].scalar_type() == at::kFloat, "cpu_adam_step: ", names[k], " must be float32.");
-      check_tensor((*out)[k], names[k], param.numel());
+      check_cpu_tensor((*out)[k], "cpu_adam_step", names[k], param.numel());
     }
     w.buffers.param_out = (*out)[0].data_ptr<float>();
     w.buffers.exp_avg_out = (*out)[1].data_ptr<float>();

@@ -34,15 +34,8 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
     GX_INTERNAL_ASSERT(set_of_p_chunk_[static_cast<size_t>(spec.param)] < 0, "chunk ", spec.param, " in two sets");
     std::vector<ChunkId> companions = spec.optimizer_chunks();
     companions.push_back(spec.grad);
-    for (ChunkId companion : companions) {
-      if (companion < 0) continue;
-      const Chunk& c = mgr_.chunk(companion);
-      GX_INTERNAL_ASSERT(c.num_slots() == p.num_slots() && c.padded_numel() == p.padded_numel(), "chunk ", companion,
-                         " does not share the layout of parameter chunk ", spec.param);
-      for (size_t k = 0; k < p.num_slots(); ++k)
-        GX_INTERNAL_ASSERT(c.slot(k).offset_numel == p.slot(k).offset_numel, "slot ", k, " of chunk ", companion,
-                           " is not at the offset of its parameter");
-    }
+    for (ChunkId companion : companions)
+      if (companion >= 0) check_companion_layout(spec.param, companion);
     GX_INTERNAL_ASSERT(set.trainable || spec.states.empty(), "frozen chunk ", spec.param, " with optimizer state");
     set.params.assign(p.num_slots(), -1);
     set.has_grad.assign(p.num_slots(), 0);
@@ -67,6 +60,16 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   refresh_forward_order_locked();  // index order until an iteration is recorded
   reclaimer_id_ = MemoryPressure::instance().add_reclaimer(dev.is_cuda() ? dev.index() : -1,
                                                            [this](size_t bytes) { return reclaim_device_bytes(bytes); });
+}
+
+void GeminiManager::check_companion_layout(ChunkId param, ChunkId companion) const {
+  const Chunk& p = mgr_.chunk(param);
+  const Chunk& c = mgr_.chunk(companion);
+  GX_INTERNAL_ASSERT(c.num_slots() == p.num_slots() && c.padded_numel() == p.padded_numel(), "chunk ", companion,
+                     " does not share the layout of parameter chunk ", param);
+  for (size_t k = 0; k < p.num_slots(); ++k)
+    GX_INTERNAL_ASSERT(c.slot(k).offset_numel == p.slot(k).offset_numel, "slot ", k, " of chunk ", companion,
+                       " is not at the offset of its parameter");
 }
 
 void GeminiManager::stop_reclaiming() {

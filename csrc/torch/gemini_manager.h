@@ -167,8 +167,12 @@ class GeminiManager {
   std::vector<TimelineEvent> timeline();
   EngineCounters counters();
 
-  // The optimizer (hybrid_optimizer.h): one per manager, stepping with the named rule.
-  void attach_optimizer(const std::string& rule, std::vector<int> group_of_param);
+  // The optimizer (hybrid_optimizer.h): one per manager, stepping with `rule`. Each trainable
+  // set's state chunks of the rule's kinds (`state_chunks`, per set, in the rule's order; laid
+  // out by the engine without memory) get their memory now, zeroed, where the set's optimizer
+  // state lives. On failure nothing stays allocated and no optimizer is attached.
+  void attach_optimizer(std::unique_ptr<OptimizerRule> rule, std::vector<int> group_of_param,
+                        const std::vector<std::vector<ChunkId>>& state_chunks);
   double grad_norm_sq();  // of every gradient in the G chunks, over every rank when sharded
   void optimizer_step(const std::vector<HyperValues>& groups, double grad_multiplier);
   void arm_speculation(const std::vector<HyperValues>& groups);
@@ -276,6 +280,9 @@ class GeminiManager {
   void reset_host_step_seconds() { pipeline_.reset_host_step_seconds(); }
   void refresh_forward_order_locked();
   HybridOptimizer& optimizer_locked();
+  void check_companion_layout(ChunkId param, ChunkId companion) const;  // InternalError if not P's layout
+  void allocate_state_chunks_locked(const std::vector<StateKind>& kinds,
+                                    const std::vector<std::vector<ChunkId>>& state_chunks);
 
   void check_module(int module) const;
   void check_param(int param) const;

@@ -52,12 +52,57 @@ void GeminiManager::set_optimizer_task_delay_us(int64_t delay_us) { pipeline_.se
 
 // --- the optimizer's entry points ---------------------------------------------------------------
 
-void GeminiManager::attach_optimizer(const std::string& rule, std::vector<int> group_of_param) {
+void GeminiManager::attach_optimizer(std::unique_ptr<OptimizerRule> rule, std::vector<int> group_of_param,
+                                     const std::vector<std::vector<ChunkId>>& state_chunks) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   GX_CHECK(!optimizer_, "attach_optimizer: this manager has an optimizer already; there can be only one.");
-  auto opt = std::make_unique<HybridOptimizer>(*this, make_optimizer_rule(rule));
-  opt->set_param_groups(std::move(group_of_param));
-  optimizer_ = std::move(opt);
+  try {
+    allocate_state_chunks_locked(rule->state_kinds(), state_chunks);
+    auto opt = std::make_unique<HybridOptimizer>(*this, std::move(rule));
+    opt->set_param_groups(std::move(group_of_param));
+    optimizer_ = std::move(opt);
+  } catch (...) {
+    for (auto& set : sets_) {
+      for (const auto& [kind, id] : set.spec.states)
+        for (Tier t : {Tier::kDevice, Tier::kPinnedHost, Tier::kPageableHost})
+          if (mgr_.chunk(id).shard_tiers().contains(t)) mgr_.discard_copy(id, t);
+      set.spec.states.clear();
+    }
+    throw;
+  }
+}
+
+void GeminiManager::allocate_state_chunks_locked(const std::vector<StateKind>& kinds,
+                                                 const std::vector<std::vector<ChunkId>>& state_chunks) {
+  GX_CHECK(state_chunks.size() == sets_.size(), "attach_optimizer: expected state chunks for ", sets_.size(),
+           " chunk sets, got ", state_chunks.size(), ".");
+  for (size_t s = 0; s < sets_.size(); ++s) {
+    const ChunkSet& set = sets_[s];
+    const size_t expected = set.trainable ? kinds.size() : 0;
+    GX_CHECK(state_chunks[s].size() == expected, "attach_optimizer: chunk set ", s, " needs ", expected,
+             " state chunks, got ", state_chunks[s].size(), ".");
+    GX_INTERNAL_ASSERT(set.spec.states.empty(), "chunk set ", s, " has optimizer state before an optimizer");
+    for (ChunkId id : state_chunks[s]) {
+      check_companion_layout(set.spec.param, id);
+      GX_INTERNAL_ASSERT(mgr_.chunk(id).shard_tiers().empty(), "state chunk ", id, " has memory before its optimizer");
+    }
+  }
+  settle_all_locked();
+  const Tier host = mgr_.host_tier();
+  for (size_t s = 0; s < sets_.size(); ++s) {
+    ChunkSetSpec& spec = sets_[s].spec;
+    const Tier tier = spec.optim_on_host ? host : Tier::kDevice;
+    for (size_t k = 0; k < state_chunks[s].size(); ++k) {
+      const ChunkId id = state_chunks[s][k];
+      if (tier == Tier::kDevice) {
+        residency_.with_room(id, [&] { mgr_.allocate_copy(id, tier); });
+      } else {
+        mgr_.allocate_copy(id, tier);
+      }
+      spec.states.emplace_back(kinds[k], id);  // before zeroing: a failure releases what is listed
+      shard_view(*ctx_, mgr_, id, tier).zero_();
+    }
+  }
 }
 
 HybridOptimizer& GeminiManager::optimizer_locked() {

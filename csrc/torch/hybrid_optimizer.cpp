@@ -186,6 +186,10 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
   const std::vector<Run> runs = runs_of(set, groups.size());
   if (runs.empty()) return;
+  if (rule_->steps_whole_sets()) {
+    step_whole_set(set_index, runs, grad_multiplier);
+    return;
+  }
   const bool on_host = set.spec.optim_on_host;
   const bool has_master = set.spec.master >= 0;
   const Tier host = mgr.host_tier();
@@ -248,6 +252,46 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     }, std::move(complete));
   }
   stats_.launch_seconds += seconds_since(t0);
+}
+
+void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier) {
+  ChunkManager& mgr = m_.chunks();
+  ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
+  const bool on_host = set.spec.optim_on_host;
+  const Tier host = mgr.host_tier();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (on_host) {
+    GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
+                       ": gradients not on the host for a host optimizer step");
+  } else {
+    prepare_device_set(set);
+  }
+  const RunViews whole = set_views(set, on_host ? host : Tier::kDevice, /*with_param16=*/true);
+  std::vector<int> params;
+  int64_t stepped = 0;
+  for (const Run& r : runs) {
+    const auto [begin, end] = shard_part_of(set, r);
+    stepped += std::max<int64_t>(end - begin, 0);
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) params.push_back(set.params[k]);
+  }
+  rule_->step_whole_set(set_index, whole, params, grad_multiplier);
+  if (whole.param16.defined()) whole.param16.copy_(whole.master);  // the rounded copy for compute
+  for (const Run& r : runs)
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) set.step[k] = r.step + 1;
+  const ChunkId p = set.spec.param;
+  if (on_host) {
+    refresh_device_param_copy(mgr, p, host, set.spec.param_home_on_host);
+    stats_.host_params += stepped;
+    stats_.launch_seconds += seconds_since(t0);
+  } else {
+    for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
+      if (mgr.chunk(p).shard_tiers().contains(t)) mgr.discard_copy(p, t);
+    m_.residency_.unpin_all();
+    stats_.device_params += stepped;
+    stats_.device_seconds += seconds_since(t0);
+  }
 }
 
 }  // namespace gx::torch_layer

@@ -25,7 +25,6 @@
 #pragma once
 
 #include <map>
-#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -109,6 +108,8 @@ class HybridOptimizer {
   // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.
   RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
   void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier);
+  // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
+  void step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);

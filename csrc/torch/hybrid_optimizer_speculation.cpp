@@ -61,13 +61,17 @@ std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std:
 }
 }  // namespace
 
-void HybridOptimizer::arm(const std::vector<HyperValues>& groups) { armed_ = groups; }
+void HybridOptimizer::arm(const std::vector<HyperValues>& groups) {
+  if (rule_->steps_whole_sets()) return;  // no host kernel to start early
+  armed_ = groups;
+}
 
 void HybridOptimizer::disarm() { armed_.reset(); }
 
 size_t HybridOptimizer::spare_bytes_needed() const {
   ChunkManager& mgr = m_.chunks();
   size_t bytes = 0;
+  if (rule_->steps_whole_sets()) return 0;  // never speculates
   for (const ChunkSet& set : m_.sets()) {
     if (!set.trainable || !set.spec.optim_on_host) continue;
     std::vector<ChunkId> ids = set.spec.optimizer_chunks();

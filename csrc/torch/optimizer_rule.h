@@ -10,7 +10,9 @@
 //  * a host run: checked now against the run's tensors, returned as work on raw host memory
 //    for the optimizer thread (the CPU kernel of csrc/core); with spares it writes the master,
 //    the states and the 16-bit parameter out of place (a speculative step);
-//  * a device run: launched now on the device copies (torch's fused kernels where they exist).
+//  * a device run: launched now on the device copies (torch's fused kernels where they exist);
+//  * or, for a rule that steps whole sets in the caller's thread (the generic rule, which hands a
+//    user's torch optimizer per-parameter views: generic_rule.cpp), step_whole_set on either tier.
 // Hyperparameters arrive per parameter group as name -> value (the Python rule writes them);
 // `step` is the count after this update and `grad_multiplier` folds 1/loss_scale and clipping.
 #pragma once
@@ -54,10 +56,24 @@ class OptimizerRule {
                                                  const HyperValues& hyper, double grad_multiplier) const = 0;
   virtual void device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
                           double grad_multiplier) const = 0;
+  // Whole-set rules: no host kernel, no overlap, no speculation; the caller's thread steps every
+  // set, host or device, with step_whole_set (`params`: the set's parameters that have a
+  // gradient and an optimizer group). HybridOptimizer then rewrites P from the master.
+  virtual bool steps_whole_sets() const { return false; }
+  virtual void step_whole_set(int set_index, const RunViews& set, const std::vector<int>& params,
+                              double grad_multiplier) const;
 };
 
-// The rule named `name` ("adam"); UsageError naming the known rules otherwise.
-std::unique_ptr<OptimizerRule> make_optimizer_rule(const std::string& name);
+// The native rule named `name` ("adam", "sgd", "lion", "adagrad") carrying state chunks of `kinds`
+// (checked against what it needs: plain SGD needs none, SGD with momentum a momentum_buffer);
+// UsageError naming the known rules otherwise.
+std::unique_ptr<OptimizerRule> make_optimizer_rule(const std::string& name, const std::vector<StateKind>& kinds);
+
+// The generic rule: `step_set` steps one set's parameters given their master and gradient
+// views on the set's tier (generic_rule.cpp).
+using WholeSetStep = std::function<void(int set_index, const at::Tensor& master, const at::Tensor& grad,
+                                        const std::vector<int>& params, double grad_multiplier)>;
+std::unique_ptr<OptimizerRule> make_generic_rule(WholeSetStep step_set);
 
 // A hyperparameter of a group, or a UsageError naming the rule and the missing key.
 double hyper_value(const HyperValues& hyper, const char* key, const char* rule);

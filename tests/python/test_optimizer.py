@@ -12,11 +12,19 @@ from parity_utils import (LR, WD, batch, config, make_models, max_relative_diffe
                           train_reference, train_step)
 
 
-def test_only_adam_and_adamw_are_supported():
+def test_optimizer_arguments_are_checked():
     model, _ = make_models()
     with gx.enable(model, config("sim")) as engine:
-        with pytest.raises(TypeError, match="SGD is not supported.*Adam"):
-            engine.optimizer(torch.optim.SGD, lr=0.1)
+        with pytest.raises(TypeError, match="list is not a torch.optim.Optimizer class"):
+            engine.optimizer(list, lr=0.1)
+        with pytest.raises(TypeError, match="pass the class itself"):
+            engine.optimizer(gx.GeminiOptimizer)
+        with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+            engine.optimizer(torch.optim.SGD, lr=0.1, nesterov=True)
+        with pytest.raises(ValueError, match="betas must be in"):
+            engine.optimizer(gx.optim.Lion, betas=(0.9, 1.5))
+        with pytest.raises(TypeError, match="unexpected argument 'momentum' for Adagrad"):
+            engine.optimizer(torch.optim.Adagrad, momentum=0.9)
         with pytest.raises(ValueError, match="amsgrad=True"):
             engine.optimizer(torch.optim.AdamW, amsgrad=True)
         with pytest.raises(ValueError, match="maximize=True"):
