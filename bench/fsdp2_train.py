@@ -31,16 +31,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_model_module():
-    """gemini_ext/models/gpt.py by path: the peer runs the same model without loading gemini_ext."""
-    spec = importlib.util.spec_from_file_location("gx_gpt", os.path.join(REPO, "gemini_ext", "models", "gpt.py"))
+def _load_by_path(name: str, *path: str):
+    """A module of gemini_ext by path: the peer runs the same model and optimizers without loading
+    gemini_ext."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "gemini_ext", *path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-_gpt = _load_model_module()
+_gpt = _load_by_path("gx_gpt", "models", "gpt.py")
+_load_by_path("gx_lion", "_lion.py")
+_optimizers = _load_by_path("gx_optimizers", "models", "optimizers.py")
+OPTIMIZERS, optimizer_spec = _optimizers.OPTIMIZERS, _optimizers.optimizer_spec
 GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch, _gpt.checkpoint_blocks
 
 
@@ -51,6 +55,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer (gemini_ext/models/optimizers.py); torch's fused kernel where it has one")
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--device-budget", default=None,
                    help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
@@ -195,7 +201,14 @@ def main(argv=None) -> dict:
         torch.manual_seed(args.seed)
         with torch.no_grad():
             model.apply(model.init_weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=on_cuda or None)
+    opt_cls, opt_kw = optimizer_spec(args.optim, args.lr)
+    if args.optim == "adamw":
+        opt_kw["fused"] = on_cuda or None
+    elif args.optim == "sgd":
+        opt_kw["fused"] = True  # torch's fused SGD, on the GPU and on the CPU (offload)
+    else:
+        opt_kw["foreach"] = False  # Lion (gemini_ext's, torch has none) tensor by tensor: FSDP2's DTensors
+    opt = opt_cls(model.parameters(), **opt_kw)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(dev)
 

@@ -47,6 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMINI = os.path.join(REPO, "examples", "train_gpt.py")
 PEER = os.path.join(REPO, "bench", "fsdp2_train.py")
 OTHER_PEERS = os.path.join(REPO, "bench", "peers_train.py")
+OPTIMIZERS = ("adamw", "sgd", "lion")  # gemini_ext/models/optimizers.py (not imported: this driver loads no torch)
 
 RATES = r"""
 import json, sys, time
@@ -356,6 +357,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--budget", default=None, help="device-memory budget, e.g. 16GiB (default: the whole device)")
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping in every system (0: off)")
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer of every system (gemini_ext/models/optimizers.py); deepspeed and colossalai "
+                        "rows support adamw only")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every system")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems(None)))
     p.add_argument("--timeout", type=int, default=900, help="seconds per system")
@@ -374,6 +378,11 @@ def main(argv=None) -> list[dict]:
             p.error(f"--only: unknown systems {sorted(unknown)}; choose from {list(systems(None))}")
     common = ["--preset", args.preset, "--steps", str(args.steps), "--batch", str(args.batch),
               "--max-norm", str(args.max_norm)]
+    if args.optim != "adamw":
+        others = [n for n in names if systems(None)[n][0] == OTHER_PEERS]
+        if others:
+            p.error(f"--optim {args.optim}: {others} train with AdamW only; pick systems with --only")
+        common += ["--optim", args.optim]
     if args.seq:
         common += ["--seq", str(args.seq)]
     if args.checkpoint:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 import gemini_ext as gx
 from gemini_ext.engine import resolve_device
 from gemini_ext.models import GPT, GPT_PRESETS, checkpoint_blocks, synthetic_batch
+from gemini_ext.models.optimizers import OPTIMIZERS, optimizer_spec
 
 
 def parse_args(argv=None):
@@ -36,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="the optimizer (gemini_ext/models/optimizers.py)")
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--offload-optim-frac", type=float, default=1.0)
@@ -136,7 +138,8 @@ def main(argv=None) -> dict:
     losses, step_seconds, exposed_optimizer = [], [], []
     init_fn = model.init_weights if args.init_device == "meta" else None
     with gx.enable(model, cfg, param_init_fn=init_fn) as engine:
-        opt = engine.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+        opt_cls, opt_kw = optimizer_spec(args.optim, args.lr)
+        opt = engine.optimizer(opt_cls, **opt_kw)
         dev = engine.compute_device
         if dev.type == "cuda":
             gx.reset_peak_memory_stats(dev)

@@ -133,6 +133,7 @@ class LionRule(OptimizerRule):
     name = "lion"
     state_kinds = ("exp_avg",)
     classes = (Lion,)
+    ignored_flags = ("foreach",)
     state_has_step = False
 
     def defaults(self, cls) -> dict:

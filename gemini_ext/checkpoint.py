@@ -4,11 +4,11 @@ Format version 1 (one unsharded process). A checkpoint is a directory holding
 - `index.json`: {"format": "gemini_ext.checkpoint", "version": 1, "world_size": 1, "files": [...],
   "precision": ..., "optimizer_steps": ..., "parameters": number of parameters}
 - `rank00000.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
-  parameters), "optimizer": GeminiOptimizer.state_dict() (torch.optim.AdamW's format) or None,
-  "scaler": loss-scaler state or None, "engine": {"optimizer_steps", "skipped_steps"},
+  parameters), "optimizer": GeminiOptimizer.state_dict() (the torch optimizer's format) or None,
+  "optimizer_class": its class name or None, "scaler": loss-scaler state or None, "engine": {"optimizer_steps", "skipped_steps"},
   "rng": {"cpu": torch RNG state, "cuda": CUDA RNG state or None}}.
 Resuming restores the masters (the 16-bit parameters are their round-to-nearest copies, as
-after a step), m, v, per-parameter step counts, the loss scale and the RNG states, so that
+after a step), the optimizer state, per-parameter step counts, the loss scale and the RNG states, so that
 training continues bit-exactly. A save never leaves a half-written checkpoint under `path`:
 files go to `path.tmp-<pid>` first, and the old checkpoint (if any) is replaced by renames.
 
@@ -17,10 +17,13 @@ writes only what it holds, so no rank gathers the model:
 - `rank<r:05d>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
   {kind: [begin, end, fp32 tensor]}}, "rng": that rank's RNG states}, where kind is "param"
   (the fp32 master; the parameter itself when frozen) and each state kind of the optimizer
-  rule ("exp_avg" and "exp_avg_sq" for Adam; when the engine has an optimizer), and [begin, end) are the elements of the flattened parameter that
-  lie in r's shard. Rank 0's file also has "common": {"names", "buffers" (full, fp32 CPU),
+  rule ("exp_avg" and "exp_avg_sq" for Adam, "momentum_buffer" for SGD with momentum, "exp_avg"
+  for Lion, "sum" for Adagrad; when the engine has a natively stepped optimizer), and
+  [begin, end) are the elements of the flattened parameter that lie in r's shard. Rank 0's file also has "common": {"names", "buffers" (full, fp32 CPU),
   "optimizer": {"param_groups" (hyperparameters, torch.optim's layout without "state"),
-  "steps": per-parameter step counts} or None, "scaler", "engine" (counters)}.
+  "steps": per-parameter step counts, "class": the optimizer's class name, "generic": a
+  generically stepped optimizer's whole state_dict() or None} or None, "scaler", "engine"
+  (counters)}.
 - `index.json`: {"format", "version": 2, "world_size", "files", "precision", "optimizer_steps",
   "parameters": [{"name", "shape", "numel", "trainable", "pieces": [[rank, begin, end], ...]}]}.
 Rank 0 creates `path.tmp-<rank 0's pid>`, every rank writes its file there, and once all report
@@ -60,6 +63,7 @@ def save(engine, path: str) -> None:
     payload = {
         "model": engine.state_dict(),
         "optimizer": opt.state_dict() if opt is not None else None,
+        "optimizer_class": opt.opt_class.__name__ if opt is not None else None,
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "engine": dataclasses.asdict(engine.counters),
         "rng": {"cpu": torch.get_rng_state(),
@@ -107,7 +111,16 @@ def _optimizer_common(engine):
         entry = {k: v for k, v in g.items() if k != "params"}
         entry["params"] = [engine.parameter_index(p) for p in g["params"]]
         groups.append(entry)
-    return {"param_groups": groups, "steps": [engine.runtime.step_of(i) for i in range(engine.num_parameters)]}
+    return {"param_groups": groups, "steps": [engine.runtime.step_of(i) for i in range(engine.num_parameters)],
+            "class": opt.opt_class.__name__,
+            # a generically stepped optimizer's state: whole on every rank (_generic.py), saved once
+            "generic": opt.state_dict() if not opt.rule.native else None}
+
+
+def _check_optimizer_class(saved: str | None, opt, path: str) -> None:
+    if saved is not None and saved != opt.opt_class.__name__:
+        raise ValueError(f"load_checkpoint: {path} holds the state of a {saved} optimizer, this engine's optimizer is "
+                         f"{opt.opt_class.__name__}; create the same optimizer class before loading.")
 
 
 def _save_sharded(engine, path: str) -> None:
@@ -200,6 +213,7 @@ def load(engine, path: str) -> None:
         if opt is None:
             raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                                "engine.optimizer(...) before loading it.")
+        _check_optimizer_class(payload.get("optimizer_class"), opt, path)
         opt.load_state_dict(payload["optimizer"])
     if payload["scaler"] is not None and engine.scaler is not None:
         engine.scaler.load_state_dict(payload["scaler"])
@@ -243,6 +257,8 @@ def _load_sharded(engine, path: str, index: dict) -> None:
     if common["optimizer"] is not None and opt is None:
         raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                            "engine.optimizer(...) before loading it.")
+    if opt is not None and common["optimizer"] is not None:
+        _check_optimizer_class(common["optimizer"].get("class"), opt, path)
     gm = engine.runtime
     for idx, name in enumerate(names):
         entry = saved[name]
@@ -268,6 +284,8 @@ def _load_sharded(engine, path: str, index: dict) -> None:
             for k, v in saved_group.items():
                 if k != "params" and k in mine:
                     mine[k] = v
+        if common["optimizer"].get("generic") is not None:
+            opt.load_state_dict(common["optimizer"]["generic"])
     own = engine.model.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, value in common["buffers"].items():

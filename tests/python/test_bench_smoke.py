@@ -20,6 +20,18 @@ def test_chunk_moves_bench_smoke(tmp_path):
     assert all(r["bytes_moved"] >= rows[-1]["bytes_moved"] for r in chunk_rows), "chunks move at least the payload"
 
 
+def test_cpu_optim_bench_smoke():
+    """In this process: the kernels are the same ones the suite loads."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location("bench_cpu_optim", os.path.join(REPO, "bench", "cpu_optim.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke"])
+    assert [r["optimizer"] for r in rows] == ["sgd", "sgd", "lion", "lion", "adagrad", "adagrad"]
+    assert all(r["ms"] > 0 for r in rows) and all(rows[k]["speedup"] > 0 for k in (1, 3, 5))
+
+
 def test_cpu_adam_bench_smoke(tmp_path):
     out_json = tmp_path / "adam.json"
     out = run_python("bench/cpu_adam.py", "--smoke", "--json-out", str(out_json))

@@ -137,7 +137,12 @@ def test_tight_budget_clipping_and_accumulation(device, name):
     """Chunks evicted every iteration (room for 8 of them) with the global norm clipped; then two
     micro-batches accumulated under no_sync with state split over both tiers."""
     opt_cls, kw = {**NATIVE, **GENERIC}[name]
-    stats = check_parity(device, opt_cls, kw, max_norm=0.05, **chunk_cap(device, 8 * CHUNK_BYTES_FP32))
+    # The clip coefficient comes from the engine's global norm (per-chunk sums) and torch's (norms of
+    # per-parameter norms): equal up to an ulp or two. RMSprop divides each gradient by its own running
+    # magnitude, so near-zero gradients carry that ulp into the parameters (about 1.5e-5 measured).
+    tolerance = 3e-5 if name == "rmsprop" else 1e-5
+    stats = check_parity(device, opt_cls, kw, tolerance=tolerance, max_norm=0.05,
+                         **chunk_cap(device, 8 * CHUNK_BYTES_FP32))
     assert stats["counters"]["evictions"] > 0
     check_parity(device, opt_cls, kw, micro_batches=2, offload_optim_frac=0.5, enable_gradient_accumulation=True)
 
@@ -197,8 +202,7 @@ def test_state_dict_is_torch_format_both_ways(name):
     model2, _ = make_models()
     with gx.enable(model2, config("sim")) as engine:
         opt = engine.optimizer(opt_cls, **kw)
-        with engine.gathered(writable=True):
-            model2.load_state_dict(ref_model.state_dict())
+        engine.load_state_dict(ref_model.state_dict())
         opt.load_state_dict(ref_state)
         train_engine(engine, model2, opt, 3, 2)
     for step in range(3, 5):
