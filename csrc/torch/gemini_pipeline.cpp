@@ -3,7 +3,10 @@
 // (zero_grad, the next batch, the next forward); each set is settled (its step waited for, P's
 // other copy made coherent) the first time something needs its chunks (core/optimizer_pipeline.h).
 // The optimizer step itself is hybrid_optimizer.cpp; every entry point below holds the lock.
+#include <map>
+
 #include "core/errors.h"
+#include "core/memory_resource.h"
 #include "torch/gemini_manager.h"
 
 namespace gx::torch_layer {
@@ -89,17 +92,26 @@ void GeminiManager::allocate_state_chunks_locked(const std::vector<StateKind>& k
   }
   settle_all_locked();
   const Tier host = mgr_.host_tier();
-  for (size_t s = 0; s < sets_.size(); ++s) {
-    ChunkSetSpec& spec = sets_[s].spec;
-    const Tier tier = spec.optim_on_host ? host : Tier::kDevice;
-    for (size_t k = 0; k < state_chunks[s].size(); ++k) {
+  auto tier_of = [&](size_t s) { return sets_[s].spec.optim_on_host ? host : Tier::kDevice; };
+  // Kind by kind: each kind's copies on a tier come from one arena reservation (as finalize()
+  // does per group), so a kind that later leaves a tier leaves a wholly free extent.
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    std::map<Tier, size_t> bytes;
+    for (size_t s = 0; s < sets_.size(); ++s)
+      if (k < state_chunks[s].size())
+        bytes[tier_of(s)] += round_up(mgr_.chunk(state_chunks[s][k]).shard_bytes(), kResourceAlignmentBytes);
+    for (const auto& [tier, n] : bytes)
+      if (tier != Tier::kDevice) mgr_.reserve_arena(tier, n);  // device room is the budget's: see below
+    for (size_t s = 0; s < sets_.size(); ++s) {
+      if (k >= state_chunks[s].size()) continue;
       const ChunkId id = state_chunks[s][k];
+      const Tier tier = tier_of(s);
       if (tier == Tier::kDevice) {
         residency_.with_room(id, [&] { mgr_.allocate_copy(id, tier); });
       } else {
         mgr_.allocate_copy(id, tier);
       }
-      spec.states.emplace_back(kinds[k], id);  // before zeroing: a failure releases what is listed
+      sets_[s].spec.states.emplace_back(kinds[k], id);  // before zeroing: a failure releases what is listed
       shard_view(*ctx_, mgr_, id, tier).zero_();
     }
   }

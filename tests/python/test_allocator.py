@@ -83,6 +83,8 @@ def test_pools_reuse_slots_on_sim_with_exact_accounting():
 def test_each_group_takes_one_reserved_arena_extent_and_returns_it_when_it_leaves_the_host():
     model, _ = make_models()
     with gx.enable(model, config("sim", offload_optim_frac=1.0)) as engine:
+        assert engine.stats()["pools"]["pageable_host"]["arena_extents"] == 2  # the state comes with the optimizer
+        engine.optimizer(torch.optim.AdamW)
         host = engine.stats()["pools"]["pageable_host"]
         # param, grad, exp_avg, exp_avg_sq (fp32: no separate master), one reservation each
         assert host["arena_extents"] == 4
@@ -90,6 +92,7 @@ def test_each_group_takes_one_reserved_arena_extent_and_returns_it_when_it_leave
         assert host["slots_taken_from_arena"] >= n_chunks
     model, _ = make_models()
     with gx.enable(model, config("sim", offload_optim_frac=0.0)) as engine:  # optimizer state on the device
+        engine.optimizer(torch.optim.AdamW)
         host = engine.stats()["pools"]["pageable_host"]
         assert host["arena_extents"] < 4, "the groups that moved to the device gave their extents back"
         assert host["reserved_bytes"]["current"] >= host["in_use_bytes"]["current"]

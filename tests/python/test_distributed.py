@@ -173,7 +173,7 @@ def _collectives_body(rank, world_size, device="sim"):
             assert len(set(counts)) == 1, counts
             assert scatters == n_chunks, (scatters, n_chunks)
             assert engine._comm.calls - before == gathers + scatters + 1
-        for c in engine.chunks.group_chunk_ids("exp_avg"):  # fp32 precision: no separate master group
+        for c in engine.chunks.group_chunk_ids("state0"):  # fp32 precision: no separate master group
             info = engine.chunks.chunk_info(c)
             assert info["shard_numel"] * world_size == info["padded_numel"]
 

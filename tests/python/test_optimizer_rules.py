@@ -100,7 +100,13 @@ def train_engine(engine, model, opt, first, steps, micro_batches=1):
         opt.zero_grad()
 
 
-def check_parity(device, opt_cls, kw, tolerance=1e-5, micro_batches=1, **overrides):
+def check_parity(device, opt_cls, kw, tolerance=None, micro_batches=1, **overrides):
+    # RMSprop divides each gradient by its own running magnitude, so near-zero gradients carry an
+    # ulp of difference into the parameters: the clip coefficient from the engine's global norm
+    # (per-chunk sums) against torch's (norms of per-parameter norms), or the reference's CUDA
+    # foreach kernels against torch's CPU kernels stepping host chunks (up to 2.8e-5 measured).
+    if tolerance is None:
+        tolerance = 3e-5 if opt_cls is torch.optim.RMSprop else 1e-5
     model, reference = make_models()
     train_plain(reference, opt_cls, kw, torch_device(device), max_norm=overrides.get("max_norm", 0.0),
                 micro_batches=micro_batches)
@@ -137,11 +143,7 @@ def test_tight_budget_clipping_and_accumulation(device, name):
     """Chunks evicted every iteration (room for 8 of them) with the global norm clipped; then two
     micro-batches accumulated under no_sync with state split over both tiers."""
     opt_cls, kw = {**NATIVE, **GENERIC}[name]
-    # The clip coefficient comes from the engine's global norm (per-chunk sums) and torch's (norms of
-    # per-parameter norms): equal up to an ulp or two. RMSprop divides each gradient by its own running
-    # magnitude, so near-zero gradients carry that ulp into the parameters (about 1.5e-5 measured).
-    tolerance = 3e-5 if name == "rmsprop" else 1e-5
-    stats = check_parity(device, opt_cls, kw, tolerance=tolerance, max_norm=0.05,
+    stats = check_parity(device, opt_cls, kw, max_norm=0.05,
                          **chunk_cap(device, 8 * CHUNK_BYTES_FP32))
     assert stats["counters"]["evictions"] > 0
     check_parity(device, opt_cls, kw, micro_batches=2, offload_optim_frac=0.5, enable_gradient_accumulation=True)

@@ -237,11 +237,11 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
             assert 0 < forced < len(sizes)
             placements = engine.runtime.set_placements()
             assert [p["optim_on_host"] for p in placements] == [i >= forced for i in range(len(sizes))]
-            for p in placements[:forced]:
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    chunk = engine.chunks.group_chunk_ids(kind)[placements.index(p)]
-                    assert engine.chunks.chunk_info(chunk)["shard_tiers"] == "device"
             opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+            for p in placements[:forced]:
+                for group in ("state0", "state1"):  # exp_avg, exp_avg_sq: allocated on the device directly
+                    chunk = engine.chunks.group_chunk_ids(group)[placements.index(p)]
+                    assert engine.chunks.chunk_info(chunk)["shard_tiers"] == "device"
             for step in range(6):
                 x, y = batch_of(model, step, 16)
                 model(x, y).backward()
