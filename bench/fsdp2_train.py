@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     if args.optim == "adamw":
         opt_kw["fused"] = on_cuda or None
     elif args.optim == "sgd":
-        opt_kw["fused"] = True  # torch's fused SGD, on the GPU and on the CPU (offload)
+        opt_kw["foreach"] = True  # torch's fused SGD has no DTensor sharding strategy
     else:
         opt_kw["foreach"] = False  # Lion (gemini_ext's, torch has none) tensor by tensor: FSDP2's DTensors
     opt = opt_cls(model.parameters(), **opt_kw)
