@@ -113,7 +113,7 @@ def check_parity(device, opt_cls, kw, tolerance=None, micro_batches=1, **overrid
     with gx.enable(model, config(device, **overrides)) as engine:
         opt = engine.optimizer(opt_cls, **kw)
         train_engine(engine, model, opt, 0, STEPS, micro_batches)
-        stats = engine.stats()
+        stats = {**engine.stats(), "speculation": opt.speculation_stats()}
     diffs = max_relative_difference(model, reference)
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= tolerance, f"{opt_cls.__name__}: {worst} differs by {diffs[worst]:.3g}"
@@ -127,6 +127,8 @@ def test_native_rules_match_torch(device, placement, name):
     opt_cls, kw = NATIVE[name]
     stats = check_parity(device, opt_cls, kw, **PLACEMENTS[placement])
     assert stats["optimizer_steps"] == STEPS
+    if placement != "device":  # host steps started during backward, out of place, and kept
+        assert stats["speculation"]["confirmed"] > 0 and stats["speculation"]["dropped"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -134,7 +136,8 @@ def test_native_rules_match_torch(device, placement, name):
 @pytest.mark.parametrize("placement", ["host", "device"])
 def test_generic_rule_matches_torch(device, name, placement):
     opt_cls, kw = GENERIC[name]
-    check_parity(device, opt_cls, kw, **PLACEMENTS[placement])
+    stats = check_parity(device, opt_cls, kw, **PLACEMENTS[placement])
+    assert stats["speculation"] == {"confirmed": 0, "dropped": 0, "spare_bytes": 0}, "nothing to start early"
 
 
 @pytest.mark.parametrize("device", DEVICES)
