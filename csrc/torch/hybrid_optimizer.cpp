@@ -181,6 +181,22 @@ void HybridOptimizer::prepare_device_set(ChunkSet& set) {
   }
 }
 
+void HybridOptimizer::ready_set(ChunkSet& set) {
+  if (set.spec.optim_on_host) {
+    GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
+                       ": gradients not on the host for a host optimizer step");
+  } else {
+    prepare_device_set(set);
+  }
+}
+
+void HybridOptimizer::finish_device_set(ChunkSet& set) {
+  ChunkManager& mgr = m_.chunks();
+  for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
+    if (mgr.chunk(set.spec.param).shard_tiers().contains(t)) mgr.discard_copy(set.spec.param, t);
+  m_.residency_.unpin_all();
+}
+
 void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier) {
   ChunkManager& mgr = m_.chunks();
   ChunkSet& set = m_.sets()[static_cast<size_t>(set_index)];
@@ -194,12 +210,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   const bool has_master = set.spec.master >= 0;
   const Tier host = mgr.host_tier();
   const auto t0 = std::chrono::steady_clock::now();
-  if (on_host) {
-    GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
-                       ": gradients not on the host for a host optimizer step");
-  } else {
-    prepare_device_set(set);
-  }
+  ready_set(set);
   const Tier tier = on_host ? host : Tier::kDevice;
   const RunViews whole = set_views(set, tier, /*with_param16=*/true);  // this rank's shards, once per set
   std::vector<std::function<void()>> host_work;  // on_host: the runs, checked here, run on the optimizer thread
@@ -226,9 +237,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   // Coherence of P's other copy.
   const ChunkId p = set.spec.param;
   if (!on_host) {
-    for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
-      if (mgr.chunk(p).shard_tiers().contains(t)) mgr.discard_copy(p, t);
-    m_.residency_.unpin_all();
+    finish_device_set(set);
     stats_.device_seconds += seconds_since(t0);
     return;
   }
@@ -260,12 +269,7 @@ void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs
   const bool on_host = set.spec.optim_on_host;
   const Tier host = mgr.host_tier();
   const auto t0 = std::chrono::steady_clock::now();
-  if (on_host) {
-    GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
-                       ": gradients not on the host for a host optimizer step");
-  } else {
-    prepare_device_set(set);
-  }
+  ready_set(set);
   const RunViews whole = set_views(set, on_host ? host : Tier::kDevice, /*with_param16=*/true);
   std::vector<int> params;
   int64_t stepped = 0;
@@ -286,9 +290,7 @@ void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs
     stats_.host_params += stepped;
     stats_.launch_seconds += seconds_since(t0);
   } else {
-    for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
-      if (mgr.chunk(p).shard_tiers().contains(t)) mgr.discard_copy(p, t);
-    m_.residency_.unpin_all();
+    finish_device_set(set);
     stats_.device_params += stepped;
     stats_.device_seconds += seconds_since(t0);
   }

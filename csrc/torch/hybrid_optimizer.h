@@ -111,6 +111,8 @@ class HybridOptimizer {
   // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
   void step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
+  void ready_set(ChunkSet& set);           // a host set's gradients are on the host; a device set prepared
+  void finish_device_set(ChunkSet& set);   // P's stale host copies dropped, pins released
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
 

@@ -12,17 +12,11 @@
 #include "core/cpu_adam.h"
 #include "core/errors.h"
 #include "core/half_convert.h"
+#include "simd_isas.h"
 #include "core/thread_pool.h"
 
 namespace gx {
 namespace {
-
-std::vector<SimdIsa> available_isas() {
-  std::vector<SimdIsa> out{SimdIsa::kScalar};
-  if (static_cast<int>(detected_simd_isa()) >= static_cast<int>(SimdIsa::kAvx2)) out.push_back(SimdIsa::kAvx2);
-  if (detected_simd_isa() == SimdIsa::kAvx512) out.push_back(SimdIsa::kAvx512);
-  return out;
-}
 
 // Straightforward double-precision AdamW/Adam for one element, the reference of the float paths.
 struct Ref {

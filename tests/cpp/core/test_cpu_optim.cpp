@@ -9,16 +9,10 @@
 #include "core/cpu_optim.h"
 #include "core/errors.h"
 #include "core/half_convert.h"
+#include "simd_isas.h"
 
 namespace gx {
 namespace {
-
-std::vector<SimdIsa> available_isas() {
-  std::vector<SimdIsa> out{SimdIsa::kScalar};
-  if (static_cast<int>(detected_simd_isa()) >= static_cast<int>(SimdIsa::kAvx2)) out.push_back(SimdIsa::kAvx2);
-  if (detected_simd_isa() == SimdIsa::kAvx512) out.push_back(SimdIsa::kAvx512);
-  return out;
-}
 
 // The published update rules in double precision, one element at a time.
 struct Ref {
