@@ -23,7 +23,8 @@
   original dtype holding its current value (from the fp32 master, as close() would restore it),
   tied parameters sharing one tensor; with keep_vars=True the Parameter objects themselves.
   Collective when sharded: every rank calls it. `model.load_state_dict()` writes each value
-  into the master and the 16-bit copies (torch's own copy into the parameter is then a no-op).
+  into the master and the 16-bit copies (torch's own copy into the parameter is then a no-op;
+  inside `gathered()` it also lands in the gathered tensor).
 """
 
 from __future__ import annotations
@@ -229,7 +230,10 @@ class ParamAccess:
                     continue  # torch reports the mismatch itself
                 with torch.no_grad():
                     self._gm.write("param", i, value.detach().to(device="cpu", dtype=torch.float32))
-                state_dict[key] = param  # torch's copy of the parameter into itself does nothing
+                if not self._gathered_depth:
+                    state_dict[key] = param  # torch's copy of the parameter into itself does nothing
+                # Inside engine.gathered() the parameter is a whole fp32 tensor: torch copies the value
+                # into it too, so that the block sees it and a writable exit finds nothing to write back.
         return hook
 
     def _load_done(self, module, incompatible_keys) -> None:

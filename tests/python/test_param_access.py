@@ -107,7 +107,7 @@ def _halve_and_zero(model):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("how", ["gathered", "in_place"])
+@pytest.mark.parametrize("how", ["gathered", "gathered_load_state_dict", "in_place"])
 def test_edits_between_steps_train_on_exactly_as_on_a_plain_model(device, how):
     model, reference = make_models()
     dev = torch_device(device)
@@ -120,6 +120,13 @@ def test_edits_between_steps_train_on_exactly_as_on_a_plain_model(device, how):
             with engine.gathered([model.ln_f.weight, model.blocks[1].fc1.weight], writable=True):
                 with torch.no_grad():
                     _halve_and_zero(model)
+        elif how == "gathered_load_state_dict":  # the edited values loaded as a state dict, inside the block
+            edited = {k: v.clone() for k, v in model.state_dict().items()}
+            edited["ln_f.weight"].mul_(0.5)
+            edited["blocks.1.fc1.weight"][3].zero_()
+            with engine.gathered(writable=True):
+                model.load_state_dict(edited)
+                assert torch.equal(model.ln_f.weight.cpu(), edited["ln_f.weight"]), "the block sees the loaded value"
         else:
             engine.synchronize()  # the CPU steps optimizer.step() left running (overlap_optimizer)
             with torch.no_grad():
