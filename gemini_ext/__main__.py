@@ -1,4 +1,4 @@
-"""python -m gemini_ext info"""
+"""python -m gemini_ext info | export CKPT OUT [--dtype bf16] [--config config.json]"""
 
 import argparse
 import sys
@@ -8,11 +8,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gemini_ext", description="gemini_ext command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print the build (CPU/CUDA, CUDA version, SIMD ISA), torch, allocator and device")
+    exp = sub.add_parser("export", help="write a checkpoint (any format, any world size) as one safetensors file, "
+                                        "streaming tensor by tensor")
+    exp.add_argument("checkpoint", help="a directory written by engine.save_checkpoint()")
+    exp.add_argument("out", help="the .safetensors file to write, or with --config a directory")
+    exp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                     help="floating tensors in this dtype (default fp32: the masters exactly)")
+    exp.add_argument("--config", default=None,
+                     help="a HuggingFace config.json: OUT becomes a directory from_pretrained reads")
+    exp.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "info":
         from .info import print_info
 
         print_info()
+    elif args.command == "export":
+        from .export import export
+
+        summary = export(args.checkpoint, args.out, args.dtype, args.config, progress=not args.no_progress)
+        print(f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB "
+              f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")
     return 0
 
 

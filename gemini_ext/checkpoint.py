@@ -25,7 +25,8 @@ writes only what it holds, so no rank gathers the model:
   generically stepped optimizer's whole state_dict() or None} or None, "scaler", "engine"
   (counters)}.
 - `index.json`: {"format", "version": 2, "world_size", "files", "precision", "optimizer_steps",
-  "parameters": [{"name", "shape", "numel", "trainable", "pieces": [[rank, begin, end], ...]}]}.
+  "parameters": [{"name", "shape", "numel", "trainable", "pieces": [[rank, begin, end], ...]}],
+  "state_dict_keys": [[key, parameter name or None for a buffer], ...] in the model's order}.
 Rank 0 creates `path.tmp-<rank 0's pid>`, every rank writes its file there, and once all report
 success rank 0 writes the index and renames the directory into place. Loading at any world size
 (resharding), sharded or not: each rank computes the elements it holds, opens the files whose
@@ -117,6 +118,16 @@ def _optimizer_common(engine):
             "generic": opt.state_dict() if not opt.rule.native else None}
 
 
+def _state_dict_keys(engine) -> list:
+    """The model's state-dict keys in order, each with the parameter it holds (tied parameters
+    appear under every key) or None for a buffer (in rank 0's "buffers"): what an exporter writes."""
+    out = []
+    for key, value in engine.model.state_dict(keep_vars=True).items():
+        idx = engine.layout.find(value)
+        out.append([key, engine.layout.names[idx] if idx is not None else None])
+    return out
+
+
 def _check_optimizer_class(saved: str | None, opt, path: str) -> None:
     if saved is not None and saved != opt.opt_class.__name__:
         raise ValueError(f"load_checkpoint: {path} holds the state of a {saved} optimizer, this engine's optimizer is "
@@ -183,7 +194,8 @@ def _save_zero_group(engine, path: str) -> None:
                                  "numel": engine.layout.numels[i],
                                  "trainable": bool(engine.layout.params[i].requires_grad),
                                  "pieces": engine.layout.pieces(i, world)}
-                                for i, name in enumerate(engine.layout.names)]}
+                                for i, name in enumerate(engine.layout.names)],
+                 "state_dict_keys": _state_dict_keys(engine)}
         with open(os.path.join(tmp, "index.json"), "w") as f:
             json.dump(index, f, indent=1)
             f.flush()

@@ -1,0 +1,149 @@
+"""`python -m gemini_ext export CKPT OUT`: one safetensors file from a checkpoint of any format.
+
+[Note: streaming the export]
+A checkpoint of a model larger than the machine's memory must still export on it. The output is
+written as safetensors (a JSON header of names, dtypes, shapes and byte offsets, then the raw
+bytes): every shape and dtype is known from the checkpoint's index before any value is read, so
+the header goes first and then one tensor at a time is assembled, converted and appended. The
+checkpoint's files are opened memory-mapped, so a tensor's pieces are read from disk when it is
+assembled and nothing else stays in anonymous memory: the peak is about the largest tensor (and
+its converted copy), not the model. safetensors' Python API writes whole dicts only, hence the
+header written here, in its documented format; reading back uses safetensors itself.
+- Format 1 (one process): the full state dict of `rank00000.pt`, memory-mapped, key by key.
+- Format 2 (sharded, any world size): each parameter from its pieces in the ranks' files (the
+  index says which), tied parameters under every key of the model, buffers from rank 0's file.
+With `config` the output is a HuggingFace-style directory: `model.safetensors` beside a copy of
+`config.json` (and the metadata `format: pt` that `from_pretrained` expects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import FORMAT, VERSION, VERSION_SHARDED
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def anon_rss_bytes() -> int | None:
+    """This process's anonymous resident memory (file-backed, memory-mapped pages not counted)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class _Source:
+    """The tensors of a checkpoint directory, by state-dict key, read on demand."""
+
+    def __init__(self, path: str):
+        index_path = os.path.join(path, "index.json")
+        if not os.path.isfile(index_path):
+            raise FileNotFoundError(f"export: {index_path} does not exist; pass a directory written by "
+                                    "engine.save_checkpoint().")
+        with open(index_path) as f:
+            self.index = json.load(f)
+        if self.index.get("format") != FORMAT or self.index.get("version") not in (VERSION, VERSION_SHARDED):
+            raise ValueError(f"export: {path} has format {self.index.get('format')!r} version "
+                             f"{self.index.get('version')!r}; expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
+        self.path = path
+        self._files = {}
+        if self.index["version"] == VERSION:
+            self._model = self._file(0)["model"]
+            self.entries = [(key, tuple(v.shape), v.dtype) for key, v in self._model.items()]
+            return
+        self._params = {p["name"]: p for p in self.index["parameters"]}
+        self._buffers = self._file(0)["common"]["buffers"]
+        keys = self.index.get("state_dict_keys") or ([[n, n] for n in self._params] + [[k, None] for k in self._buffers])
+        self._keys = dict((k, src) for k, src in keys)
+        self.entries = []
+        for key, src in keys:
+            if src is None:
+                self.entries.append((key, tuple(self._buffers[key].shape), self._buffers[key].dtype))
+            else:
+                self.entries.append((key, tuple(self._params[src]["shape"]), torch.float32))
+
+    def _file(self, rank: int) -> dict:
+        if rank not in self._files:
+            self._files[rank] = torch.load(os.path.join(self.path, self.index["files"][rank]), map_location="cpu",
+                                           mmap=True, weights_only=False)
+        return self._files[rank]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self.index["version"] == VERSION:
+            return self._model[key]
+        src = self._keys[key]
+        if src is None:
+            return self._buffers[key]
+        entry = self._params[src]
+        full = torch.empty(entry["numel"], dtype=torch.float32)
+        for rank, begin, end in entry["pieces"]:
+            piece_begin, _, data = self._file(rank)["tensors"][src]["param"]
+            full[begin:end] = data[begin - piece_begin:end - piece_begin]
+        return full.view(entry["shape"])
+
+
+def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = None,
+           progress: bool = True) -> dict:
+    """Writes the model of `checkpoint` as safetensors (see the note above); returns
+    {"path", "tensors", "bytes", "peak_anon_bytes" (the most anonymous memory seen after each
+    tensor, this process's), "largest_tensor_bytes"}."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export: dtype {dtype!r}; expected one of {sorted(EXPORT_DTYPES)}.")
+    target = EXPORT_DTYPES[dtype]
+    src = _Source(checkpoint)
+    if config is not None:
+        if not os.path.isfile(config):
+            raise FileNotFoundError(f"export: config {config!r} does not exist; pass the model's config.json.")
+        os.makedirs(out, exist_ok=True)
+        shutil.copyfile(config, os.path.join(out, "config.json"))
+        path = os.path.join(out, "model.safetensors")
+    else:
+        path = out
+    header, offset, plan = {"__metadata__": {"format": "pt"}}, 0, []
+    for key, shape, src_dtype in src.entries:
+        out_dtype = target if src_dtype.is_floating_point else src_dtype
+        if out_dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"export: {key!r} has dtype {out_dtype}, which safetensors cannot hold.")
+        nbytes = out_dtype.itemsize * int(torch.Size(shape).numel())
+        header[key] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        plan.append((key, out_dtype, nbytes))
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    peak = anon_rss_bytes() or 0
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f, tqdm(total=offset, unit="B", unit_scale=True, desc="export",
+                                        disable=not progress) as bar:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for key, out_dtype, nbytes in plan:
+                value = src.tensor(key).to(out_dtype).contiguous()
+                f.write(value.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+                del value
+                peak = max(peak, anon_rss_bytes() or 0)
+                bar.update(nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {"path": path, "tensors": len(plan), "bytes": offset, "peak_anon_bytes": peak,
+            "largest_tensor_bytes": max((n for _, _, n in plan), default=0)}
