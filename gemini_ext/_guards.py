@@ -1,10 +1,11 @@
 """Process-wide guards against silent no-ops on managed parameters, installed while an engine is open.
 
 [Note: why the engine touches torch's globals, and how it leaves them]
-Gradients live in chunks and `p.grad` stays None, so two everyday calls would silently do
+Gradients live in chunks and `p.grad` stays None, so three everyday calls would silently do
 nothing on a managed model: a torch optimizer built over its parameters (it skips parameters
-without .grad: the model does not train) and torch.nn.utils.clip_grad_norm_ (it sees no
-gradients and returns 0). While at least one engine is open:
+without .grad: the model does not train), torch.nn.utils.clip_grad_norm_ (it sees no
+gradients and returns 0) and Module.zero_grad (it clears no chunk: the next step would add
+the old gradients in, as transformers' Trainer calls it). While at least one engine is open:
 - a global optimizer step pre-hook (torch.optim.optimizer.register_optimizer_step_pre_hook)
   makes any optimizer other than the engine's raise at its step when it holds managed
   parameters, naming engine.optimizer(...);
@@ -12,7 +13,10 @@ gradients and returns 0). While at least one engine is open:
   given every trainable parameter of one engine (as Trainer and Lightning call it: the model's
   parameters), and raises, naming engine.clip_grad_norm_, for any other mix of managed
   parameters; clip_grad_value_ on managed parameters raises. Unmanaged parameters go to torch's
-  own functions untouched.
+  own functions untouched;
+- torch.nn.Module.zero_grad clears the engine's gradient chunks when the module holds every
+  trainable parameter of one engine (the model, or a wrapper around it), and raises for a module
+  holding only some of them; other parameters are cleared by torch as usual.
 When the last engine closes, the hook is removed and torch's functions are put back, so torch is
 left as it was found. Code that imported clip_grad_norm_ by name before an engine opened keeps
 torch's function; engine.clip_grad_norm_ (or `max_norm`) is the direct way.
@@ -65,9 +69,12 @@ def _install() -> None:
     norm, value = _clip_norm(_installed["clip_norm"]), _clip_value(_installed["clip_value"])
     torch.nn.utils.clip_grad_norm_ = _clip_grad_module.clip_grad_norm_ = norm
     torch.nn.utils.clip_grad_value_ = _clip_grad_module.clip_grad_value_ = value
+    _installed["zero_grad"] = torch.nn.Module.zero_grad
+    torch.nn.Module.zero_grad = _module_zero_grad(_installed["zero_grad"])
 
 
 def _uninstall() -> None:
+    torch.nn.Module.zero_grad = _installed.pop("zero_grad")
     _installed.pop("hook").remove()
     torch.nn.utils.clip_grad_norm_ = _clip_grad_module.clip_grad_norm_ = _installed.pop("clip_norm")
     torch.nn.utils.clip_grad_value_ = _clip_grad_module.clip_grad_value_ = _installed.pop("clip_value")
@@ -131,3 +138,21 @@ def _clip_value(original):
                 "or GeminiConfig(max_norm=...).")
         return original(params, clip_value, foreach=foreach)
     return clip_grad_value_
+
+
+def _module_zero_grad(original):
+    @functools.wraps(original)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _, owned = _managed(self.parameters())
+        engines = {id(o[0]): o[0] for o in owned if o is not None}
+        for engine in engines.values():
+            given = {o[1] for o in owned if o is not None and o[0] is engine}
+            trainable = {i for i, p in enumerate(engine.parameters()) if p.requires_grad}
+            if not trainable <= given:
+                raise RuntimeError(
+                    f"gemini_ext: {type(self).__name__}.zero_grad() holds only some of the parameters gx.enable() "
+                    "manages; their gradients live in chunks shared with the others, so they cannot be cleared "
+                    "alone. Call zero_grad() on the whole model or on the engine's optimizer.")
+            engine.zero_grad()
+        original(self, set_to_none)  # parameters no engine manages (theirs have p.grad None already)
+    return zero_grad

@@ -283,6 +283,12 @@ class GeminiEngine:
         finally:
             self.runtime.set_no_sync(previous)
 
+    def zero_grad(self) -> None:
+        """Clears every gradient chunk (optimizer.zero_grad() and model.zero_grad() call it)."""
+        self.check_open("zero_grad")
+        self.runtime.zero_grad()
+        self.clipper.reset()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach=None) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient of the model: returns the total norm

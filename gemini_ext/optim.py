@@ -230,8 +230,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.check_open("optimizer.zero_grad")
-        self.engine.runtime.zero_grad()
-        self.engine.clipper.reset()
+        self.engine.zero_grad()
 
     def last_step_stats(self) -> dict:
         return self.engine.runtime.last_step()

@@ -163,3 +163,22 @@ def test_state_dict_is_torch_adamw_format_both_ways(device):
             train_step(fresh, opt, step, dev)
             train_step(reference, ref_opt, step, dev)
     assert max(max_relative_difference(fresh, reference).values()) <= 1e-5
+
+
+def test_model_zero_grad_clears_the_gradient_chunks():
+    """transformers' Trainer calls model.zero_grad(), not the optimizer's: it must clear the chunks
+    (else the next step adds the old gradients in), and a part of the model cannot be cleared alone."""
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        engine.optimizer(torch.optim.AdamW)
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        assert engine.grad(model.ln_f.weight) is not None
+        with pytest.raises(RuntimeError, match="only some of the parameters"):
+            model.blocks[0].zero_grad()
+        model.zero_grad()
+        assert all(engine.grad(p) is None for p in model.parameters())
+        plain = torch.nn.Linear(2, 2)  # an unmanaged module while an engine is open: torch's own behaviour
+        plain(torch.ones(1, 2)).sum().backward()
+        plain.zero_grad()
+        assert plain.weight.grad is None

@@ -1,0 +1,163 @@
+"""`GeminiTrainer`: HuggingFace's `transformers.Trainer` with the model under a gemini_ext engine.
+
+[Note: what the Trainer hands to the engine]
+The Trainer keeps its loop, data loading, scheduler, evaluation, callbacks and logging; the engine
+takes what concerns the parameters:
+- the model is enabled before the Trainer sees it, so it never lands on the device whole, and is
+  never wrapped in DistributedDataParallel (the engine shards and reduces itself);
+- precision: `bf16` / `fp16` in the TrainingArguments choose the engine's `precision` (the Trainer's
+  own autocast is turned off); a GeminiConfig asking for another precision is an error;
+- the optimizer is the engine's AdamW with the arguments' lr, betas, eps and weight decay, in the
+  Trainer's two parameter groups (no decay for biases and norms); `optim="sgd"` or `"adagrad"`
+  give torch's SGD or Adagrad with the arguments' lr (native kernels too); the scheduler is the
+  Trainer's;
+- `max_grad_norm` clips through the engine (torch's clip_grad_norm_ over every parameter is
+  routed there); gradient accumulation, sharded over ranks, runs the micro-batches before the
+  last under `no_sync()` (no reduce-scatter until the last); in one process the gradients
+  accumulate through their host copies instead, which keeps a tight device budget enough
+  (no_sync would hold every gradient chunk on the device);
+- `save_model` writes an ordinary `save_pretrained` directory (safetensors, fp32 masters) that
+  `from_pretrained` loads without gemini_ext; checkpoints add the engine's own checkpoint
+  (`gemini/` in the checkpoint folder: masters, optimizer state, loss scale, RNG), from which
+  `resume_from_checkpoint` continues bit-exactly;
+- `log` adds the engine's traffic of the logging interval: H2D/D2H bytes, evictions, time
+  waited for copies.
+The engine stays open while the trainer lives (evaluate and predict after train() use it);
+`trainer.close()` gives the model back as ordinary parameters holding the trained values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+import transformers
+
+from ..config import GeminiConfig
+from ..engine import enable
+
+ENGINE_CHECKPOINT = "gemini"  # the engine's checkpoint inside a Trainer checkpoint folder
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+OTHER_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}  # TrainingArguments.optim -> class
+
+
+def _optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def _engine_precision(args, config: GeminiConfig) -> str:
+    """The arguments' bf16 / fp16 if set, else the config's precision. A config whose precision
+    is not the default and differs from the arguments' is a conflict."""
+    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    if wanted is None:
+        return config.precision
+    if config.precision != wanted and config.precision != GeminiConfig().precision:
+        raise ValueError(f"GeminiTrainer: TrainingArguments ask for {wanted} and gemini_config for precision="
+                         f"{config.precision!r}; set one of them (the engine computes in the config's precision).")
+    return wanted
+
+
+class GeminiTrainer(transformers.Trainer):
+    """`transformers.Trainer(model=..., args=..., ...)` plus `gemini_config=gx.GeminiConfig(...)`."""
+
+    def __init__(self, model=None, args=None, gemini_config: GeminiConfig | None = None, **kwargs):
+        if model is None:
+            raise ValueError("GeminiTrainer: pass the model (model_init is not supported: the engine owns one model).")
+        if kwargs.get("optimizers", (None, None))[0] is not None:
+            raise ValueError("GeminiTrainer: the optimizer comes from the engine (AdamW with the arguments' "
+                             "hyperparameters); leave `optimizers` out.")
+        args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
+        if _optim_name(args) not in ADAMW_NAMES + tuple(OTHER_OPTIMIZERS):
+            raise ValueError(f"GeminiTrainer: optim={_optim_name(args)!r}; the engine steps "
+                             f"{', '.join(ADAMW_NAMES + tuple(OTHER_OPTIMIZERS))} with its own kernels (another "
+                             "torch optimizer: pass optimizer_cls_and_kwargs is not supported, subclass and override "
+                             "create_optimizer with self.engine.optimizer(cls, ...)).")
+        config = gemini_config if gemini_config is not None else GeminiConfig()
+        config = dataclasses.replace(config, precision=_engine_precision(args, config))
+        # The engine computes in its precision: the Trainer's own autocast stays off.
+        args = dataclasses.replace(args, bf16=False, fp16=False)
+        self.engine = enable(model, config)
+        try:
+            super().__init__(model=model, args=args, **kwargs)
+        except BaseException:
+            self.engine.close()
+            raise
+        self._traffic_mark = self._traffic()
+
+    # --- the parameters are the engine's --------------------------------------------------
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return model  # no DistributedDataParallel: the engine reduces gradients itself
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
+            name = _optim_name(self.args)
+            if name in OTHER_OPTIMIZERS:
+                self.optimizer = self.engine.optimizer(OTHER_OPTIMIZERS[name], params=groups,
+                                                       lr=self.args.learning_rate)
+            else:
+                self.optimizer = self.engine.optimizer(torch.optim.AdamW, params=groups, lr=self.args.learning_rate,
+                                                       betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                                       eps=self.args.adam_epsilon)
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        last = self.accelerator.sync_gradients  # the micro-batch whose backward completes the step
+        sharded = self.engine.world_size > 1
+        with self.engine.no_sync() if sharded and not last else contextlib.nullcontext():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    # --- saving and resuming ----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.engine.state_dict()  # collective when sharded: every rank gathers
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # The masters come with the engine's checkpoint (_load_optimizer_and_scheduler), exactly.
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
+            raise ValueError(f"GeminiTrainer: {resume_from_checkpoint} has no {ENGINE_CHECKPOINT}/ engine checkpoint; "
+                             "resume from a checkpoint a GeminiTrainer saved.")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(os.path.join(checkpoint, ENGINE_CHECKPOINT))
+        path = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    # --- logging ------------------------------------------------------------------------------
+    def _traffic(self) -> dict:
+        stats = self.engine.stats()
+        traffic, counters = stats["traffic"], stats["counters"]
+        return {"gemini/h2d_bytes": traffic["h2d_bytes"], "gemini/d2h_bytes": traffic["d2h_bytes"],
+                "gemini/evictions": counters["evictions"], "gemini/copy_wait_s": traffic["copy_wait_seconds"]}
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs:  # a training log: the engine's traffic since the last one
+            now = self._traffic()
+            logs.update({k: v - self._traffic_mark[k] for k, v in now.items()})
+            self._traffic_mark = now
+        super().log(logs, start_time)
+
+    def close(self) -> None:
+        """Closes the engine: the model holds the trained values as ordinary parameters."""
+        self.engine.close()
