@@ -78,6 +78,7 @@ class GeminiTrainer(transformers.Trainer):
         config = dataclasses.replace(config, precision=_engine_precision(args, config))
         # The engine computes in its precision: the Trainer's own autocast stays off.
         args = dataclasses.replace(args, bf16=False, fp16=False)
+        _ = args.device  # under torchrun the Trainer's process group exists before the engine shards over it
         self.engine = enable(model, config)
         try:
             super().__init__(model=model, args=args, **kwargs)
@@ -87,8 +88,21 @@ class GeminiTrainer(transformers.Trainer):
         self._traffic_mark = self._traffic()
 
     # --- the parameters are the engine's --------------------------------------------------
+    def _move_model_to_device(self, model, device):
+        pass  # the engine placed the parameters (in chunks) and the buffers on its compute device
+
     def _wrap_model(self, model, training=True, dataloader=None):
         return model  # no DistributedDataParallel: the engine reduces gradients itself
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        # accelerate would move the model to its device and wrap it in DistributedDataParallel:
+        # the engine owns both placement and gradient reduction, so the model passes unchanged.
+        self.accelerator.prepare_model = self._model_as_is
+
+    @staticmethod
+    def _model_as_is(model, device_placement=None, evaluation_mode=False):
+        return model
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gemini_ext as gx
+from dist_utils import run_torchrun
 
 transformers = pytest.importorskip("transformers")
 from gemini_ext.integrations.transformers import GeminiTrainer  # noqa: E402
@@ -47,7 +48,8 @@ def _args(out, **kw):
 def _gemini_config(**kw):
     # 27k parameters in chunks of 4096 elements; room for 6 chunks on the device: evictions every step
     kw.setdefault("chunk_config_dict", {"chunk_size": 4096})
-    return gx.GeminiConfig(device="sim", precision="fp32", sim_capacity=6 * 4096 * 4, **kw)
+    kw.setdefault("sim_capacity", 6 * 4096 * 4)
+    return gx.GeminiConfig(device="sim", precision="fp32", **kw)
 
 
 def test_trainer_matches_a_plain_trainer_and_saves_a_plain_model(tmp_path):
@@ -103,3 +105,29 @@ def test_arguments_that_conflict_with_the_engine_are_refused(tmp_path):
     with pytest.raises(ValueError, match="optim='adafactor'"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path, optim="adafactor"), train_dataset=Tokens(),
                       gemini_config=_gemini_config())
+
+
+def _two_ranks_body(rank, world_size, out):
+    """Under torchrun: a plain Trainer (DistributedDataParallel over gloo) and a GeminiTrainer
+    (chunks sharded over the same ranks) on the same data split; rank 0 compares."""
+    kw = dict(ddp_backend="gloo", max_steps=8)
+    plain = _llama()
+    transformers.Trainer(model=plain, args=_args(f"{out}/plain", **kw), train_dataset=Tokens()).train()
+    model = _llama()
+    trainer = GeminiTrainer(model=model, args=_args(f"{out}/gx", **kw), train_dataset=Tokens(),
+                            gemini_config=_gemini_config(sim_capacity=None))
+    trainer.train()
+    assert trainer.engine.world_size == 2
+    trainer.save_model(f"{out}/saved")
+    trainer.close()
+    if rank == 0:
+        for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
+            rel = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+            assert rel <= 5e-5, (name, rel)  # a per-rank mean of means: another summation order (test_distributed)
+        loaded = transformers.LlamaForCausalLM.from_pretrained(f"{out}/saved")
+        for (name, a), (_, b) in zip(loaded.named_parameters(), model.named_parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_two_ranks_under_torchrun(tmp_path):
+    run_torchrun(2, _two_ranks_body, str(tmp_path), tmp_dir=str(tmp_path))
