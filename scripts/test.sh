@@ -16,6 +16,7 @@ ensure_python_module pytest pytest
 ensure_python_module matplotlib matplotlib
 ensure_python_module transformers "transformers>=4.45"   # real models from small configs (no weights downloaded)
 ensure_python_module safetensors safetensors
+ensure_python_module lightning "lightning>=2.4"          # the Lightning strategy's tests
 ensure_cpp_toolchain
 ensure_extension
 cd "$REPO"
