@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--compile", choices=["none", "whole", "blocks"], default="none",
+                   help="torch.compile the whole model or each block (inside the engine's block)")
     p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="the optimizer (gemini_ext/models/optimizers.py)")
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -141,6 +143,12 @@ def main(argv=None) -> dict:
         opt_cls, opt_kw = optimizer_spec(args.optim, args.lr)
         opt = engine.optimizer(opt_cls, **opt_kw)
         dev = engine.compute_device
+        forward = model
+        if args.compile == "whole":
+            forward = torch.compile(model)
+        elif args.compile == "blocks":
+            for block in model.blocks:
+                block.compile()
         if dev.type == "cuda":
             gx.reset_peak_memory_stats(dev)
         bar = tqdm(range(args.steps), desc=f"gpt-{preset} on {device_kind}", disable=args.no_progress, file=sys.stdout)
@@ -148,7 +156,7 @@ def main(argv=None) -> dict:
             x, y = synthetic_batch(model_cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
             start = time.perf_counter()
             waited = engine.runtime.counters()["optimizer_wait_seconds"]
-            loss = model(x, y)  # computes in the chunks' dtype (bf16 by default)
+            loss = forward(x, y)  # computes in the chunks' dtype (bf16 by default)
             loss.backward()
             before_step = time.perf_counter()
             waited_before_step = engine.runtime.counters()["optimizer_wait_seconds"]
