@@ -53,6 +53,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default="hf_trainer_output")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on sim")
     args = p.parse_args(argv)
     vocab = 1024
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -62,12 +63,13 @@ def main(argv=None) -> dict:
     model = transformers.LlamaForCausalLM(config)
     device = resolve_device(gx.GeminiConfig(device=args.device))
     cuda = device == "cuda"
+    bf16 = (args.precision or ("bf16" if cuda else "fp32")) == "bf16"
     training = transformers.TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=args.batch, gradient_accumulation_steps=2,
         max_steps=args.steps, learning_rate=1e-3, weight_decay=0.1, lr_scheduler_type="cosine",
         warmup_steps=args.steps // 10, max_grad_norm=1.0, logging_steps=max(1, args.steps // 10), save_strategy="no",
-        report_to=[], bf16=cuda, use_cpu=not cuda, disable_tqdm=True, seed=0)
-    gemini = gx.GeminiConfig(device=device, precision="bf16" if cuda else "fp32", placement_policy="auto")
+        report_to=[], bf16=bf16, use_cpu=not cuda, disable_tqdm=True, seed=0)
+    gemini = gx.GeminiConfig(device=device, precision="bf16" if bf16 else "fp32", placement_policy="auto")
     trainer = GeminiTrainer(model=model, args=training, gemini_config=gemini,
                             train_dataset=PatternTokens(args.steps * args.batch * 2, args.seq, vocab))
     trainer.train()

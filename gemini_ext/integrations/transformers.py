@@ -134,7 +134,14 @@ class GeminiTrainer(transformers.Trainer):
         state_dict = self.engine.state_dict()  # collective when sharded: every rank gathers
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
+            # save_pretrained records the parameters' dtype, which inside the engine is the compute
+            # dtype; the files hold the masters in the model's own dtypes, and from_pretrained must
+            # load them as such. (save_pretrained may consume the state dict: look first.)
+            floating = [v.dtype for v in state_dict.values() if v.is_floating_point()]
             self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            if floating:
+                self.model.config.dtype = str(floating[0]).split(".")[1]
+                self.model.config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
