@@ -54,12 +54,16 @@ mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its par
 started=$SECONDS
 (cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
-smoke=tests/python/test_bench_smoke.py
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/smoke "$smoke" > "$logs/pytest-bench-smoke.log" 2>&1 &
+# The second pytest process: the benchmark smoke tests and the framework integrations (each
+# imports a large framework), so that the two processes end at about the same time.
+beside=(tests/python/test_bench_smoke.py tests/python/test_integration_transformers.py
+        tests/python/test_integration_lightning.py tests/python/test_compile.py)
+smoke="${beside[*]}"
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/smoke "${beside[@]}" > "$logs/pytest-bench-smoke.log" 2>&1 &
 smoke_pid=$!
-echo "== pytest (all but $smoke; C++ and the benchmark smoke tests run beside it, logs in $logs/)"
+echo "== pytest (all but ${#beside[@]} files; C++ and those files run beside it, logs in $logs/)"
 rc=0
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/main --ignore "$smoke" || rc=$?
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/main "${beside[@]/#/--ignore=}" || rc=$?
 echo "   [pytest done after $((SECONDS - started)) s]"
 wait "$smoke_pid" || rc=$?
 echo "== pytest $smoke [done after $((SECONDS - started)) s]"
