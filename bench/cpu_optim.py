@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import gemini_ext as gx
+from cpu_adam import timed  # bench/: the median of timed repeats after two warm-ups
 
 CASES = {  # name: (torch class, torch kwargs, our hyperparameters, state kinds)
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.1, "fused": True},
@@ -31,17 +30,6 @@ CASES = {  # name: (torch class, torch kwargs, our hyperparameters, state kinds)
                 {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.1, "eps": 1e-10, "initial_accumulator_value": 0.0,
                  "maximize": 0.0}, 1),
 }
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    fn()  # warm-up: page faults, thread start, the optimizer's state
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(name: str, n: int, repeats: int) -> list[dict]:

@@ -24,6 +24,8 @@ def test_cpu_optim_bench_smoke():
     """In this process: the kernels are the same ones the suite loads."""
     import importlib.util
     import os
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "bench"))
     spec = importlib.util.spec_from_file_location("bench_cpu_optim", os.path.join(REPO, "bench", "cpu_optim.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
