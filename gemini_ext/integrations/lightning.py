@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..config import GeminiConfig
 from ..engine import enable
 from ..optim import GeminiOptimizer
+from ._precision import agreed_precision
 
 ENGINE_SUFFIX = ".gemini"  # the engine's checkpoint beside Lightning's checkpoint file
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
@@ -48,10 +49,7 @@ def engine_precision(lightning_precision: str, config: GeminiConfig) -> str:
     if wanted is None:
         raise ValueError(f"GeminiStrategy: precision={lightning_precision!r}; the engine trains with "
                          f"{sorted(PRECISIONS)}.")
-    if config.precision != wanted and config.precision != GeminiConfig().precision:
-        raise ValueError(f"GeminiStrategy: Trainer(precision={lightning_precision!r}) asks for {wanted} and the config "
-                         f"for precision={config.precision!r}; set one of them.")
-    return wanted
+    return agreed_precision(config, wanted, "GeminiStrategy", f"Trainer(precision={lightning_precision!r})")
 
 
 class GeminiStrategy(DDPStrategy):

@@ -37,6 +37,7 @@ import transformers
 
 from ..config import GeminiConfig
 from ..engine import enable
+from ._precision import agreed_precision
 
 ENGINE_CHECKPOINT = "gemini"  # the engine's checkpoint inside a Trainer checkpoint folder
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -45,18 +46,6 @@ OTHER_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}  # T
 
 def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
-
-
-def _engine_precision(args, config: GeminiConfig) -> str:
-    """The arguments' bf16 / fp16 if set, else the config's precision. A config whose precision
-    is not the default and differs from the arguments' is a conflict."""
-    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
-    if wanted is None:
-        return config.precision
-    if config.precision != wanted and config.precision != GeminiConfig().precision:
-        raise ValueError(f"GeminiTrainer: TrainingArguments ask for {wanted} and gemini_config for precision="
-                         f"{config.precision!r}; set one of them (the engine computes in the config's precision).")
-    return wanted
 
 
 class GeminiTrainer(transformers.Trainer):
@@ -75,7 +64,9 @@ class GeminiTrainer(transformers.Trainer):
                              "torch optimizer: pass optimizer_cls_and_kwargs is not supported, subclass and override "
                              "create_optimizer with self.engine.optimizer(cls, ...)).")
         config = gemini_config if gemini_config is not None else GeminiConfig()
-        config = dataclasses.replace(config, precision=_engine_precision(args, config))
+        wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        config = dataclasses.replace(config, precision=agreed_precision(config, wanted, "GeminiTrainer",
+                                                                        "TrainingArguments"))
         # The engine computes in its precision: the Trainer's own autocast stays off.
         args = dataclasses.replace(args, bf16=False, fp16=False)
         _ = args.device  # under torchrun the Trainer's process group exists before the engine shards over it
