@@ -14,11 +14,11 @@ SerialExecutor::~SerialExecutor() {
 }
 
 std::shared_future<void> SerialExecutor::submit(std::function<void()> task, int64_t priority) {
-  std::packaged_task<void()> packaged(std::move(task));
-  std::shared_future<void> done = packaged.get_future().share();
+  std::promise<void> promise;
+  std::shared_future<void> done = promise.get_future().share();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(Queued{priority, next_seq_++, std::move(packaged)});
+    queue_.push_back(Queued{priority, next_seq_++, std::move(task), std::move(promise)});
     unfinished_ += 1;
   }
   work_cv_.notify_one();
@@ -37,7 +37,8 @@ size_t SerialExecutor::queued() const {
 
 void SerialExecutor::loop() {
   for (;;) {
-    std::packaged_task<void()> task;
+    std::function<void()> task;
+    std::promise<void> promise;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
@@ -46,14 +47,26 @@ void SerialExecutor::loop() {
       for (auto it = queue_.begin(); it != queue_.end(); ++it)
         if (it->priority < next->priority || (it->priority == next->priority && it->seq < next->seq)) next = it;
       task = std::move(next->task);
+      promise = std::move(next->done);
       queue_.erase(next);
     }
-    task();  // an exception is stored in the task's future
+    std::exception_ptr thrown;
+    try {
+      task();
+    } catch (...) {
+      thrown = std::current_exception();
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       unfinished_ -= 1;
     }
     idle_cv_.notify_all();
+    // The future becomes ready only after the count drops, so a caller that waited on it sees
+    // queued() without that task.
+    if (thrown)
+      promise.set_exception(thrown);
+    else
+      promise.set_value();
   }
 }
 

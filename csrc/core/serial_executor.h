@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -42,7 +43,8 @@ class SerialExecutor {
   struct Queued {
     int64_t priority;
     uint64_t seq;
-    std::packaged_task<void()> task;
+    std::function<void()> task;
+    std::promise<void> done;
   };
   std::deque<Queued> queue_;
   uint64_t next_seq_ = 0;
