@@ -57,16 +57,16 @@ void SerialExecutor::loop() {
       thrown = std::current_exception();
     }
     {
+      // The count drops and the future becomes ready in one step: a caller that waited on the
+      // future sees queued() without that task, and one that drained sees every future ready.
       std::lock_guard<std::mutex> lock(mutex_);
       unfinished_ -= 1;
+      if (thrown)
+        promise.set_exception(thrown);
+      else
+        promise.set_value();
     }
     idle_cv_.notify_all();
-    // The future becomes ready only after the count drops, so a caller that waited on it sees
-    // queued() without that task.
-    if (thrown)
-      promise.set_exception(thrown);
-    else
-      promise.set_value();
   }
 }
 
