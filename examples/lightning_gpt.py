@@ -2,11 +2,13 @@
 
     python examples/lightning_gpt.py                    # gpt-tiny, 200 steps, on the GPU if there is one
     python examples/lightning_gpt.py --preset 125m --steps 50
+    python examples/lightning_gpt.py --devices 2        # two processes; Lightning starts the second
 
 The LightningModule is ordinary: `configure_optimizers` returns torch's AdamW over
 `self.parameters()` and a scheduler; `GeminiStrategy` wraps the optimizer, places the parameters
-in chunks and gives the trained values back when `fit` ends. Several processes: `devices=N` (or
-torchrun), as with Lightning's DDP.
+in chunks and gives the trained values back when `fit` ends. Several processes: `--devices N`
+(Lightning's launcher runs this script again for each further rank) or torchrun, as with
+Lightning's DDP; the chunks are then sharded over the ranks.
 """
 
 from __future__ import annotations
@@ -60,19 +62,22 @@ def main(argv=None) -> list[float]:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--devices", type=int, default=1, help="processes (one GPU each on cuda)")
     args = p.parse_args(argv)
     device = resolve_device(gx.GeminiConfig(device=args.device))
     cuda = device == "cuda"
     torch.manual_seed(0)
     module = GPTModule(args.preset, lr=1e-3)
     strategy = GeminiStrategy(gx.GeminiConfig(device=device, placement_policy="auto"))
-    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1,
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=args.devices,
                          precision="bf16-mixed" if cuda else "32-true", max_steps=args.steps, gradient_clip_val=1.0,
                          accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     seq = min(args.seq, module.cfg.max_seq_len)
     trainer.fit(module, torch.utils.data.DataLoader(Batches(module.cfg, args.steps * 2, args.batch, seq),
                                                     batch_size=1, collate_fn=lambda items: tuple(t[None] for t in items[0])))
+    if trainer.global_rank != 0:
+        return module.losses
     print(f"gpt-{args.preset}: loss {module.losses[0]:.3f} -> {module.losses[-1]:.3f} over {args.steps} steps "
           f"({strategy.engine.stats()['optimizer_steps']} optimizer steps under gemini_ext)")
     return module.losses

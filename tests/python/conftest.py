@@ -36,8 +36,13 @@ DEVICES = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=
 
 
 def run_python(*args, env=None, timeout=600):
-    """Runs `python args...` in a fresh interpreter (for env vars read at import)."""
+    """Runs `python args...` in a fresh interpreter (for env vars read at import). A variable
+    given as None is removed from the child's environment."""
     full_env = dict(os.environ)
-    full_env.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env, cwd=REPO,
                           timeout=timeout)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import gemini_ext as gx
-from conftest import run_python
+from conftest import DEVICES, run_python
 from dist_utils import run_ranks
 from gemini_ext.export import anon_rss_bytes, export
 from parity_utils import batch, config, make_models
@@ -58,15 +58,16 @@ def test_sharded_checkpoint_exports_equal_to_the_state_dict_with_bounded_memory(
     assert torch.equal(load_file(tmp_path / "bf16.safetensors")["0.weight"], expected["0.weight"].bfloat16())
 
 
-def test_one_process_checkpoint_and_the_command_line(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_process_checkpoint_and_the_command_line(tmp_path, device):
     model, _ = make_models()
-    with gx.enable(model, config("sim")) as engine:
+    with gx.enable(model, config(device)) as engine:
         opt = engine.optimizer(torch.optim.AdamW)
         x, y = batch(model.cfg, 0, engine.compute_device)
         model(x, y).backward()
         opt.step()
         engine.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = engine.state_dict()
+        expected = {k: v.cpu() for k, v in engine.state_dict().items()}
     out = run_python("-m", "gemini_ext", "export", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"),
                      "--no-progress")
     assert out.returncode == 0, out.stderr

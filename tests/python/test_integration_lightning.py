@@ -2,17 +2,23 @@
 with gradient_clip_val, accumulate_grad_batches=2, an LR schedule and a budget that evicts;
 bit-exact resume from ckpt_path."""
 
+import json
+import os
+
 import pytest
 import torch
 
 import gemini_ext as gx
-from parity_utils import SMALL, batch, max_relative_difference
+from conftest import DEVICES, run_python
+from dist_utils import free_port
+from parity_utils import SMALL, batch, chunk_cap, max_relative_difference
 from gemini_ext.models import GPT
 
 pl = pytest.importorskip("lightning.pytorch")
 from gemini_ext.integrations.lightning import GeminiStrategy  # noqa: E402
 
 STEPS, ACCUM = 20, 2
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Batches(torch.utils.data.Dataset):
@@ -42,54 +48,79 @@ class GPTModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _fit(module, strategy, root, max_steps=STEPS, ckpt_path=None, callbacks=(), batches=STEPS * ACCUM):
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="32-true", max_steps=max_steps,
+def _fit(module, strategy, root, max_steps=STEPS, ckpt_path=None, callbacks=(), batches=STEPS * ACCUM, devices=1,
+         device="sim"):
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", devices=devices, precision="32-true", max_steps=max_steps,
                          gradient_clip_val=0.05, accumulate_grad_batches=ACCUM, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
                          enable_checkpointing=bool(callbacks), default_root_dir=str(root), num_sanity_val_steps=0,
-                         # a distributed strategy (as DDP's) injects a DistributedSampler; the default
-                         # single-device one does not: the same batches in the same order on both sides
-                         use_distributed_sampler=False)
+                         # in one process a distributed strategy (as DDP's) injects a DistributedSampler and
+                         # the default single-device one does not: the same batches in the same order on both sides
+                         use_distributed_sampler=devices > 1)
     loader = torch.utils.data.DataLoader(Batches(batches), batch_size=1, shuffle=False)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
 
 
-def _config():
+def _config(device="sim", **kw):
     # the small GPT in chunks of 4096 elements, room for 8 of them on the device: evictions every step
-    return gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096},
-                           sim_capacity=8 * 4096 * 4)
+    if "sim_capacity" not in kw:
+        kw.update(chunk_cap(device, 8 * 4096 * 4))
+    return gx.GeminiConfig(device=device, precision="fp32", chunk_config_dict={"chunk_size": 4096}, **kw)
 
 
-def test_strategy_matches_the_default_strategy(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_strategy_matches_the_default_strategy(tmp_path, device):
     reference = GPTModule()
-    _fit(reference, "auto", tmp_path / "plain")
+    _fit(reference, "auto", tmp_path / "plain", device=device)
     module = GPTModule()
-    strategy = GeminiStrategy(_config())
-    _fit(module, strategy, tmp_path / "gx")
+    strategy = GeminiStrategy(_config(device))
+    _fit(module, strategy, tmp_path / "gx", device=device)
     assert strategy.engine.closed, "teardown gave the module back"
     assert strategy.engine.stats()["counters"]["evictions"] > 0
     assert strategy.engine.stats()["optimizer_steps"] == STEPS
     assert max(max_relative_difference(module, reference).values()) <= 1e-5
 
 
-def _fit_then_resume(strategy_factory, root):
-    """4 steps with a checkpoint at the end of the epoch, then a new Trainer resuming from it to 8."""
-    epoch = 4 * ACCUM
+def _fit_then_resume(strategy_factory, root, devices=1, device="sim"):
+    """4 steps with a checkpoint at the end of the epoch, then a new Trainer resuming from it to 8.
+    Returns the module after the first 4 steps, the resumed one, and the checkpoint's path."""
+    epoch = 4 * ACCUM * devices
     saver = pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpts"), every_n_epochs=1, save_top_k=-1)
-    _fit(GPTModule(), strategy_factory(), root / "first", max_steps=4, callbacks=[saver], batches=epoch)
+    first = GPTModule()
+    _fit(first, strategy_factory(), root / "first", max_steps=4, callbacks=[saver], batches=epoch, devices=devices,
+         device=device)
     ckpt = next((root / "ckpts").glob("*step=4*.ckpt"))
     resumed = GPTModule()
-    _fit(resumed, strategy_factory(), root / "resumed", max_steps=8, ckpt_path=str(ckpt), batches=epoch)
-    return resumed, ckpt
+    _fit(resumed, strategy_factory(), root / "resumed", max_steps=8, ckpt_path=str(ckpt), batches=epoch,
+         devices=devices, device=device)
+    return first, resumed, ckpt
 
 
-def test_resume_from_ckpt_path_continues_as_the_default_strategy_does(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_from_ckpt_path_continues_as_the_default_strategy_does(tmp_path, device):
     """Lightning's own resume semantics (where a resumed epoch's batches start) apply to both sides."""
-    reference, _ = _fit_then_resume(lambda: "auto", tmp_path / "plain")
-    resumed, ckpt = _fit_then_resume(lambda: GeminiStrategy(_config()), tmp_path / "gx")
+    _, reference, _ = _fit_then_resume(lambda: "auto", tmp_path / "plain", device=device)
+    _, resumed, ckpt = _fit_then_resume(lambda: GeminiStrategy(_config(device)), tmp_path / "gx", device=device)
     assert (ckpt.parent / (ckpt.name + ".gemini") / "index.json").is_file(), "the engine's checkpoint beside"
     assert max(max_relative_difference(resumed, reference).values()) <= 1e-5
+
+
+def test_two_processes_through_lightnings_launcher(tmp_path):
+    """`devices=2`: Lightning's launcher starts the second process by running the script again (as
+    it does for a user's script). Both strategies fit and resume there; the engine shards over
+    Lightning's gloo group; rank 0 reports how far GeminiStrategy is from DDP."""
+    # Lightning leaves LOCAL_RANK, NODE_RANK and the address of a one-process fit's (still open)
+    # group in os.environ; with LOCAL_RANK set, a script's launcher takes its processes as started
+    env = {"OMP_NUM_THREADS": "1", "LOCAL_RANK": None, "NODE_RANK": None, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out = run_python(os.path.join(HERE, "lightning_ddp_worker.py"), str(tmp_path), env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2 and report["engine_world_size"] == 2, report
+    assert report["engine_files"] >= 2, "each rank wrote its shard of the engine's checkpoint"
+    for phase in ("first", "resumed"):
+        assert report[phase] <= 5e-5, report  # a per-rank mean of means: another summation order (test_distributed)
 
 
 def test_conflicting_precision_is_refused(tmp_path):
