@@ -14,7 +14,8 @@
 //      access(c)   make c gathered on the device for compute; fetches if its shard is not on the
 //                  device; a prefetch in flight is waited for by the compute stream, not the host.
 //      prefetch(c) start the host-to-device copy of c now, on the copy stream; access(c) later.
-//      release(c)  drop the gathered view after compute (can_release must hold).
+//      release(c)  drop the gathered view after compute (sharded: can_release must hold; unsharded:
+//                  can_move, since the view is all it drops).
 //      move(c, t)  give c's shard exactly tier t (can_move must hold). The copy runs on the side
 //                  stream of its direction; with `async` the call returns at once and the source
 //                  slot is freed when the copy is known complete (wait(c), access(c), poll()).

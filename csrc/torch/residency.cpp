@@ -70,6 +70,18 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       if (mgr_.chunk(s).shard_tiers().contains(Tier::kDevice))
         optim_bytes += static_cast<int64_t>(mgr_.chunk(s).shard_bytes());
   }
+  // The floor: the chunks one module computes with at once (the most seen, or what this access
+  // needs), plus one gradient chunk.
+  const auto [now_chunks, now_bytes] = in_compute(id);  // id counts if it is a parameter chunk
+  const bool peak_larger = compute_peak_bytes_ > now_bytes;
+  const int floor_p_chunks = peak_larger ? compute_peak_chunks_ : now_chunks;
+  const int64_t floor_p_bytes = peak_larger ? compute_peak_bytes_ : now_bytes;
+  const int64_t grad_bytes_floor = largest_grad_bytes();
+  const std::string floor = detail::concat(
+      " The smallest budget this model trains under is about ", floor_p_bytes + grad_bytes_floor, " bytes: ",
+      floor_p_chunks, " parameter chunk(s) one module computes with at once (", floor_p_bytes, " bytes, the most seen"
+      " so far)", grad_bytes_floor > 0 ? detail::concat(" and one gradient chunk (", grad_bytes_floor, " bytes)") : "",
+      sharded() ? ", plus the gathered buffers of a sharded model" : "", ".");
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
       "' policy: the device budget is ", budget(), " bytes and chunks hold ",
@@ -78,13 +90,33 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       "gradients (", waiting_bytes, " bytes), gradient chunks still collecting gradients (",
       grad_bytes, " bytes), gradient chunks of optimizer state the host cannot hold (", kept_grad_bytes,
       " bytes), optimizer state kept on the device (", optim_bytes, " bytes)",
-      sharded() ? detail::concat(", gathered buffers (", gathered_bytes, " bytes)") : std::string(),
-      ". Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
+      sharded() ? detail::concat(", gathered buffers (", gathered_bytes, " bytes)") : std::string(), ".", floor,
+      " Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
       "(chunk_config_dict / min_chunk_size_m)",
       kept_grad_bytes > 0 ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
                             "optimizer state kept on the device)."
       : optim_bytes > 0   ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)."
                           : "."));
+}
+
+std::pair<int, int64_t> Residency::in_compute(ChunkId also) const {
+  int chunks = 0;
+  int64_t bytes = 0;
+  for (const auto& set : sets_) {
+    const Chunk& p = mgr_.chunk(set.spec.param);
+    if (set.spec.param == also || p.count_in(S::kCompute) > 0) {
+      chunks += 1;
+      bytes += static_cast<int64_t>(sharded() ? p.chunk_bytes() : p.shard_bytes());
+    }
+  }
+  return {chunks, bytes};
+}
+
+int64_t Residency::largest_grad_bytes() const {
+  int64_t largest = 0;
+  for (const auto& set : sets_)
+    if (set.trainable) largest = std::max(largest, static_cast<int64_t>(mgr_.chunk(set.spec.grad).shard_bytes()));
+  return largest;
 }
 
 int64_t Residency::device_bytes_needed(ChunkId id, bool gather) const {
@@ -128,6 +160,9 @@ bool Residency::make_room(ChunkId requester) {
     pipeline_.settle(pipeline_.pending_sets().front());  // its chunks become evictable
     return true;
   }
+  // The last resort, below the budget that keeps backward's chunks in place: chunks whose set is
+  // still collecting gradients in this backward go too (fetched again, or accumulated on the host).
+  if (!victim) victim = choose_farthest_next_use(evictable_while_collecting(requester), trace_, lru_);
   if (!victim) return false;
   evict(*victim);
   return true;
@@ -161,6 +196,11 @@ void Residency::ensure_on_device(ChunkId id) {
     }
   }
   with_room(id, [&] { mgr_.access(id); }, device_bytes_needed(id, /*gather=*/true));
+  const auto [chunks, bytes] = in_compute(id);
+  if (bytes > compute_peak_bytes_) {
+    compute_peak_bytes_ = bytes;
+    compute_peak_chunks_ = chunks;
+  }
   if (!had) {
     counters_.fetches += 1;
     counters_.sync_fetch_waits += 1;
@@ -255,6 +295,29 @@ std::vector<ChunkId> Residency::evictable(ChunkId requester) const {
         set.grad_place == GradPlace::kDevice &&
         pinned_.count(set.spec.grad) == 0 &&
         !mgr_.in_flight(set.spec.grad) && p.count_in(S::kReadyForReduce) == 0 &&
+        mgr_.chunk(set.spec.grad).shard_tiers().contains(Tier::kDevice))
+      out.push_back(set.spec.grad);
+  }
+  return out;
+}
+
+std::vector<ChunkId> Residency::evictable_while_collecting(ChunkId requester) const {
+  std::vector<ChunkId> out;
+  if (sharded()) return out;  // sharded, a set collecting gradients holds a gathered buffer to reduce-scatter
+  for (const auto& set : sets_) {
+    const Chunk& p = mgr_.chunk(set.spec.param);
+    if (!set.trainable || p.count_in(S::kReadyForReduce) == 0) continue;  // not collecting: evictable() decides
+    if (pipeline_.pending(set_of_chunk(set.spec.param))) continue;       // settled by make_room first
+    // A parameter chunk waiting for the rest of its gradients: nothing writes its values (the
+    // gradients go to the gradient chunk), so it may go and be fetched again for the tensors
+    // whose backward is still to come.
+    if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
+        pinned_.count(set.spec.param) == 0 && !mgr_.in_flight(set.spec.param))
+      out.push_back(set.spec.param);
+    // A gradient chunk still collecting: it moves to the host, where the gradients still to come
+    // are added (as for accumulation after a reduction).
+    if (!set.spec.grad_stays_on_device && set.spec.grad != requester && set.grad_place == GradPlace::kDevice &&
+        pinned_.count(set.spec.grad) == 0 && !mgr_.in_flight(set.spec.grad) &&
         mgr_.chunk(set.spec.grad).shard_tiers().contains(Tier::kDevice))
       out.push_back(set.spec.grad);
   }

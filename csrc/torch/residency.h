@@ -12,6 +12,11 @@
 //    writes into (it waits for the step on the host), unless its set's state is on the device
 //    because the host has no room (grad_stays_on_device). A set whose CPU step is pending only
 //    loses P's device copy as a free drop.
+//  * The last resort (unsharded), when nothing above can go: a set still collecting gradients
+//    gives up its parameter chunk (fetched again if a later backward needs it) or its gradient
+//    chunk (moved to the host, where later gradients are added). So any budget holding the
+//    chunks one module computes with, plus one gradient chunk, trains; accumulation under
+//    no_sync too, since its gradients may wait on the host.
 //  * Home on the host (offload_param_frac): such a chunk's device copy is dropped (or moved back)
 //    when the access stream fetches a different chunk and it is idle, so each use phase
 //    (forward, backward) fetches it about once. Sharded, an idle gathered chunk is re-sharded at
@@ -24,6 +29,7 @@
 #include <functional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/access_trace.h"
@@ -72,7 +78,14 @@ class Residency {
  private:
   void prefetch_gathers();
   std::vector<ChunkId> evictable(ChunkId requester) const;
+  // Chunks of sets still collecting gradients in this backward: evicted only when evictable()
+  // has none (unsharded).
+  std::vector<ChunkId> evictable_while_collecting(ChunkId requester) const;
   [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
+  // Parameter chunks in COMPUTE on the device, with `also` counted if it is a parameter chunk
+  // not among them: (chunks, bytes).
+  std::pair<int, int64_t> in_compute(ChunkId also) const;
+  int64_t largest_grad_bytes() const;
   int set_of_chunk(ChunkId p_chunk) const;
   bool sharded() const { return mgr_.sharded(); }
 
@@ -89,6 +102,10 @@ class Residency {
   int max_prefetch_ = 0;
   int64_t budget_bytes_ = 0;
   ChunkId last_accessed_ = -1;
+  // The most parameter chunks one module has computed with at once (the budget's floor, with one
+  // gradient chunk): (chunks, bytes) at the largest bytes seen.
+  int compute_peak_chunks_ = 0;
+  int64_t compute_peak_bytes_ = 0;
   std::set<ChunkId> pinned_;
 };
 

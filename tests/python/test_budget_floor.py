@@ -1,0 +1,138 @@
+"""The smallest device budget that can work: the parameter chunks one module computes with at
+once plus one gradient chunk. At exactly that budget a dense model (Llama), a tied one (GPT-2:
+the embedding is the output layer) and a mixture of experts whose experts get no tokens in some
+steps train with clipping and accumulation (no_sync) as plain PyTorch does, under each policy.
+The floor is enough, not always needed (a gradient may land after its module released its
+chunks); with room for one chunk, below it for every model here, the OutOfMemoryError names
+it in bytes."""
+
+import copy
+
+import pytest
+import torch
+
+import gemini_ext as gx
+
+transformers = pytest.importorskip("transformers")
+
+CHUNK = 4096  # elements
+STEPS, ACCUM, VOCAB = 3, 2, 96
+# GPT-2's key bias has a zero gradient up to rounding; a larger eps keeps Adam from turning that
+# rounding noise into full-size steps whose signs differ between any two summation orders.
+EPS = 1e-3
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Experts(torch.nn.Module):
+    """Top-1 routing over separate expert modules; the router is a fixed rule on the token id, so
+    that some experts get no tokens in some steps (their parameters get no gradient)."""
+
+    def __init__(self, width=32, experts=4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(experts))
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        route = input_ids % len(self.experts)
+        out = torch.zeros_like(h)
+        for k, expert in enumerate(self.experts):
+            mask = route == k
+            if mask.any():
+                out[mask] = expert(h[mask])
+        logits = self.head(torch.relu(out + h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "moe": Experts}
+
+
+def _ids(step, micro, model_name):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    if model_name == "moe" and step == 1:  # only experts 0 and 2 get tokens in this step
+        return torch.randint(0, VOCAB // 2, (2, 12), generator=g) * 2
+    return torch.randint(0, VOCAB, (2, 12), generator=g)
+
+
+def _loss(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    return out if torch.is_tensor(out) else out.loss
+
+
+def _train(model, model_name, opt, clip, no_sync):
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            ctx = no_sync() if micro < ACCUM - 1 else torch.enable_grad()
+            with ctx:
+                (_loss(model, _ids(step, micro, model_name)) / ACCUM).backward()
+        clip(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _floor_bytes(model, engine) -> int:
+    """The parameter chunks of the module with the most, plus the largest gradient chunk."""
+    chunk_bytes = {}
+    worst = 0
+    for module in model.modules():
+        chunks = {engine.parameter_slot(p)[0] for p in module.parameters(recurse=False)}
+        for c in chunks:
+            chunk_bytes.setdefault(c, engine.chunk_info(c)["shard_numel"] * 4)  # fp32
+        worst = max(worst, sum(chunk_bytes[c] for c in chunks))
+    return worst + max(chunk_bytes.values())
+
+
+def _config(policy, capacity, **kw):
+    if policy == "static":
+        kw["offload_optim_frac"] = 1.0
+    if policy == "const":
+        kw["const_gpu_budget"] = capacity or 1 << 30
+    return gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": CHUNK},
+                           placement_policy=policy, sim_capacity=capacity, **kw)
+
+
+@pytest.mark.parametrize("model_name,policy,extra", [
+    ("llama", "static", {}), ("llama", "const", {}), ("llama", "auto", {"enable_gradient_accumulation": True}),
+    ("gpt2", "static", {}), ("moe", "static", {}), ("moe", "auto", {}),
+])
+def test_the_floor_trains_as_plain_pytorch_and_below_it_the_error_names_it(model_name, policy, extra):
+    torch.manual_seed(0)
+    reference = MODELS[model_name]()
+    model = copy.deepcopy(reference)
+    probe = copy.deepcopy(reference)
+    with gx.enable(probe, _config(policy, None, **extra)) as engine:
+        floor = _floor_bytes(probe, engine)
+        smallest_chunk = min(engine.chunk_info(engine.parameter_slot(p)[0])["shard_numel"] * 4
+                             for p in probe.parameters())
+
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=EPS)
+    _train(reference, model_name, opt, lambda n: torch.nn.utils.clip_grad_norm_(reference.parameters(), n),
+           torch.enable_grad)
+
+    with gx.enable(model, _config(policy, floor, **extra)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
+        _train(model, model_name, opt, engine.clip_grad_norm_, engine.no_sync)
+        assert engine.stats()["counters"]["evictions"] > 0, "the floor is below the model: chunks moved"
+        got = engine.state_dict()
+    for name, value in reference.state_dict().items():
+        if name in got:
+            diff = ((got[name] - value).abs().max() / value.abs().max().clamp_min(1e-12)).item()
+            assert diff <= 1e-5, (name, diff)
+
+    below = copy.deepcopy(reference)
+    with pytest.raises(gx.OutOfMemoryError, match=f"trains under is about {floor} bytes"):
+        with gx.enable(below, _config(policy, smallest_chunk, **extra)) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
+            _train(below, model_name, opt, engine.clip_grad_norm_, engine.no_sync)
