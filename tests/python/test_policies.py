@@ -335,10 +335,12 @@ def test_the_budget_error_names_the_gradients_kept_on_the_device_for_the_host(mo
             train_gemini(make_models()[0], 6, cfg)
     text = str(err.value)
     held = int(re.search(r"chunks hold (\d+) bytes", text).group(1))
-    parts = [int(n) for n in re.findall(r"\((\d+) bytes\)", text)[1:]]  # after the chunk asked for
+    breakdown = text.split(" The smallest budget")[0]  # the floor's figures follow it
+    parts = [int(n) for n in re.findall(r"\((\d+) bytes\)", breakdown)[1:]]  # after the chunk asked for
     kept = int(re.search(r"gradient chunks of optimizer state the host cannot hold \((\d+) bytes\)", text).group(1))
     assert kept > 0 and sum(parts) == held, text
     assert "use more data-parallel ranks or free host memory" in text and "offload_optim_frac" not in text
+    assert "The smallest budget this model trains under is about" in text
 
 
 @pytest.mark.parametrize("device", DEVICES)
