@@ -1,7 +1,8 @@
 """The smallest device budget that can work: the parameter chunks one module computes with at
 once plus one gradient chunk. At exactly that budget a dense model (Llama), a tied one (GPT-2:
 the embedding is the output layer) and a mixture of experts whose experts get no tokens in some
-steps train with clipping and accumulation (no_sync) as plain PyTorch does, under each policy.
+steps train with clipping and accumulation (no_sync) as plain PyTorch does, under each policy,
+and fp16 with loss scaling as with an unlimited budget.
 The floor is enough, not always needed (a gradient may land after its module released its
 chunks); with room for one chunk, below it for every model here, the OutOfMemoryError names
 it in bytes."""
@@ -95,11 +96,12 @@ def _floor_bytes(model, engine) -> int:
 
 
 def _config(policy, capacity, **kw):
+    kw.setdefault("precision", "fp32")
     if policy == "static":
         kw["offload_optim_frac"] = 1.0
     if policy == "const":
         kw["const_gpu_budget"] = capacity or 1 << 30
-    return gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": CHUNK},
+    return gx.GeminiConfig(device="sim", chunk_config_dict={"chunk_size": CHUNK},
                            placement_policy=policy, sim_capacity=capacity, **kw)
 
 
@@ -136,3 +138,26 @@ def test_the_floor_trains_as_plain_pytorch_and_below_it_the_error_names_it(model
         with gx.enable(below, _config(policy, smallest_chunk, **extra)) as engine:
             opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
             _train(below, model_name, opt, engine.clip_grad_norm_, engine.no_sync)
+
+
+def test_fp16_with_loss_scaling_at_the_floor_equals_an_unlimited_budget():
+    """fp16 chunks (half the bytes, so half the floor) with the dynamic loss scaler: the values
+    at the floor are bit for bit those of a budget that never evicts."""
+    torch.manual_seed(0)
+    reference = _llama()
+    probe = copy.deepcopy(reference)
+    with gx.enable(probe, _config("static", None)) as engine:
+        floor_fp16 = _floor_bytes(probe, engine) // 2
+
+    def train(capacity):
+        model = copy.deepcopy(reference)
+        with gx.enable(model, _config("static", capacity, precision="fp16")) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
+            _train(model, "llama", opt, engine.clip_grad_norm_, engine.no_sync)
+            return engine.state_dict(), engine.stats()["counters"]["evictions"]
+
+    at_floor, evictions = train(floor_fp16)
+    unlimited, none = train(None)
+    assert evictions > 0 and none == 0
+    for name, value in unlimited.items():
+        assert torch.equal(at_floor[name], value), name
