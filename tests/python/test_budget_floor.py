@@ -72,12 +72,12 @@ def _loss(model, ids):
     return out if torch.is_tensor(out) else out.loss
 
 
-def _train(model, model_name, opt, clip, no_sync):
+def _train(model, model_name, opt, clip, no_sync, device="cpu"):
     for step in range(STEPS):
         for micro in range(ACCUM):
             ctx = no_sync() if micro < ACCUM - 1 else torch.enable_grad()
             with ctx:
-                (_loss(model, _ids(step, micro, model_name)) / ACCUM).backward()
+                (_loss(model, _ids(step, micro, model_name).to(device)) / ACCUM).backward()
         clip(1.0)
         opt.step()
         opt.zero_grad()
@@ -95,49 +95,65 @@ def _floor_bytes(model, engine) -> int:
     return worst + max(chunk_bytes.values())
 
 
-def _config(policy, capacity, **kw):
+def _config(policy, capacity, device="sim", **kw):
+    """On sim the device's capacity is the budget; on cuda (const only) the const budget, which
+    caps the chunks exactly (a cuda limit would cover activations too)."""
     kw.setdefault("precision", "fp32")
     if policy == "static":
         kw["offload_optim_frac"] = 1.0
     if policy == "const":
         kw["const_gpu_budget"] = capacity or 1 << 30
-    return gx.GeminiConfig(device="sim", chunk_config_dict={"chunk_size": CHUNK},
-                           placement_policy=policy, sim_capacity=capacity, **kw)
+    if device == "sim":
+        kw["sim_capacity"] = capacity
+    return gx.GeminiConfig(device=device, chunk_config_dict={"chunk_size": CHUNK}, placement_policy=policy, **kw)
 
 
-@pytest.mark.parametrize("model_name,policy,extra", [
-    ("llama", "static", {}), ("llama", "const", {}), ("llama", "auto", {"enable_gradient_accumulation": True}),
-    ("gpt2", "static", {}), ("moe", "static", {}), ("moe", "auto", {}),
-])
-def test_the_floor_trains_as_plain_pytorch_and_below_it_the_error_names_it(model_name, policy, extra):
+CUDA = pytest.mark.cuda
+CASES = [
+    pytest.param("llama", "static", {}, "sim", id="llama-static"),
+    pytest.param("llama", "const", {}, "sim", id="llama-const"),
+    pytest.param("llama", "auto", {"enable_gradient_accumulation": True}, "sim", id="llama-auto-accumulation"),
+    pytest.param("gpt2", "static", {}, "sim", id="gpt2-static"),
+    pytest.param("moe", "static", {}, "sim", id="moe-static"),
+    pytest.param("moe", "auto", {}, "sim", id="moe-auto"),
+    pytest.param("llama", "const", {}, "cuda", id="llama-const-cuda", marks=CUDA),
+    pytest.param("gpt2", "const", {}, "cuda", id="gpt2-const-cuda", marks=CUDA),
+    pytest.param("moe", "const", {}, "cuda", id="moe-const-cuda", marks=CUDA),
+]
+
+
+@pytest.mark.parametrize("model_name,policy,extra,device", CASES)
+def test_the_floor_trains_as_plain_pytorch_and_below_it_the_error_names_it(model_name, policy, extra, device):
     torch.manual_seed(0)
     reference = MODELS[model_name]()
     model = copy.deepcopy(reference)
     probe = copy.deepcopy(reference)
-    with gx.enable(probe, _config(policy, None, **extra)) as engine:
+    reference.to("cuda" if device == "cuda" else "cpu")  # after the copies: the engine places its own
+    with gx.enable(probe, _config(policy, None, device, **extra)) as engine:
         floor = _floor_bytes(probe, engine)
         smallest_chunk = min(engine.chunk_info(engine.parameter_slot(p)[0])["shard_numel"] * 4
                              for p in probe.parameters())
 
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=EPS)
     _train(reference, model_name, opt, lambda n: torch.nn.utils.clip_grad_norm_(reference.parameters(), n),
-           torch.enable_grad)
+           torch.enable_grad, next(reference.parameters()).device)
 
-    with gx.enable(model, _config(policy, floor, **extra)) as engine:
+    with gx.enable(model, _config(policy, floor, device, **extra)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
-        _train(model, model_name, opt, engine.clip_grad_norm_, engine.no_sync)
+        _train(model, model_name, opt, engine.clip_grad_norm_, engine.no_sync, engine.compute_device)
         assert engine.stats()["counters"]["evictions"] > 0, "the floor is below the model: chunks moved"
         got = engine.state_dict()
     for name, value in reference.state_dict().items():
         if name in got:
-            diff = ((got[name] - value).abs().max() / value.abs().max().clamp_min(1e-12)).item()
+            value = value.cpu()
+            diff = ((got[name].cpu() - value).abs().max() / value.abs().max().clamp_min(1e-12)).item()
             assert diff <= 1e-5, (name, diff)
 
     below = copy.deepcopy(reference)
     with pytest.raises(gx.OutOfMemoryError, match=f"trains under is about {floor} bytes"):
-        with gx.enable(below, _config(policy, smallest_chunk, **extra)) as engine:
+        with gx.enable(below, _config(policy, smallest_chunk, device, **extra)) as engine:
             opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
-            _train(below, model_name, opt, engine.clip_grad_norm_, engine.no_sync)
+            _train(below, model_name, opt, engine.clip_grad_norm_, engine.no_sync, engine.compute_device)
 
 
 def test_fp16_with_loss_scaling_at_the_floor_equals_an_unlimited_budget():
