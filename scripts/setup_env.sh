@@ -16,15 +16,19 @@ SUDO=""
 
 log() { echo "[setup] $*" >&2; }
 
+has_python_module() {  # module: installed (found, not imported: importing lightning alone takes seconds)
+  "$PYTHON" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" 2>/dev/null
+}
+
 ensure_python_module() {  # module pip-spec
-  if ! "$PYTHON" -c "import $1" 2>/dev/null; then
+  if ! has_python_module "$1"; then
     log "installing $2"
     "$PYTHON" -m pip install -q "$2"
   fi
 }
 
 ensure_torch() {
-  if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  if ! has_python_module torch; then
     log "torch is not importable: installing torch==2.13.0"
     "$PYTHON" -m pip install -q "torch==2.13.0"
   fi
