@@ -85,7 +85,7 @@ def test_hf_trainer_example_trains_saves_and_reloads(tmp_path):
     pytest.importorskip("transformers")
     # bf16: the saved files hold the fp32 masters, and the config must say so (save_pretrained inside
     # the engine sees bf16 parameters)
-    result = _example("hf_trainer").main(["--steps", "30", "--hidden", "64", "--layers", "2", "--seq", "64",
+    result = _example("hf_trainer").main(["--steps", "16", "--hidden", "64", "--layers", "2", "--seq", "32",
                                           "--device", "sim", "--precision", "bf16", "--out", str(tmp_path / "llama")])
     assert result["losses"][-1] < result["losses"][0], "the loss goes down"
     assert result["reloaded_identical"], "from_pretrained without gemini_ext gives the trained parameters"
