@@ -81,7 +81,8 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       " The smallest budget this model trains under is about ", floor_p_bytes + grad_bytes_floor, " bytes: ",
       floor_p_chunks, " parameter chunk(s) one module computes with at once (", floor_p_bytes, " bytes, the most seen"
       " so far)", grad_bytes_floor > 0 ? detail::concat(" and one gradient chunk (", grad_bytes_floor, " bytes)") : "",
-      sharded() ? ", plus the gathered buffers of a sharded model" : "", ".");
+      sharded() ? ", plus the gathered buffers of a sharded model" : "",
+      optim_bytes + kept_grad_bytes > 0 ? ", with the optimizer state on the host" : "", ".");
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
       "' policy: the device budget is ", budget(), " bytes and chunks hold ",
