@@ -78,10 +78,12 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
   const int64_t floor_p_bytes = peak_larger ? compute_peak_bytes_ : now_bytes;
   const int64_t grad_bytes_floor = largest_grad_bytes();
   const std::string floor = detail::concat(
-      " The smallest budget this model trains under is about ", floor_p_bytes + grad_bytes_floor, " bytes: ",
+      " The smallest budget this model trains under is ", sharded() ? "at least " : "about ",
+      floor_p_bytes + grad_bytes_floor, " bytes: ",
       floor_p_chunks, " parameter chunk(s) one module computes with at once (", floor_p_bytes, " bytes, the most seen"
       " so far)", grad_bytes_floor > 0 ? detail::concat(" and one gradient chunk (", grad_bytes_floor, " bytes)") : "",
-      sharded() ? ", plus the gathered buffers of a sharded model" : "",
+      sharded() ? "; sharded, every further chunk whose gradients are still arriving keeps a gathered gradient "
+                  "buffer on top" : "",
       optim_bytes + kept_grad_bytes > 0 ? ", with the optimizer state on the host" : "", ".");
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
@@ -107,7 +109,8 @@ std::pair<int, int64_t> Residency::in_compute(ChunkId also) const {
     const Chunk& p = mgr_.chunk(set.spec.param);
     if (set.spec.param == also || p.count_in(S::kCompute) > 0) {
       chunks += 1;
-      bytes += static_cast<int64_t>(sharded() ? p.chunk_bytes() : p.shard_bytes());
+      // sharded: the gathered buffer and the shard it is gathered from
+      bytes += static_cast<int64_t>(p.shard_bytes() + (sharded() ? p.chunk_bytes() : 0));
     }
   }
   return {chunks, bytes};
@@ -116,7 +119,11 @@ std::pair<int, int64_t> Residency::in_compute(ChunkId also) const {
 int64_t Residency::largest_grad_bytes() const {
   int64_t largest = 0;
   for (const auto& set : sets_)
-    if (set.trainable) largest = std::max(largest, static_cast<int64_t>(mgr_.chunk(set.spec.grad).shard_bytes()));
+    if (set.trainable) {
+      // sharded: the whole gradients are collected in a gathered buffer and reduce-scattered into the shard
+      const Chunk& g = mgr_.chunk(set.spec.grad);
+      largest = std::max(largest, static_cast<int64_t>(g.shard_bytes() + (sharded() ? g.chunk_bytes() : 0)));
+    }
   return largest;
 }
 

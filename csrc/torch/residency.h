@@ -83,9 +83,9 @@ class Residency {
   std::vector<ChunkId> evictable_while_collecting(ChunkId requester) const;
   [[noreturn]] void throw_budget_exceeded(ChunkId id, size_t bytes);
   // Parameter chunks in COMPUTE on the device, with `also` counted if it is a parameter chunk
-  // not among them: (chunks, bytes).
+  // not among them: (chunks, bytes; sharded, a chunk's bytes are its shard and gathered buffer).
   std::pair<int, int64_t> in_compute(ChunkId also) const;
-  int64_t largest_grad_bytes() const;
+  int64_t largest_grad_bytes() const;  // one gradient chunk's device bytes (sharded: shard + gathered)
   int set_of_chunk(ChunkId p_chunk) const;
   bool sharded() const { return mgr_.sharded(); }
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gemini_ext as gx
+from dist_utils import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,3 +178,33 @@ def test_fp16_with_loss_scaling_at_the_floor_equals_an_unlimited_budget():
     assert evictions > 0 and none == 0
     for name, value in unlimited.items():
         assert torch.equal(at_floor[name], value), name
+
+
+def _sharded_floor_body(rank, world_size, out_path):
+    """Two gloo ranks, a budget of two shards: the error states the sharded floor's lower bound
+    (per chunk its shard plus its gathered buffer) and says what comes on top."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _llama()
+    cfg = _config("static", None)
+    probe = copy.deepcopy(model)
+    with gx.enable(probe, cfg, process_group=dist.group.WORLD) as engine:
+        def device_bytes(c):  # fp32: the shard and the gathered buffer
+            info = engine.chunk_info(c)
+            return (info["shard_numel"] + info["padded_numel"]) * 4
+        modules = [{engine.parameter_slot(p)[0] for p in m.parameters(recurse=False)} for m in probe.modules()]
+        floor = (max(sum(device_bytes(c) for c in chunks) for chunks in modules)
+                 + max(device_bytes(c) for chunks in modules for c in chunks))
+        shard = engine.chunk_info(engine.parameter_slot(next(probe.parameters()))[0])["shard_numel"] * 4
+    with pytest.raises(gx.OutOfMemoryError) as err:
+        with gx.enable(model, _config("static", 2 * shard), process_group=dist.group.WORLD) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-2, eps=EPS)
+            _train(model, "llama", opt, engine.clip_grad_norm_, engine.no_sync)
+    text = str(err.value)
+    assert f"trains under is at least {floor} bytes" in text, (floor, text)
+    assert "keeps a gathered gradient buffer on top" in text, text
+
+
+def test_sharded_the_error_states_the_floors_lower_bound():
+    run_ranks(2, _sharded_floor_body, None)
