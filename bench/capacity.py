@@ -4,7 +4,7 @@
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
-    python bench/capacity.py --smoke                          # tiny and small (two ranks: tiny), CPU + sim (tests)
+    python bench/capacity.py --smoke                          # gemini_ext on tiny and small (two ranks: tiny), sim (tests)
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
 activation checkpointing in every system, presets in ascending size; a system stops at its first
@@ -81,9 +81,11 @@ def main(argv=None) -> list[dict]:
     presets = [x.strip() for x in args.presets.split(",")] if args.presets else default_presets(args.gpus)
     init = args.init_device = args.init_device or ("meta" if args.gpus > 1 else "cuda")
     if args.smoke:
-        presets, args.seq, names = ["tiny", "small"], 16, ["plain", "gemini-auto", "gemini-offload-all"]
-        if args.gpus > 1:  # the launch path; the search from preset to preset is the one-process run's
-            presets, names = ["tiny"], names[1:]
+        # plain PyTorch's script is the offload smoke's too; two ranks check the launch path, the
+        # search from preset to preset is the one-process run's
+        presets, args.seq, names = ["tiny", "small"], 16, ["gemini-auto", "gemini-offload-all"]
+        if args.gpus > 1:
+            presets = ["tiny"]
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
         unknown = set(names) - set(systems())

@@ -114,8 +114,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
     out = run_python("bench/capacity.py", "--smoke", "--gpus", str(gpus), "--json-out", str(out_json), timeout=900)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out_json.read_text())["rows"]
-    expected = ["plain", "gemini-auto", "gemini-offload-all"]
-    assert [r["system"] for r in rows] == (expected if gpus == 1 else expected[1:])
+    assert [r["system"] for r in rows] == ["gemini-auto", "gemini-offload-all"]
     assert f"on {gpus} GPU(s)" in out.stdout
     for r in rows:
         assert r["largest"].get("ranks", 1) == gpus, r["largest"]
