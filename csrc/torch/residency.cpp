@@ -186,6 +186,12 @@ void Residency::ensure_on_device(ChunkId id) {
   const auto t0 = std::chrono::steady_clock::now();
   if (id != last_accessed_) {
     last_accessed_ = id;
+    // Only a new chunk in the access stream can raise what computes at once (the budget's floor).
+    const auto [chunks, bytes] = in_compute(id);
+    if (bytes > compute_peak_bytes_) {
+      compute_peak_bytes_ = bytes;
+      compute_peak_chunks_ = chunks;
+    }
     // The access stream moves to another chunk: idle chunks whose home is the host go back now
     // (evicting them at every module's release would fetch a chunk once per module using it);
     // prefetched chunks not used yet stay.
@@ -204,11 +210,6 @@ void Residency::ensure_on_device(ChunkId id) {
     }
   }
   with_room(id, [&] { mgr_.access(id); }, device_bytes_needed(id, /*gather=*/true));
-  const auto [chunks, bytes] = in_compute(id);
-  if (bytes > compute_peak_bytes_) {
-    compute_peak_bytes_ = bytes;
-    compute_peak_chunks_ = chunks;
-  }
   if (!had) {
     counters_.fetches += 1;
     counters_.sync_fetch_waits += 1;
