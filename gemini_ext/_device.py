@@ -60,6 +60,12 @@ class ComputeDevice:
             capacity = min(capacity, total) if capacity else total
         return int(capacity)
 
+    def total_bytes(self) -> int:
+        """The whole device (cuda), whatever gpu_memory_limit says; the sim device's capacity."""
+        if self.is_cuda:
+            return int(torch.cuda.mem_get_info(self.torch_device)[1])
+        return int(self.context.capacity_bytes)
+
     def free_bytes(self) -> int | None:
         """The device's free memory (cuda); None on sim."""
         return torch.cuda.mem_get_info(self.torch_device)[0] if self.is_cuda else None

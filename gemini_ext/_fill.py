@@ -51,7 +51,7 @@ class ChunkFill:
         return now
 
     def run(self, on_device: set) -> None:
-        """Fills the chunks; master chunks in `on_device` were allocated on the device only."""
+        """Fills the chunks; those in `on_device` were allocated on the device only."""
         layout, chunks = self._layout, self._chunks
         host = chunks.host_tier
         sharded = self._groups.world_size > 1
@@ -81,14 +81,17 @@ class ChunkFill:
     def _write(self, i: int, p: torch.Tensor, value: torch.Tensor, host: str, on_device: set) -> None:
         """Each rank fills the part of each tensor that lies in its shard (all of it unsharded)."""
         layout, chunks = self._layout, self._chunks
+
+        def write(handle):
+            chunks.write_slot(handle, "device" if handle[0] in on_device else host, value)
+
         if not p.requires_grad:
-            chunks.write_slot(layout.handles[("frozen", i)], host, value)
+            write(layout.handles[("frozen", i)])
             chunks.transition(layout.handles[("frozen", i)], _C.TensorState.HOLD)
             return
-        chunks.write_slot(layout.handles[("param", i)], host, value)
+        write(layout.handles[("param", i)])
         if layout.has_master:
-            master = layout.handles[("master", i)]
-            chunks.write_slot(master, "device" if master[0] in on_device else host, value)
+            write(layout.handles[("master", i)])
         for kind in layout.trainable_kinds:
             chunks.transition(layout.handles[(kind, i)], _C.TensorState.HOLD)
 

@@ -36,18 +36,25 @@ class Placer:
 
     def _measure(self, **iteration) -> Measurements:
         layout = self._layout
-        available = None
+        available = releasable = None
         if self.policy.reads_host_memory:
             available = _host_memory.host_available_bytes()
             if available is not None:
                 available = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
+                releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
         return Measurements(
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
             trainable=tuple(s.trainable for s in layout.sets),
             set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds),
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
-            world_size=self._groups.world_size, host_available_bytes=available, **iteration)
+            world_size=self._groups.world_size, host_available_bytes=available,
+            host_releasable_bytes=releasable or 0, device_total_bytes=self._device.total_bytes(), **iteration)
+
+    def _releasable_host_bytes(self) -> int:
+        """The model's host tensors enable() releases as their values land in chunks (every
+        parameter it manages, before the fill; 0 after it, when they are gone)."""
+        return sum(p.numel() * p.element_size() for p in self._layout.params if p.device.type == "cpu")
 
     def initial(self) -> Placement:
         """The policy's placement before any memory is taken."""
@@ -61,16 +68,19 @@ class Placer:
         return [{"param": chunks.param, "grad": chunks.grad, "master": chunks.master, "states": [],
                  **dataclasses.asdict(place)} for chunks, place in zip(self._layout.sets, self.current.sets)]
 
-    def device_state_chunks(self) -> tuple[list[int], list[int]]:
-        """(optimizer-state chunks, gradient chunks) of the sets whose state starts on the device:
-        the state is allocated there directly, never on the host, and the gradients get no copy
-        yet (they are born on the device)."""
-        state, grads = [], []
+    def device_first_chunks(self) -> tuple[list[int], list[int]]:
+        """(chunks allocated on the device directly, gradient chunks without a copy yet). The
+        optimizer state of the sets whose state starts on the device is allocated there, never
+        on the host, and their gradients are born on the device. Where the plan says so, their
+        parameter chunks are allocated on the device too (no host copy: the fill writes them there)."""
+        first, grads = [], []
         for chunks, place in zip(self._layout.sets, self.current.sets):
             if chunks.trainable and not place.optim_on_host:
-                state += [c for k, c in chunks.optimizer_side().items() if k != "grad"]
+                first += [c for k, c in chunks.optimizer_side().items() if k != "grad"]
                 grads.append(chunks.grad)
-        return state, grads
+                if self.current.params_born_on_device:
+                    first.append(chunks.param)
+        return first, grads
 
     def after_iteration(self, runtime, tracer) -> None:
         """Decides again after the first iteration and whenever the access trace was re-recorded
@@ -80,8 +90,8 @@ class Placer:
         rerecordings = runtime.trace_info()["rerecordings"]
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
             return
-        non_model = int(self._groups.reduce(tracer.last_non_model_peak_bytes(), "max"))
-        measured = self._measure(non_model_peak_bytes=non_model, trace_rerecordings=rerecordings)
+        figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
+        measured = self._measure(trace_rerecordings=rerecordings, **figures)
         current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
                                                p["grad_stays_on_device"]) for p in runtime.set_placements()),
                             self.current.device_budget_bytes, self.current.decision)

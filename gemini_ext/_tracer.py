@@ -44,19 +44,34 @@ class MemoryTracer:
         entry["prefetch_misses"] = entry["sync_fetches"]  # a chunk compute needed that was not fetched ahead
         entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
         entry["host_bytes"] = sum(self._chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
-        if self._device.is_cuda:
-            device = self._device.torch_device
-            entry["non_model_peak_bytes"] = allocator.non_model_peak_bytes(device)
-            allocator.begin_non_model_window(device)
-        else:
-            entry["non_model_peak_bytes"] = 0
+        entry.update(self._device_figures())
         self.steps.append(entry)
         if len(self.steps) > HISTORY:
             del self.steps[:-HISTORY]
         self._last_totals = totals
 
-    def last_non_model_peak_bytes(self) -> int:
-        return self.steps[-1]["non_model_peak_bytes"] if self.steps else 0
+    def _device_figures(self) -> dict:
+        """The iteration's non-model figures on the device, and a new window for the next one:
+        torch's allocation peak in the window, what its allocator holds from the device now (its
+        cached segments keep the iteration's high-water mark, fragmentation included), and the
+        device memory neither torch's allocator nor any chunk pool holds (the CUDA context,
+        libraries allocating outside torch, other processes). All 0 on sim, where activations live
+        on the host."""
+        if not self._device.is_cuda:
+            return {"non_model_peak_bytes": 0, "non_model_reserved_bytes": 0, "device_other_bytes": 0}
+        device = self._device.torch_device
+        peak = allocator.non_model_peak_bytes(device)
+        allocator.begin_non_model_window(device)
+        reserved = allocator.torch_reserved_bytes(device)
+        free, total = torch.cuda.mem_get_info(device)
+        chunk_slots = allocator.memory_stats()["chunk_slot_bytes"]
+        return {"non_model_peak_bytes": peak, "non_model_reserved_bytes": reserved,
+                "device_other_bytes": max(0, total - free - reserved - chunk_slots)}
+
+    def last_device_figures(self) -> dict:
+        """_device_figures() of the last iteration (zeros before the first ends)."""
+        keys = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes")
+        return {k: self.steps[-1][k] for k in keys} if self.steps else dict.fromkeys(keys, 0)
 
     def _totals(self) -> dict:
         self._chunks.poll()  # collects the copy waits measured so far

@@ -113,6 +113,14 @@ def torch_allocated_bytes(device) -> int:
     return int(torch.cuda.memory_allocated(device))
 
 
+def torch_reserved_bytes(device) -> int:
+    """Bytes torch's allocator holds from `device` now, in use or cached (its segments, so its
+    fragmentation included): our arena's reservation under 'chunk'."""
+    if mode() == "chunk":
+        return int(_C.chunk_allocator_stats()["reserved_bytes.current"])
+    return int(torch.cuda.memory_reserved(device))
+
+
 def begin_non_model_window(device) -> None:
     """Starts measuring the peak of torch's allocations (the non-model data) on `device` from
     now, without resetting any peak statistic: torch.cuda.max_memory_allocated() and

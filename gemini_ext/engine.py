@@ -96,13 +96,13 @@ class GeminiEngine:
                                   MAX_STATE_KINDS, self.chunk_size)
         self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
-        device_state, device_grads = self.placer.device_state_chunks()
+        device_first, device_grads = self.placer.device_first_chunks()
         timer.done("plan")  # chunk size, layouts, placement plan
-        self.chunks.finalize(device_state, device_grads + self.layout.unbound_state_chunks())
+        self.chunks.finalize(device_first, device_grads + self.layout.unbound_state_chunks())
         timer.done("allocate")  # every chunk's first copy, zeroed
         fill = ChunkFill(self.layout, self.chunks, self.groups, self.device, meta)
         try:
-            fill.run(set(device_state))
+            fill.run(set(device_first))
             self.setup_fill_parts = fill.parts
             timer.done("fill")  # the parameters' values into chunks (materialising a meta-built model)
             self._finish_init()

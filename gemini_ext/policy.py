@@ -54,7 +54,25 @@ import dataclasses
 from . import _C
 from ._units import format_bytes
 
-HOST_MARGIN = 1 / 8  # of the host's available memory, never planned for
+# [Note: safety margins]
+# Device, after an iteration was measured (static and auto): chunks get the capacity less
+#  (a) the non-model memory the iteration needed: the larger of torch's allocation peak and what
+#      torch's allocator holds from the device at its end (its cached segments keep the
+#      high-water mark, with their fragmentation);
+#  (b) headroom for the next iterations to differ: 1/16 of (a), at least NON_MODEL_HEADROOM_MIN;
+#  (c) on the whole device (no gpu_memory_limit), the device memory neither torch nor a chunk
+#      pool holds, as measured then (the CUDA context, libraries allocating outside torch).
+#  A fixed fraction of the device would keep 8.7 GiB of an H200 idle whatever the model needs.
+# Host, when a policy reads it (auto): MemAvailable (per local rank) plus what enable() gives back
+#  of the model's own host tensors as their values land in chunks, less HOST_RESERVE_BYTES (or
+#  1/8 of the available memory where that is less) for what the process allocates later
+#  (batches, Python objects, the kernel's page tables for pinned memory). The chunks enable()
+#  allocates before it releases anything must also fit what is available before the release.
+# The warm-up (auto on cuda under the default allocator, before anything is measured) keeps
+#  WARMUP_RESERVE of the device from chunks: activations cannot be measured before they exist.
+NON_MODEL_HEADROOM_MIN = 256 << 20
+NON_MODEL_HEADROOM = 1 / 16  # of the measured non-model memory
+HOST_RESERVE_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +88,11 @@ class Measurements:
     sharded: bool                       # chunks are sharded over a process group
     world_size: int                     # ranks of that group
     host_available_bytes: int | None = None  # the least of any rank (policies with reads_host_memory)
+    host_releasable_bytes: int = 0      # the model's host tensors enable() releases as it fills (least of any rank)
+    device_total_bytes: int = 0         # the whole device (cuda), whatever gpu_memory_limit says
     non_model_peak_bytes: int = 0       # the last iteration's, the most of any rank
+    non_model_reserved_bytes: int = 0   # torch's allocator's hold on the device at its end, the most of any rank
+    device_other_bytes: int = 0         # device memory neither torch nor a chunk pool holds, the most of any rank
     trace_rerecordings: int = 0         # how often the access trace changed so far
 
     def trainable_shard_bytes(self) -> list[int]:
@@ -94,6 +116,7 @@ class Placement:
     device_budget_bytes: int = 0    # device bytes chunks may hold; 0: the backend's capacity
     decision: dict = dataclasses.field(default_factory=dict)  # what was measured and chosen (stats())
     warnings: tuple = ()            # for the user: the engine warns with each
+    params_born_on_device: bool = False  # parameter chunks allocated on the device at enable(), no host copy
 
     @property
     def host_bound_sets(self) -> int:
@@ -102,6 +125,18 @@ class Placement:
 
     def with_optim_on_host(self, on_host: list[bool]) -> tuple:
         return tuple(dataclasses.replace(s, optim_on_host=h) for s, h in zip(self.sets, on_host))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """auto's plan of the host (bytes): the optimizer state of every trainable set, the part the
+    host takes, the parameter copies it holds; what was available and the room planned."""
+    state_bytes: int
+    host_state_bytes: int
+    params_host_bytes: int
+    available_bytes: int | None
+    room_bytes: int | None
+    params_born_on_device: bool
 
 
 POLICY_CLASSES: dict = {}
@@ -116,7 +151,6 @@ def register(cls):
 class PlacementPolicy:
     name = ""
     reads_host_memory = False  # whether Measurements.host_available_bytes must be gathered
-    MARGIN = 1 / 16            # of the device, kept free when the budget is planned from measurements
 
     def __init__(self, config):
         self.config = config
@@ -168,19 +202,36 @@ class PlacementPolicy:
         return current
 
 
-def measured_chunk_budget(m: Measurements, margin: float, policy: str) -> tuple[int, list[str]]:
-    """The chunk budget from the last iteration: the capacity minus what torch's allocator
-    peaked at minus a margin, never below three of the largest chunks (one in compute, one
-    gradient chunk, one being fetched); with a warning when it had to raise it to that floor."""
-    capacity, non_model = m.device_capacity_bytes, m.non_model_peak_bytes
-    budget = int(capacity - non_model - capacity * margin)
+def host_reserve_bytes(available: int) -> int:
+    """Host memory no plan takes (the Note on safety margins)."""
+    return min(HOST_RESERVE_BYTES, available // 8)
+
+
+def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]:
+    """The chunk budget from the last iteration (the Note on safety margins), never below three
+    of the largest chunks (one in compute, one gradient chunk, one being fetched); with a warning
+    when it had to raise it to that floor."""
+    capacity = m.device_capacity_bytes
+    non_model = max(m.non_model_peak_bytes, m.non_model_reserved_bytes)
+    headroom = max(NON_MODEL_HEADROOM_MIN, int(non_model * NON_MODEL_HEADROOM)) if m.device_kind == "cuda" else 0
+    other = m.device_other_bytes if capacity >= m.device_total_bytes else 0  # a gpu_memory_limit excludes it
+    budget = int(capacity - non_model - headroom - other)
     floor = 3 * max(m.set_shard_bytes)
     if budget >= floor:
         return budget, []
-    return floor, [f"gemini_ext {policy} placement: the device has {format_bytes(capacity)} and an iteration peaked "
-                   f"at {format_bytes(non_model)} of non-model memory, leaving less than three chunks "
+    return floor, [f"gemini_ext {policy} placement: the device has {format_bytes(capacity)} and an iteration needed "
+                   f"{format_bytes(non_model)} of non-model memory (with {format_bytes(headroom)} of headroom and "
+                   f"{format_bytes(other)} held outside torch), leaving less than three chunks "
                    f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, use "
                    "activation checkpointing or smaller chunks."]
+
+
+def budget_decision(m: Measurements, budget: int, current: Placement) -> dict:
+    """What a decision from measurements records (stats()["placement"]["decision"])."""
+    return {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,
+            "non_model_reserved_bytes": m.non_model_reserved_bytes, "device_other_bytes": m.device_other_bytes,
+            "chunk_budget_bytes": budget, "trace_rerecordings": m.trace_rerecordings,
+            "decisions": current.decision.get("decisions", 0) + 1}
 
 
 @register
@@ -192,11 +243,8 @@ class StaticPolicy(PlacementPolicy):
 
     def after_iteration(self, m: Measurements, current: Placement) -> Placement:
         # Plan for the activations just measured: the fractions stay, what does not fit is evicted.
-        budget, warnings = measured_chunk_budget(m, self.MARGIN, self.name)
-        decision = {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,
-                    "chunk_budget_bytes": budget, "trace_rerecordings": m.trace_rerecordings,
-                    "decisions": current.decision.get("decisions", 0) + 1}
-        return Placement(current.sets, budget, decision, tuple(warnings))
+        budget, warnings = measured_chunk_budget(m, self.name)
+        return Placement(current.sets, budget, budget_decision(m, budget, current), tuple(warnings))
 
 
 @register
@@ -211,45 +259,90 @@ class AutoPolicy(PlacementPolicy):
     def frozen_param_frac(self) -> float:
         return 0.0
 
-    def _host_room(self, m: Measurements) -> tuple[int, int, float | None]:
-        """(parameter copies, optimizer state, the host room for them) in bytes on the host; the
-        room is None where host memory cannot be read."""
+    def initial(self, m: Measurements) -> Placement:
+        plan = self._host_plan(m)
+        placement = super().initial(m)
+        return dataclasses.replace(placement, params_born_on_device=plan.params_born_on_device)
+
+    def _host_plan(self, m: Measurements) -> "HostPlan":
+        """How much optimizer state the host takes (whole chunk sets from the back of the
+        execution order), and whether the parameter chunks of the sets whose state is on the
+        device are allocated there directly. A set stepped on the host needs its parameter chunk's
+        host copy (the CPU step writes it); one stepped on the device does not, as long as it is
+        never evicted: so only when every parameter chunk fits the warm-up's device budget beside
+        that state are those copies left out, else every parameter chunk has a host copy."""
         sizes = m.trainable_shard_bytes()
-        params_host = sum(sizes)  # the parameter chunks' host copies
-        optim_host = sum(b // m.compute_itemsize for b in sizes) * m.set_bytes_per_element
-        room = None if m.host_available_bytes is None else m.host_available_bytes * (1 - HOST_MARGIN)
-        return params_host, optim_host, room
+        elements = [b // m.compute_itemsize for b in sizes]
+        state_bytes = sum(elements) * m.set_bytes_per_element
+        param_bytes = sum(m.set_shard_bytes)
+        if m.host_available_bytes is None:
+            return HostPlan(state_bytes, state_bytes, param_bytes, None, None, False)
+        after = m.host_available_bytes + m.host_releasable_bytes
+        room_after = after - host_reserve_bytes(after)
+        room_during = m.host_available_bytes - host_reserve_bytes(after)
+        # What enable() allocates on the host before it releases the model's tensors: a host
+        # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
+        first = m.set_bytes_per_element - 4 * self._state_kinds(m)
+        budget = self.warm_up_budget(m) or m.device_capacity_bytes
+        in_flight = 2 * max(m.set_shard_bytes) * m.world_size
+        for born_on_device in (True, False):
+            if born_on_device:  # per host element: its state and its parameter copy
+                limit = min(room_after // (m.set_bytes_per_element + m.compute_itemsize),
+                            room_during // (first + m.compute_itemsize))
+            else:  # every parameter chunk has a host copy
+                limit = min((room_after - param_bytes) // m.set_bytes_per_element,
+                            (room_during - param_bytes) // first)
+            host_elements = self._elements_from_back(elements, max(0, limit))
+            params_host = host_elements * m.compute_itemsize if born_on_device else param_bytes
+            plan = HostPlan(state_bytes, host_elements * m.set_bytes_per_element, params_host,
+                            m.host_available_bytes, room_after, born_on_device and host_elements < sum(elements))
+            forced = (sum(elements) - host_elements) * m.set_bytes_per_element
+            if not born_on_device or param_bytes + forced + in_flight <= budget:
+                return plan
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _state_kinds(m: Measurements) -> int:
+        master = 4 if m.compute_itemsize != 4 else 0
+        return (m.set_bytes_per_element - m.compute_itemsize - master) // 4
+
+    @staticmethod
+    def _elements_from_back(elements: list[int], limit: int) -> int:
+        """The elements of the chunk sets the host takes: whole sets from the back, within `limit`."""
+        taken = 0
+        for n in reversed(elements):
+            if taken + n > limit:
+                break
+            taken += n
+        return taken
 
     def fractions(self, m: Measurements) -> tuple[float, float]:
         # Every optimizer state on the host for the warm-up, unless the host cannot hold it: then
         # the back of the execution order stays on the host (what fits) and the front goes to
         # the device from the start.
-        params_host, optim_host, room = self._host_room(m)
-        if room is None or params_host + optim_host <= room:
-            return 0.0, 1.0
-        return 0.0, max(0.0, room - params_host) / optim_host
+        plan = self._host_plan(m)
+        return 0.0, (plan.host_state_bytes / plan.state_bytes if plan.state_bytes else 1.0)
 
     def host_bound(self, m: Measurements, sizes: list[int], plan) -> bool:
-        params_host, optim_host, room = self._host_room(m)
-        if room is None or params_host + optim_host <= room:
+        host = self._host_plan(m)
+        if host.host_state_bytes >= host.state_bytes:
             return False
         forced_elements = sum(b // m.compute_itemsize for b, (_, on_host) in zip(sizes, plan) if not on_host)
-        self._check_device_holds_forced_state(m, sizes, forced_elements, m.host_available_bytes, params_host,
-                                              optim_host)
+        self._check_device_holds_forced_state(m, sizes, forced_elements, host)
         return any(not on_host for _, on_host in plan)
 
     def _check_device_holds_forced_state(self, m: Measurements, param_chunk_bytes, forced_elements: int,
-                                         available: int, params_host: int, optim_host: int) -> None:
+                                         host: "HostPlan") -> None:
         """Before any memory is taken: the optimizer state the host cannot hold, with its
         gradients and three gathered chunks in flight, must fit the warm-up's device budget and
-        the margin of every later decision (nothing evicts that state or its gradients; only
+        what a later decision can give (nothing evicts that state or its gradients; only
         parameter chunks make room). Otherwise the model does not fit this rank's host and
         device together, and the first iteration would run out of memory after the whole set-up."""
         forced = forced_elements * m.set_bytes_per_element  # master, states, gradient
         in_flight = 3 * max(param_chunk_bytes) * m.world_size  # gathered: every rank's shard
         capacity = m.device_capacity_bytes
         warm_up = self.warm_up_budget(m)  # 0: the whole device
-        later = int(capacity * (1 - self.MARGIN))  # the most a later decision can give
+        later = capacity - NON_MODEL_HEADROOM_MIN if m.device_kind == "cuda" else capacity
         budget = min(warm_up or capacity, later)
         if forced + in_flight <= budget:
             return
@@ -258,13 +351,17 @@ class AutoPolicy(PlacementPolicy):
         if warm_up and forced + in_flight <= later:
             fixes = ("set GEMINI_EXT_ALLOCATOR=chunk (before importing gemini_ext: chunks then give way to "
                      "activations on demand, and the first iteration may use the whole device), " + fixes)
+        released = (f" and {format_bytes(m.host_releasable_bytes)} the model's own host tensors give back"
+                    if m.host_releasable_bytes else "")
         raise _C.OutOfMemoryError(
             f"gemini_ext auto placement: the model does not fit this rank's host and device memory. The host has "
-            f"{format_bytes(available)} available (planned to {1 - HOST_MARGIN:.3g} of it) for "
-            f"{format_bytes(params_host)} of parameter copies and {format_bytes(optim_host)} of optimizer state, so "
-            f"the optimizer state of {forced_elements:,} elements must live on the device: {format_bytes(forced)} "
-            f"with their gradients, plus {format_bytes(in_flight)} for three parameter chunks in flight, against a "
-            f"device budget of {format_bytes(budget)}{reserve}. To train it, {fixes}.")
+            f"{format_bytes(host.available_bytes)} available{released}, planned to {format_bytes(host.room_bytes)} "
+            f"(less {format_bytes(host_reserve_bytes(host.available_bytes + m.host_releasable_bytes))} kept for the "
+            f"process), for {format_bytes(host.params_host_bytes)} of parameter copies and "
+            f"{format_bytes(host.state_bytes)} of optimizer state, so the optimizer state of {forced_elements:,} "
+            f"elements must live on the device: {format_bytes(forced)} with their gradients, plus "
+            f"{format_bytes(in_flight)} for three parameter chunks in flight, against a device budget of "
+            f"{format_bytes(budget)}{reserve}. To train it, {fixes}.")
 
     def warm_up_budget(self, m: Measurements) -> int:
         # Activations are not measured yet: on cuda under the default allocator (chunks never
@@ -279,7 +376,7 @@ class AutoPolicy(PlacementPolicy):
     def after_iteration(self, m: Measurements, current: Placement) -> Placement:
         # The parameter chunks stay on the device (evicted under the budget when they do not all
         # fit); then the optimizer state of as many sets as fit, from the front, moves there.
-        budget, warnings = measured_chunk_budget(m, self.MARGIN, self.name)
+        budget, warnings = measured_chunk_budget(m, self.name)
         p_bytes = sum(m.set_shard_bytes)
         largest = max(m.set_shard_bytes)
         remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
@@ -309,13 +406,10 @@ class AutoPolicy(PlacementPolicy):
             warnings.append(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as "
                             f"needed. {fix}")
         on_host = [t and index not in on_device for index, t in enumerate(m.trainable)]
-        decision = {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,
-                    "chunk_budget_bytes": budget, "param_chunk_bytes": p_bytes,
+        decision = {**budget_decision(m, budget, current), "param_chunk_bytes": p_bytes,
                     "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
                     "optim_sets_kept_on_device_for_host": host_bound_sets,
-                    "trace_rerecordings": m.trace_rerecordings,
-                    "move_seconds": 0.0,  # the engine times the moves it makes
-                    "decisions": current.decision.get("decisions", 0) + 1}
+                    "move_seconds": 0.0}  # the engine times the moves it makes
         return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings))
 
 
