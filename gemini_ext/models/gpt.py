@@ -42,6 +42,7 @@ GPT_PRESETS = {
     "1.3b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=2048, n_layers=24, n_heads=16, tie_embeddings=False),
     "6.7b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=4096, n_layers=32, n_heads=32, tie_embeddings=False),
     "13b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=40, n_heads=40, tie_embeddings=False),
+    "15b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=48, n_heads=40, tie_embeddings=False),
     # Beyond one GPU (bench/capacity.py --gpus N): 20.3B, 30.1B, 40.8B and 81.0B parameters; the
     # two largest are built on the meta device (no GPU holds them whole in fp32).
     "20b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=6144, n_layers=44, n_heads=48, tie_embeddings=False),
@@ -86,18 +87,20 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.apply(self.init_weights)
 
-    def init_weights(self, module: nn.Module) -> None:
+    def init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
         """GPT-2's initialisation of one module's own tensors, in place: N(0, 0.02) weights
         (0.02 / sqrt(2 n_layers) for the projections into the residual stream), zero biases,
         LayerNorm at identity. The constructor applies it to every module; a model built on the
         meta device passes it to gx.enable(..., param_init_fn=model.init_weights), which calls it
         module by module in the order of `model.apply`: from the same random state, the values
-        equal `model.apply(model.init_weights)` on a model built on that device."""
+        equal `model.apply(model.init_weights)` on a model built on that device. `generator`
+        draws from a stream of its own instead of torch's default one."""
         if module is self.head and self.cfg.tie_embeddings:
             return  # its weight is the token embedding's, initialised there
         if isinstance(module, (nn.Linear, nn.Embedding)):
             scaled = getattr(module, "residual_projection", False)
-            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers) if scaled else 0.02)
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers) if scaled else 0.02,
+                            generator=generator)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):
