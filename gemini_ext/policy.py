@@ -137,6 +137,7 @@ class HostPlan:
     available_bytes: int | None
     room_bytes: int | None
     params_born_on_device: bool
+    kept_param_bytes: int = 0  # born on the device: parameter chunks of the sets whose state is there
 
 
 POLICY_CLASSES: dict = {}
@@ -270,7 +271,9 @@ class AutoPolicy(PlacementPolicy):
         device are allocated there directly. A set stepped on the host needs its parameter chunk's
         host copy (the CPU step writes it); one stepped on the device does not, as long as it is
         never evicted: so only when every parameter chunk fits the warm-up's device budget beside
-        that state are those copies left out, else every parameter chunk has a host copy."""
+        that state are those copies left out, else every parameter chunk has a host copy.
+        Such a parameter chunk is never evicted (Residency keeps it, as it keeps those sets'
+        gradient chunks), so it counts with the state the device must hold."""
         sizes = m.trainable_shard_bytes()
         elements = [b // m.compute_itemsize for b in sizes]
         state_bytes = sum(elements) * m.set_bytes_per_element
@@ -284,7 +287,7 @@ class AutoPolicy(PlacementPolicy):
         # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
         first = m.set_bytes_per_element - 4 * self._state_kinds(m)
         budget = self.warm_up_budget(m) or m.device_capacity_bytes
-        in_flight = 2 * max(m.set_shard_bytes) * m.world_size
+        in_flight = 3 * max(m.set_shard_bytes) * m.world_size
         for born_on_device in (True, False):
             if born_on_device:  # per host element: its state and its parameter copy
                 limit = min(room_after // (m.set_bytes_per_element + m.compute_itemsize),
@@ -293,11 +296,14 @@ class AutoPolicy(PlacementPolicy):
                 limit = min((room_after - param_bytes) // m.set_bytes_per_element,
                             (room_during - param_bytes) // first)
             host_elements = self._elements_from_back(elements, max(0, limit))
-            params_host = host_elements * m.compute_itemsize if born_on_device else param_bytes
+            forced_elements = sum(elements) - host_elements
+            born = born_on_device and forced_elements > 0
+            params_host = host_elements * m.compute_itemsize if born else param_bytes
             plan = HostPlan(state_bytes, host_elements * m.set_bytes_per_element, params_host,
-                            m.host_available_bytes, room_after, born_on_device and host_elements < sum(elements))
-            forced = (sum(elements) - host_elements) * m.set_bytes_per_element
-            if not born_on_device or param_bytes + forced + in_flight <= budget:
+                            m.host_available_bytes, room_after, born,
+                            forced_elements * m.compute_itemsize if born else 0)
+            device_bytes = plan.kept_param_bytes + forced_elements * m.set_bytes_per_element + in_flight
+            if not born_on_device or device_bytes <= budget:
                 return plan
         raise AssertionError("unreachable")
 
@@ -338,7 +344,7 @@ class AutoPolicy(PlacementPolicy):
         what a later decision can give (nothing evicts that state or its gradients; only
         parameter chunks make room). Otherwise the model does not fit this rank's host and
         device together, and the first iteration would run out of memory after the whole set-up."""
-        forced = forced_elements * m.set_bytes_per_element  # master, states, gradient
+        forced = forced_elements * m.set_bytes_per_element + host.kept_param_bytes  # master, states, gradient (P)
         in_flight = 3 * max(param_chunk_bytes) * m.world_size  # gathered: every rank's shard
         capacity = m.device_capacity_bytes
         warm_up = self.warm_up_budget(m)  # 0: the whole device
@@ -359,7 +365,8 @@ class AutoPolicy(PlacementPolicy):
             f"(less {format_bytes(host_reserve_bytes(host.available_bytes + m.host_releasable_bytes))} kept for the "
             f"process), for {format_bytes(host.params_host_bytes)} of parameter copies and "
             f"{format_bytes(host.state_bytes)} of optimizer state, so the optimizer state of {forced_elements:,} "
-            f"elements must live on the device: {format_bytes(forced)} with their gradients, plus "
+            f"elements must live on the device: {format_bytes(forced)} with their gradients"
+            f"{' and parameter chunks' if host.kept_param_bytes else ''}, plus "
             f"{format_bytes(in_flight)} for three parameter chunks in flight, against a device budget of "
             f"{format_bytes(budget)}{reserve}. To train it, {fixes}.")
 

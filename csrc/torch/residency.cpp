@@ -49,8 +49,8 @@ void Residency::set_budget(int64_t bytes) {
 }
 
 void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
-  int64_t busy = 0, busy_bytes = 0, waiting_bytes = 0, grad_bytes = 0, kept_grad_bytes = 0, optim_bytes = 0,
-          gathered_bytes = 0;
+  int64_t busy = 0, busy_bytes = 0, waiting_bytes = 0, kept_param_bytes = 0, grad_bytes = 0, kept_grad_bytes = 0,
+          optim_bytes = 0, gathered_bytes = 0;
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
     if (sharded() && p.gathered()) gathered_bytes += static_cast<int64_t>(p.chunk_bytes());
@@ -59,6 +59,8 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       busy_bytes += static_cast<int64_t>(p.shard_bytes());
     } else if (p.shard_tiers().contains(Tier::kDevice) && p.count_in(S::kReadyForReduce) > 0) {
       waiting_bytes += static_cast<int64_t>(p.shard_bytes());
+    } else if (p.shard_tiers().contains(Tier::kDevice) && param_kept_on_device(set)) {
+      kept_param_bytes += static_cast<int64_t>(p.shard_bytes());
     }
     if (!set.trainable) continue;
     const Chunk& g = mgr_.chunk(set.spec.grad);
@@ -91,12 +93,12 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
       " parameter chunks in use by compute (", busy_bytes, " bytes), parameter chunks waiting for the rest of their "
       "gradients (", waiting_bytes, " bytes), gradient chunks still collecting gradients (",
-      grad_bytes, " bytes), gradient chunks of optimizer state the host cannot hold (", kept_grad_bytes,
-      " bytes), optimizer state kept on the device (", optim_bytes, " bytes)",
+      grad_bytes, " bytes), parameter chunks (", kept_param_bytes, " bytes) and gradient chunks (", kept_grad_bytes,
+      " bytes) of optimizer state the host cannot hold, optimizer state kept on the device (", optim_bytes, " bytes)",
       sharded() ? detail::concat(", gathered buffers (", gathered_bytes, " bytes)") : std::string(), ".", floor,
       " Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
       "(chunk_config_dict / min_chunk_size_m)",
-      kept_grad_bytes > 0 ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
+      kept_grad_bytes + kept_param_bytes > 0 ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
                             "optimizer state kept on the device)."
       : optim_bytes > 0   ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)."
                           : "."));
@@ -284,6 +286,12 @@ void Residency::allocate_on_device(ChunkId id) {
   with_room(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
 }
 
+bool Residency::param_kept_on_device(const ChunkSet& set) const {
+  // The set's state is on the device because the host has no room for it, and its parameter
+  // chunk was born on the device: the host plan has no copy of it either.
+  return set.spec.grad_stays_on_device && !mgr_.chunk(set.spec.param).shard_tiers().contains(mgr_.host_tier());
+}
+
 std::vector<ChunkId> Residency::evictable(ChunkId requester) const {
   std::vector<ChunkId> out;
   for (const auto& set : sets_) {
@@ -295,7 +303,8 @@ std::vector<ChunkId> Residency::evictable(ChunkId requester) const {
     // waiting for reduction (all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
         p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0 &&
-        !mgr_.gather_in_flight(set.spec.param))  // a prefetched gather still reads the shard
+        !mgr_.gather_in_flight(set.spec.param) &&  // a prefetched gather still reads the shard
+        !param_kept_on_device(set))
       out.push_back(set.spec.param);
     // A gradient chunk on the device that no backward is still writing into (its parameter
     // chunk has no tensor waiting for reduction) can wait for the step on the host, unless the
@@ -321,7 +330,7 @@ std::vector<ChunkId> Residency::evictable_while_collecting(ChunkId requester) co
     // gradients go to the gradient chunk), so it may go and be fetched again for the tensors
     // whose backward is still to come.
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
-        pinned_.count(set.spec.param) == 0 && !mgr_.in_flight(set.spec.param))
+        pinned_.count(set.spec.param) == 0 && !mgr_.in_flight(set.spec.param) && !param_kept_on_device(set))
       out.push_back(set.spec.param);
     // A gradient chunk still collecting: it moves to the host, where the gradients still to come
     // are added (as for accumulation after a reduction).

@@ -10,8 +10,9 @@
 //  * Evictable: a parameter chunk with no tensor in COMPUTE or waiting for reduction, not pinned
 //    by the optimizer and not read by a gather in flight; a gradient chunk no backward still
 //    writes into (it waits for the step on the host), unless its set's state is on the device
-//    because the host has no room (grad_stays_on_device). A set whose CPU step is pending only
-//    loses P's device copy as a free drop.
+//    because the host has no room (grad_stays_on_device); such a set's parameter chunk stays
+//    too when it was born on the device (no host copy: the host plan has no room for one). A set
+//    whose CPU step is pending only loses P's device copy as a free drop.
 //  * The last resort (unsharded), when nothing above can go: a set still collecting gradients
 //    gives up its parameter chunk (fetched again if a later backward needs it) or its gradient
 //    chunk (moved to the host, where later gradients are added). So any budget holding the
@@ -77,6 +78,7 @@ class Residency {
 
  private:
   void prefetch_gathers();
+  bool param_kept_on_device(const ChunkSet& set) const;
   std::vector<ChunkId> evictable(ChunkId requester) const;
   // Chunks of sets still collecting gradients in this backward: evicted only when evictable()
   // has none (unsharded).
