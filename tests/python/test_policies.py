@@ -389,6 +389,71 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
             assert decision["chunk_budget_bytes"] == warm_up
 
 
+def _measured(**kw):
+    from gemini_ext.policy import Measurements
+    base = dict(device_kind="cuda", allocator_mode="default", device_capacity_bytes=100 << 30,
+                device_total_bytes=100 << 30, set_shard_bytes=(1 << 30,) * 4, trainable=(True,) * 4,
+                set_bytes_per_element=14, compute_itemsize=2, sharded=False, world_size=1)
+    return Measurements(**{**base, **kw})
+
+
+def test_the_measured_budget_leaves_torch_what_it_needed_and_the_memory_outside_it():
+    """The safety rule of the chunk budget, on measured figures: torch keeps the larger of its
+    peak and its allocator's hold, plus 1/16 of that (at least 256 MiB); on the whole device the
+    memory held outside torch is kept too, under a gpu_memory_limit it is not (the limit leaves
+    the rest of the device); on sim nothing is kept (activations live on the host)."""
+    from gemini_ext.policy import measured_chunk_budget
+    GiB = 1 << 30
+    m = _measured(non_model_peak_bytes=10 * GiB, non_model_reserved_bytes=12 * GiB, device_other_bytes=GiB)
+    assert measured_chunk_budget(m, "auto") == (100 * GiB - 12 * GiB - 12 * GiB // 16 - GiB, [])
+    limited = _measured(device_capacity_bytes=24 * GiB, non_model_peak_bytes=10 * GiB, device_other_bytes=GiB)
+    assert measured_chunk_budget(limited, "static")[0] == 24 * GiB - 10 * GiB - 10 * GiB // 16
+    small = _measured(non_model_peak_bytes=GiB)
+    assert measured_chunk_budget(small, "auto")[0] == 100 * GiB - GiB - (256 << 20)
+    sim = _measured(device_kind="sim", device_capacity_bytes=8 * GiB, device_total_bytes=8 * GiB)
+    assert measured_chunk_budget(sim, "auto")[0] == 8 * GiB
+    tight, warnings = measured_chunk_budget(_measured(device_capacity_bytes=4 * GiB, non_model_peak_bytes=3 * GiB),
+                                            "auto")
+    assert tight == 3 * GiB and "less than three chunks" in warnings[0], "never below three of the largest chunks"
+
+
+def test_auto_plans_the_host_with_the_memory_the_model_gives_back():
+    """A model built on the host occupies memory that enable() gives back as its values land in
+    chunks: the host plan counts it, but what enable() allocates on the host before releasing
+    anything (a host set's gradient and master, its parameter copy) must fit what is available
+    before. Without the released memory the front sets' state goes to the device."""
+    from gemini_ext.policy import AutoPolicy, host_reserve_bytes
+    GiB = 1 << 30
+    policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
+    state = 4 * (GiB // 2) * 14  # 4 sets of 512M elements: gradient, master, m, v
+    room = state + 4 * GiB  # the state and the parameter copies
+    available = room + host_reserve_bytes(room + 8 * GiB) - 8 * GiB
+    with_release = policy.initial(_measured(host_available_bytes=available, host_releasable_bytes=8 * GiB))
+    assert with_release.host_bound_sets == 0, "the model's 8 GiB come back before the moments are allocated"
+    without = policy.initial(_measured(host_available_bytes=available))
+    assert without.host_bound_sets > 0 and without.params_born_on_device
+    # Released memory does not help what enable() needs before it releases anything.
+    before = policy.initial(_measured(host_available_bytes=8 * GiB, host_releasable_bytes=state))
+    assert before.host_bound_sets > 0
+
+
+def test_enable_counts_the_host_memory_a_host_built_model_gives_back(monkeypatch):
+    """The engine measures what the model's host tensors will give back: with it the host holds
+    every optimizer state, without it (the same MemAvailable) it cannot."""
+    from gemini_ext import _placement
+    sizes = _param_chunk_bytes("sim")
+    model, _ = make_models()
+    released = sum(p.numel() * p.element_size() for p in model.parameters())
+    needed = sum(sizes) * 4  # fp32 parameter copies, gradients, exp_avg, exp_avg_sq
+    available = -(-needed * 8 // 7) - released  # a reserve of 1/8 at this size
+    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: available)
+    with gx.enable(model, config("sim", placement_policy="auto")) as engine:
+        assert engine.placer.current.host_bound_sets == 0
+    monkeypatch.setattr(_placement.Placer, "_releasable_host_bytes", lambda self: 0)
+    with gx.enable(make_models()[0], config("sim", placement_policy="auto")) as engine:
+        assert engine.placer.current.host_bound_sets > 0
+
+
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
     from gemini_ext import policy
     model, _ = make_models()
