@@ -17,34 +17,35 @@ decorating it with `@register`.
   from the *front* (used first in forward, needed last in backward: the longest time a host copy
   is enough). `gpu_memory_limit` (or the whole device) caps chunks *and* torch's allocations
   together: the first iteration runs with the whole limit as chunk budget; at its end, on cuda,
-  the chunk budget becomes the limit minus the iteration's peak non-model memory minus a 1/16
-  margin (never below three of the largest chunks), so activations are planned for as under
-  `auto`. The fractions are not changed by it: what does not fit is evicted as under `const`.
-  On sim, activations live on the host and the budget stays the whole capacity.
+  the chunk budget becomes the limit less what the iteration needed besides chunks (the Note on
+  safety margins below; never below three of the largest chunks), so activations are planned
+  for as under `auto`. The fractions are not changed by it: what does not fit is evicted as
+  under `const`. On sim, activations live on the host and the budget stays the whole capacity.
 - `const`: the static fractions, with chunks capped at `const_gpu_budget` bytes on the device;
   what does not fit is evicted (farthest next use once a trace exists, LRU before).
 - `auto`: the first iteration is a warm-up with every optimizer state on the host and the whole
-  device as budget (on cuda under the default allocator, the device less 1/8 of it kept for the
-  activations that are not measured yet: chunks never give way to torch's allocations there);
-  at its end (the first optimizer step) it measures the peak non-model memory
-  (activations and temporaries: the peak of torch's CUDA allocator since enable(), which also
-  counts any other tensors the process holds on that GPU; nothing on sim, where activations live
-  on the host), sets the chunk budget to the device minus that peak minus
-  a 1/16 margin, keeps the parameter chunks on the device (evicting under the budget when they do
-  not all fit), and then moves the optimizer state of as many chunk sets as fit, from the front
-  of the execution order, to the device so that fused GPU Adam takes that part of the step. It
-  reports what it chose in `engine.stats()["placement"]`. When the access trace changes (it is
-  re-recorded), it measures the next iteration's non-model peak again and re-places, moving
-  optimizer state back to the host if it no longer fits.
-  Host memory bounds it too: when the host cannot hold every optimizer state (MemAvailable less a
-  1/8 margin, shared by the ranks of the node), the warm-up already keeps the state of the front
-  chunk sets on the device (allocated there directly, never on the host) so that the rest fits,
-  and later decisions never move those back, nor evict those sets' gradients to the host (it
-  has no room for them: parameter chunks make room instead). A model whose parameters,
-  gradients and optimizer state exceed the host (13B: 16 bytes per parameter, 208 GB) trains
-  this way, split between host and device. When that state, its gradients and three gathered chunks do not fit the
-  warm-up's budget either, the model fits neither, and enable() raises OutOfMemoryError with
-  the figures while planning, before any memory is taken.
+  device as budget (on cuda under the default allocator, the device less WARMUP_RESERVE of it
+  kept for the activations that are not measured yet: chunks never give way to torch's
+  allocations there); at its end (the first optimizer step) it sets the chunk budget from what
+  the iteration needed besides chunks (the Note on safety margins), keeps the parameter chunks
+  on the device (evicting under the budget when they do not all fit), and then moves the
+  optimizer state of as many chunk sets as fit, from the front of the execution order, to the
+  device so that fused GPU Adam takes that part of the step. It reports what it chose in
+  `engine.stats()["placement"]`. When the access trace changes (it is re-recorded), it measures
+  the next iteration again and re-places, moving optimizer state back to the host if it no
+  longer fits.
+  Host memory bounds it too (planned as the Note on safety margins says): when the host cannot
+  hold every optimizer state, the warm-up already keeps the state of the front chunk sets on the
+  device (allocated there directly, never on the host) so that the rest fits, and later
+  decisions never move those back, nor evict those sets' gradients to the host (it has no room
+  for them: other parameter chunks make room instead). Where every such set's parameter chunk
+  fits beside that state, those parameter chunks are born on the device too and stay there,
+  and the host plan holds parameter copies only of the sets it steps. A model whose
+  parameters, gradients and optimizer state exceed the host (15B: 16 bytes per parameter,
+  247 GB) trains this way, split between host and device. When that state, its gradients (and
+  parameter chunks) and three chunks in flight do not fit the warm-up's budget either, the model
+  fits neither, and enable() raises OutOfMemoryError with the figures while planning, before any
+  memory is taken.
 """
 
 from __future__ import annotations
