@@ -1,6 +1,7 @@
 """Capacity: the largest GPT preset each system trains (full AdamW, 3 steps) on this machine.
 
-    python bench/capacity.py                                  # on a GPU: 1.3b .. 13b
+    python bench/capacity.py                                  # on a GPU: 1.3b .. 15b
+    python bench/capacity.py --presets 15b --only gemini-auto --init-device cpu   # built on the host
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offload import GEMINI, PEER, run_system  # noqa: E402  (same directory)
 from scaling import run as run_torchrun  # noqa: E402
 
-PRESETS = ["1.3b", "6.7b", "13b"]
+PRESETS = ["1.3b", "6.7b", "13b", "15b"]
 MULTI_GPU_PRESETS = {2: ["13b", "20b", "30b"], 4: ["20b", "30b", "40b"], 8: ["30b", "40b", "80b"]}
 
 
@@ -63,8 +64,10 @@ def main(argv=None) -> list[dict]:
                         "; ".join(f"{n}+: {','.join(v)}" for n, v in MULTI_GPU_PRESETS.items()) + ")")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) per attempt, launched with torchrun; the model is "
                    "sharded over them (gemini_ext ZeRO-3, FSDP2); plain needs 1")
-    p.add_argument("--init-device", choices=["cuda", "meta"], default=None,
-                   help="where every system builds the model (default: cuda on one GPU, meta on several)")
+    p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default=None,
+                   help="where every system builds the model (default: cuda on one GPU, meta on several; cpu: "
+                        "gemini_ext initialises the host-built model on every core, --host-init-threads, the peers "
+                        "with torch's own initialisation)")
     p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(systems()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=None)
@@ -99,6 +102,8 @@ def main(argv=None) -> list[dict]:
         script, extra = systems(init)[name]
         if args.search_range_m and script == GEMINI:
             extra = extra + ["--search-range-m", str(args.search_range_m)]
+        if init == "cpu" and script == GEMINI:
+            extra = extra + ["--host-init-threads", str(cores)]
         if args.smoke:  # a CPU machine: the model is built on the CPU, gemini_ext runs on sim
             extra = [x if x != "cuda" else "cpu" for x in extra] + (["--device", "sim"] if script == GEMINI else [])
         row = {"system": name, "attempts": []}

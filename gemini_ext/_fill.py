@@ -50,8 +50,12 @@ class ChunkFill:
         self.parts[name] += now - since
         return now
 
-    def run(self, on_device: set) -> None:
-        """Fills the chunks; those in `on_device` were allocated on the device only."""
+    def run(self, on_device: set, allocate_on_write: set = frozenset()) -> None:
+        """Fills the chunks; those in `on_device` live on the device only. Those of them in
+        `allocate_on_write` have no copy yet: each gets its device copy (zeroed) right before
+        its first value is written, so that the memory the model's own device tensors give back
+        as they are released serves the chunks (see the note on releasing above)."""
+        self._allocate_on_write = set(allocate_on_write)
         layout, chunks = self._layout, self._chunks
         host = chunks.host_tier
         sharded = self._groups.world_size > 1
@@ -75,6 +79,8 @@ class ChunkFill:
                     self._released.append((i, layout.handles[(kind, i)], tuple(p.shape)))
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._meta.materialize_rest()  # modules with meta buffers only
+            for chunk in sorted(self._allocate_on_write):  # a chunk no parameter value reached
+                self._allocate_device_copy(chunk)
         if on_cuda:
             torch.cuda.empty_cache()  # released device originals: give their memory to the chunks
 
@@ -83,6 +89,8 @@ class ChunkFill:
         layout, chunks = self._layout, self._chunks
 
         def write(handle):
+            if handle[0] in self._allocate_on_write:
+                self._allocate_device_copy(handle[0])
             chunks.write_slot(handle, "device" if handle[0] in on_device else host, value)
 
         if not p.requires_grad:
@@ -94,6 +102,20 @@ class ChunkFill:
             write(layout.handles[("master", i)])
         for kind in layout.trainable_kinds:
             chunks.transition(layout.handles[(kind, i)], _C.TensorState.HOLD)
+
+    def _allocate_device_copy(self, chunk: int) -> None:
+        """The chunk's device copy, zeroed (its padding never holds garbage). The model's device
+        tensors released so far sit in torch's cache: given back to the device when the
+        allocation does not fit without them."""
+        try:
+            self._chunks.allocate_copy(chunk, "device")
+        except _C.OutOfMemoryError:
+            if not self._device.is_cuda:
+                raise
+            torch.cuda.empty_cache()
+            self._chunks.allocate_copy(chunk, "device")
+        self._chunks.shard_view(chunk, "device").zero_()
+        self._allocate_on_write.discard(chunk)
 
     def commit(self) -> None:
         self._released = []

@@ -97,12 +97,19 @@ class GeminiEngine:
         self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
         device_first, device_grads = self.placer.device_first_chunks()
+        # Where the model's own tensors occupy the compute device (built there, or materialised
+        # there from meta), the device-first chunks take memory only as those tensors give it back.
+        unbound = self.layout.unbound_state_chunks()  # memory once an optimizer attaches
+        on_write = []
+        if any(device == self.compute_device for _, device in self.layout.orig):
+            on_write = [c for c in device_first if c not in set(unbound)]
         timer.done("plan")  # chunk size, layouts, placement plan
-        self.chunks.finalize(device_first, device_grads + self.layout.unbound_state_chunks())
+        self.chunks.finalize([c for c in device_first if c not in set(on_write)],
+                             device_grads + unbound + on_write)
         timer.done("allocate")  # every chunk's first copy, zeroed
         fill = ChunkFill(self.layout, self.chunks, self.groups, self.device, meta)
         try:
-            fill.run(set(device_first))
+            fill.run(set(device_first), set(on_write))
             self.setup_fill_parts = fill.parts
             timer.done("fill")  # the parameters' values into chunks (materialising a meta-built model)
             self._finish_init()
