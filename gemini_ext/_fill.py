@@ -27,6 +27,16 @@ def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:
     return orig == chunk or (chunk == torch.float32 and orig in (torch.bfloat16, torch.float16))
 
 
+def allocated_on_write(layout, device_first: list, compute_device) -> set:
+    """The device-first chunks that get their device copy only as the fill reaches them: all of
+    them (but the optimizer state, which gets memory when an optimizer attaches) where the
+    model's own tensors occupy the compute device, built there or materialised there from meta,
+    so that the memory those tensors give back serves the chunks."""
+    if not any(device == compute_device for _, device in layout.orig):
+        return set()
+    return set(device_first) - set(layout.unbound_state_chunks())
+
+
 class ChunkFill:
     """Writes every parameter's value into its chunks (this rank's shard of it), releasing the
     originals (see the note above)."""

@@ -39,7 +39,7 @@ from ._buffers import BufferPlacement
 from ._clipping import GradClipper
 from ._device import ComputeDevice, cuda_available, resolve_device  # noqa: F401  (re-exported)
 from ._env import logger
-from ._fill import ChunkFill
+from ._fill import ChunkFill, allocated_on_write
 from ._hooks import HookSet
 from ._layout import COMPUTE_DTYPES, HOST_TIERS, ChunkLayout, check_parameters, choose_chunk_size
 from ._materialize import MetaMaterializer
@@ -97,19 +97,14 @@ class GeminiEngine:
         self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
         device_first, device_grads = self.placer.device_first_chunks()
-        # Where the model's own tensors occupy the compute device (built there, or materialised
-        # there from meta), the device-first chunks take memory only as those tensors give it back.
-        unbound = self.layout.unbound_state_chunks()  # memory once an optimizer attaches
-        on_write = []
-        if any(device == self.compute_device for _, device in self.layout.orig):
-            on_write = [c for c in device_first if c not in set(unbound)]
+        on_write = allocated_on_write(self.layout, device_first, self.compute_device)
         timer.done("plan")  # chunk size, layouts, placement plan
-        self.chunks.finalize([c for c in device_first if c not in set(on_write)],
-                             device_grads + unbound + on_write)
+        self.chunks.finalize([c for c in device_first if c not in on_write],
+                             device_grads + self.layout.unbound_state_chunks() + sorted(on_write))
         timer.done("allocate")  # every chunk's first copy, zeroed
         fill = ChunkFill(self.layout, self.chunks, self.groups, self.device, meta)
         try:
-            fill.run(set(device_first), set(on_write))
+            fill.run(set(device_first), on_write)
             self.setup_fill_parts = fill.parts
             timer.done("fill")  # the parameters' values into chunks (materialising a meta-built model)
             self._finish_init()
