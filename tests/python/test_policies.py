@@ -454,6 +454,27 @@ def test_enable_counts_the_host_memory_a_host_built_model_gives_back(monkeypatch
         assert engine.placer.current.host_bound_sets > 0
 
 
+@pytest.mark.cuda
+def test_a_model_built_on_the_gpu_whose_state_the_host_cannot_hold_trains(monkeypatch):
+    """The model's own tensors occupy the device while enable() fills the chunks: the state and
+    parameter chunks that start on the device get memory as the fill reaches them (the released
+    tensors' memory serves them), and training matches torch."""
+    from parity_utils import LR, WD, train_step
+    sizes = _param_chunk_bytes("cuda")
+    _host_room(monkeypatch, sum(sizes) + sum(sizes) * 3 // 2)  # half the optimizer state
+    model, reference = make_models()
+    model.cuda(), reference.cuda()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    with gx.enable(model, config("cuda", placement_policy="auto")) as engine:
+        placement = engine.placer.current
+        assert placement.host_bound_sets > 0 and placement.params_born_on_device
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(4):
+            train_step(model, opt, step, engine.compute_device)
+            train_step(reference, ref_opt, step, torch.device("cuda"))
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
     from gemini_ext import policy
     model, _ = make_models()
