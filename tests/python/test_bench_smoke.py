@@ -1,5 +1,6 @@
 """Benchmark scripts keep running: their --smoke modes on the sim device."""
 
+import os
 import json
 
 import pytest
@@ -238,3 +239,26 @@ def test_a_timed_out_job_leaves_none_of_its_ranks_running(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), pids
+
+
+def test_placement_sweep_reads_what_the_example_reports(tmp_path):
+    """bench/placement_sweep.py's rows and table from the example's own summaries (run in this
+    process: the runner is the one every other smoke test starts processes with)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import placement_sweep
+
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(REPO, "examples", "train_gpt.py"))
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    common = ["--device", "sim", "--preset", "tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--no-progress"]
+    rows = [placement_sweep.summarize(name, train_gpt.main(common + extra))
+            for name, extra in placement_sweep.configurations(["1.0", "0.5"], ["0.0"])]
+    assert [r["name"] for r in rows] == ["static optim 1.0 params 0.0", "static optim 0.5 params 0.0", "auto"]
+    assert rows[0]["host_params"] > 0 and rows[0]["device_params"] == 0, "all of the state on the host"
+    assert rows[1]["host_params"] > 0 and rows[1]["device_params"] > 0
+    assert rows[2]["decision"]["decisions"] >= 1
+    text = placement_sweep.table(rows + [{"name": "static optim 0.1 params 0.0", "error": "timed out after 300 s"}])
+    assert text.count("(best static)") == 1 and "timed out after 300 s" in text and "auto: " in text
