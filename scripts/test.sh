@@ -51,6 +51,9 @@ if [ "$cuda_build" = "True" ] || [ $# -gt 0 ]; then
   exec "$PYTHON" -m pytest -q -ra "$@"
 fi
 
+# Three stages share the cores: torch's intra-op threads in each test process would only add
+# context switches (the CPU optimizer kernels size their own thread pool from the hardware).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=build/test-logs
 rm -rf "$logs" build/test-tmp
 mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
@@ -64,12 +67,12 @@ beside=(tests/python/test_bench_smoke.py tests/python/test_integration_transform
         tests/python/test_integration_lightning.py tests/python/test_compile.py)
 beside_tests=(tests/python/test_sim_delays.py::test_sharded_training_passes_with_random_copy_delays)  # balance
 smoke="${beside[*]} ${beside_tests[*]}"
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/smoke "${beside[@]}" "${beside_tests[@]}" \
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp build/test-tmp/smoke "${beside[@]}" "${beside_tests[@]}" \
   > "$logs/pytest-bench-smoke.log" 2>&1 &
 smoke_pid=$!
 echo "== pytest (all but ${#beside[@]} files and ${#beside_tests[@]} test; C++ and those run beside it, logs in $logs/)"
 rc=0
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --basetemp build/test-tmp/main "${beside[@]/#/--ignore=}" \
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp build/test-tmp/main "${beside[@]/#/--ignore=}" \
   "${beside_tests[@]/#/--deselect=}" || rc=$?
 echo "   [pytest done after $((SECONDS - started)) s]"
 wait "$smoke_pid" || rc=$?
