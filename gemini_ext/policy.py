@@ -335,6 +335,9 @@ class AutoPolicy(PlacementPolicy):
         if host.host_state_bytes >= host.state_bytes:
             return False
         forced_elements = sum(b // m.compute_itemsize for b, (_, on_host) in zip(sizes, plan) if not on_host)
+        if host.params_born_on_device:  # those sets' parameter chunks, as the placement chose them
+            kept = sum(b for b, (_, on_host) in zip(sizes, plan) if not on_host)
+            host = dataclasses.replace(host, kept_param_bytes=kept)
         self._check_device_holds_forced_state(m, sizes, forced_elements, host)
         return any(not on_host for _, on_host in plan)
 

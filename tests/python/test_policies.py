@@ -437,6 +437,26 @@ def test_auto_plans_the_host_with_the_memory_the_model_gives_back():
     assert before.host_bound_sets > 0
 
 
+def test_auto_plans_a_15b_model_built_on_the_host_of_one_h200():
+    """The figures of one H200 (150.1 GB) with 128 GiB of host, 124 GiB of it available before
+    a 15.4B GPT was built there in fp32: the plan splits the model between host and device under
+    the default allocator (the warm-up keeping 1/8 of the device), with the device-stepped sets'
+    parameter chunks born on the device, and holds on the host no more than it has."""
+    from gemini_ext.policy import AutoPolicy
+    GiB = 1 << 30
+    elements, sets, model_bytes = 209_780_736, 74, int(15_435.6e6 * 4)
+    m = _measured(device_capacity_bytes=150_109_880_320, device_total_bytes=150_109_880_320,
+                  set_shard_bytes=(elements * 2,) * sets, trainable=(True,) * sets,
+                  host_available_bytes=124 * GiB - model_bytes, host_releasable_bytes=model_bytes)
+    policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
+    placement = policy.initial(m)
+    assert 0 < placement.host_bound_sets < sets and placement.params_born_on_device
+    host_sets = sets - placement.host_bound_sets
+    assert host_sets * elements * (14 + 2) <= 124 * GiB - 4 * GiB, "state and parameter copies of the host's sets"
+    device = placement.host_bound_sets * elements * (14 + 2)
+    assert device <= placement.device_budget_bytes, "that state and its parameter chunks fit the warm-up's budget"
+
+
 def test_enable_counts_the_host_memory_a_host_built_model_gives_back(monkeypatch):
     """The engine measures what the model's host tensors will give back: with it the host holds
     every optimizer state, without it (the same MemAvailable) it cannot."""
