@@ -102,11 +102,11 @@ def main(argv=None) -> list[dict]:
         row = summarize(name, run_system(GEMINI, extra, common, args.timeout))
         rows.append(row)
         print(f"{name}: " + (row.get("error") or f"{row['step_ms']:.1f} ms"), flush=True)
-    print(f"\ngpt-{args.preset}, batch {args.batch}, budget {args.budget or 'whole device'}\n")
-    print(table(rows))
-    if args.json_out:
+    text = f"gpt-{args.preset}, batch {args.batch}, budget {args.budget or 'whole device'}\n\n{table(rows)}"
+    print("\n" + text)
+    if args.json_out:  # the rows and the table as printed
         with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "table": text}, f, indent=2)
     return rows
 
 
