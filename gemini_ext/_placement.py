@@ -28,6 +28,11 @@ class Placer:
         self._groups = groups  # DataParallelGroups
         self.current: Placement | None = None
         self._frozen = False
+        self._accumulating = False  # no_sync() was entered in the iteration under way
+
+    def note_accumulation(self) -> None:
+        """Gradients of this iteration accumulate on the device (engine.no_sync)."""
+        self._accumulating = True
 
     def freeze(self) -> None:
         """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
@@ -85,13 +90,16 @@ class Placer:
     def after_iteration(self, runtime, tracer) -> None:
         """Decides again after the first iteration and whenever the access trace was re-recorded
         (other control flow, sequence length, eval vs train), from the iteration just measured."""
+        accumulating = self._accumulating or self.policy.config.enable_gradient_accumulation
+        self._accumulating = False
         if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
             return
         rerecordings = runtime.trace_info()["rerecordings"]
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
             return
         figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
-        measured = self._measure(trace_rerecordings=rerecordings, **figures)
+        measured = self._measure(trace_rerecordings=rerecordings, gradients_accumulate_on_device=accumulating,
+                                 **figures)
         current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
                                                p["grad_stays_on_device"]) for p in runtime.set_placements()),
                             self.current.device_budget_bytes, self.current.decision)

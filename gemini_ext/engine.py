@@ -278,6 +278,7 @@ class GeminiEngine:
         """Gradient accumulation: backward passes inside keep their gradients on the device and do
         not send them to the optimizer's tier; the first backward outside (or the step) does."""
         self.check_open("no_sync")
+        self.placer.note_accumulation()
         previous = self.runtime.no_sync
         self.runtime.set_no_sync(True)
         try:

@@ -30,7 +30,9 @@ decorating it with `@register`.
   the iteration needed besides chunks (the Note on safety margins), keeps the parameter chunks
   on the device (evicting under the budget when they do not all fit), and then moves the
   optimizer state of as many chunk sets as fit, from the front of the execution order, to the
-  device so that fused GPU Adam takes that part of the step. It reports what it chose in
+  device so that fused GPU Adam takes that part of the step (under accumulation, every
+  gradient chunk stays on the device until the step: those are reserved first). It reports
+  what it chose in
   `engine.stats()["placement"]`. When the access trace changes (it is re-recorded), it measures
   the next iteration again and re-places, moving optimizer state back to the host if it no
   longer fits.
@@ -95,6 +97,7 @@ class Measurements:
     non_model_reserved_bytes: int = 0   # torch's allocator's hold on the device at its end, the most of any rank
     device_other_bytes: int = 0         # device memory neither torch nor a chunk pool holds, the most of any rank
     trace_rerecordings: int = 0         # how often the access trace changed so far
+    gradients_accumulate_on_device: bool = False  # the iteration kept every gradient chunk there (no_sync)
 
     def trainable_shard_bytes(self) -> list[int]:
         return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
@@ -390,14 +393,18 @@ class AutoPolicy(PlacementPolicy):
         budget, warnings = measured_chunk_budget(m, self.name)
         p_bytes = sum(m.set_shard_bytes)
         largest = max(m.set_shard_bytes)
-        remaining = budget - p_bytes - 2 * largest  # parameters first, with room for two chunks in flight
+        # Parameters first, with room for two chunks in flight; under accumulation (no_sync) every
+        # gradient chunk stays on the device until the step, wherever its optimizer state lives.
+        grads_kept = sum(m.trainable_shard_bytes()) if m.gradients_accumulate_on_device else 0
+        remaining = budget - p_bytes - 2 * largest - grads_kept
+        state_per_element = m.set_bytes_per_element - (m.compute_itemsize if grads_kept else 0)
         host_bound_sets = current.host_bound_sets
         on_device = set()
         trainable_seen = 0
         for index, (shard, trainable) in enumerate(zip(m.set_shard_bytes, m.trainable)):
             if not trainable:
                 continue
-            cost = shard // m.compute_itemsize * m.set_bytes_per_element
+            cost = shard // m.compute_itemsize * state_per_element
             host_bound = trainable_seen < host_bound_sets  # the host cannot hold it
             trainable_seen += 1
             if cost > remaining and not host_bound:
@@ -411,13 +418,16 @@ class AutoPolicy(PlacementPolicy):
                        f"({format_bytes(-remaining)} short)")
                 fix = "More data-parallel ranks or more host memory would keep every parameter chunk on the device."
             else:
-                why = (f"the parameter chunks ({format_bytes(p_bytes)}) and two chunks in flight do not fit the device "
-                       f"budget ({format_bytes(budget)})")
+                kept = (f", the gradient chunks accumulation keeps ({format_bytes(grads_kept)})," if grads_kept
+                        else "")
+                why = (f"the parameter chunks ({format_bytes(p_bytes)}){kept} and two chunks in flight do not fit the "
+                       f"device budget ({format_bytes(budget)})")
                 fix = "Lower the batch size or use activation checkpointing."
             warnings.append(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as "
                             f"needed. {fix}")
         on_host = [t and index not in on_device for index, t in enumerate(m.trainable)]
         decision = {**budget_decision(m, budget, current), "param_chunk_bytes": p_bytes,
+                    "grad_bytes_kept_for_accumulation": grads_kept,
                     "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
                     "optim_sets_kept_on_device_for_host": host_bound_sets,
                     "move_seconds": 0.0}  # the engine times the moves it makes

@@ -1,5 +1,6 @@
 """The scheduler and the placement policies on the sim device (the same tests run on cuda)."""
 
+import contextlib
 import re
 import warnings
 
@@ -493,6 +494,35 @@ def test_a_model_built_on_the_gpu_whose_state_the_host_cannot_hold_trains(monkey
             train_step(model, opt, step, engine.compute_device)
             train_step(reference, ref_opt, step, torch.device("cuda"))
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("how", ["enable_gradient_accumulation", "no_sync"])
+def test_auto_plans_room_for_the_gradients_accumulation_keeps_on_the_device(how):
+    """Under accumulation every gradient chunk stays on the device until the step, wherever its
+    optimizer state lives: auto's decision reserves them before moving optimizer state there,
+    whether the config says so or the loop entered engine.no_sync()."""
+    sizes = _param_chunk_bytes("sim")
+    capacity = sum(sizes) * 5 // 2 + 2 * max(sizes)  # parameters, two in flight, then 1.5x their bytes
+
+    def decision(accumulate: bool) -> dict:
+        model, _ = make_models()
+        cfg = config("sim", placement_policy="auto", sim_capacity=capacity,
+                     enable_gradient_accumulation=accumulate and how == "enable_gradient_accumulation")
+        with gx.enable(model, cfg) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+            for micro in range(2):
+                x, y = batch_of(model, micro, 16)
+                with engine.no_sync() if accumulate and how == "no_sync" and micro == 0 else contextlib.nullcontext():
+                    model(x, y).backward()
+            opt.step()
+            return engine.stats()["placement"]["decision"]
+
+    plain, accumulating = decision(False), decision(True)
+    assert plain["grad_bytes_kept_for_accumulation"] == 0
+    assert accumulating["grad_bytes_kept_for_accumulation"] == sum(sizes)
+    assert accumulating["optim_sets_moved_to_device"] < plain["optim_sets_moved_to_device"]
+    state = accumulating["optim_sets_moved_to_device"] * max(sizes) * 2  # fp32 exp_avg and exp_avg_sq
+    assert sum(sizes) * 2 + 2 * max(sizes) + state <= accumulating["chunk_budget_bytes"]
 
 
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
