@@ -41,12 +41,11 @@ class Placer:
 
     def _measure(self, **iteration) -> Measurements:
         layout = self._layout
-        available = releasable = None
+        available = None
         if self.policy.reads_host_memory:
             available = _host_memory.host_available_bytes()
             if available is not None:
                 available = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
-                releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
         return Measurements(
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
@@ -54,16 +53,19 @@ class Placer:
             set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds),
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
             world_size=self._groups.world_size, host_available_bytes=available,
-            host_releasable_bytes=releasable or 0, device_total_bytes=self._device.total_bytes(), **iteration)
+            device_total_bytes=self._device.total_bytes(), **iteration)
 
     def _releasable_host_bytes(self) -> int:
-        """The model's host tensors enable() releases as their values land in chunks (every
-        parameter it manages, before the fill; 0 after it, when they are gone)."""
+        """The model's host tensors enable() releases as their values land in chunks: every
+        parameter it manages, read before the fill."""
         return sum(p.numel() * p.element_size() for p in self._layout.params if p.device.type == "cpu")
 
     def initial(self) -> Placement:
         """The policy's placement before any memory is taken."""
-        self.current = self.policy.initial(self._measure())
+        releasable = 0
+        if self.policy.reads_host_memory:
+            releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
+        self.current = self.policy.initial(self._measure(host_releasable_bytes=releasable))
         self._report(self.current)
         return self.current
 

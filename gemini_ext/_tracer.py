@@ -64,7 +64,7 @@ class MemoryTracer:
         allocator.begin_non_model_window(device)
         reserved = allocator.torch_reserved_bytes(device)
         free, total = torch.cuda.mem_get_info(device)
-        chunk_slots = allocator.memory_stats()["chunk_slot_bytes"]
+        chunk_slots = allocator.chunk_slot_bytes()
         return {"non_model_peak_bytes": peak, "non_model_reserved_bytes": reserved,
                 "device_other_bytes": max(0, total - free - reserved - chunk_slots)}
 

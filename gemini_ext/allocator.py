@@ -70,7 +70,7 @@ def memory_stats() -> dict:
       device sync or chunk eviction), ooms_failed, reclaimed_bytes (released by evicting
       chunks), record_streams
     """
-    out = {"mode": mode(), "chunk_slot_bytes": int(_C.chunk_slot_device_bytes())}
+    out = {"mode": mode(), "chunk_slot_bytes": chunk_slot_bytes()}
     if out["mode"] == "chunk":
         s = _C.chunk_allocator_stats()
         out["allocated_bytes"] = _stat(s["allocated_bytes.current"], s["allocated_bytes.peak"],
@@ -111,6 +111,11 @@ def torch_allocated_bytes(device) -> int:
     if mode() == "chunk":
         return int(_C.chunk_allocator_stats()["allocated_bytes.current"])
     return int(torch.cuda.memory_allocated(device))
+
+
+def chunk_slot_bytes() -> int:
+    """Device memory of chunk slots (the chunk pools of every engine, all devices)."""
+    return int(_C.chunk_slot_device_bytes())
 
 
 def torch_reserved_bytes(device) -> int:

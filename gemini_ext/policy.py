@@ -274,10 +274,9 @@ class AutoPolicy(PlacementPolicy):
         execution order), and whether the parameter chunks of the sets whose state is on the
         device are allocated there directly. A set stepped on the host needs its parameter chunk's
         host copy (the CPU step writes it); one stepped on the device does not, as long as it is
-        never evicted: so only when every parameter chunk fits the warm-up's device budget beside
-        that state are those copies left out, else every parameter chunk has a host copy.
-        Such a parameter chunk is never evicted (Residency keeps it, as it keeps those sets'
-        gradient chunks), so it counts with the state the device must hold."""
+        never evicted (Residency keeps it, as it keeps those sets' gradient chunks): so when those
+        sets' parameter chunks fit the warm-up's device budget beside their state, they are born
+        on the device and count with that state; else every parameter chunk has a host copy."""
         sizes = m.trainable_shard_bytes()
         elements = [b // m.compute_itemsize for b in sizes]
         state_bytes = sum(elements) * m.set_bytes_per_element
@@ -289,7 +288,7 @@ class AutoPolicy(PlacementPolicy):
         room_during = m.host_available_bytes - host_reserve_bytes(after)
         # What enable() allocates on the host before it releases the model's tensors: a host
         # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
-        first = m.set_bytes_per_element - 4 * self._state_kinds(m)
+        first = m.compute_itemsize + (4 if m.compute_itemsize != 4 else 0)  # _layout.set_bytes_per_element's parts
         budget = self.warm_up_budget(m) or m.device_capacity_bytes
         in_flight = 3 * max(m.set_shard_bytes) * m.world_size
         for born_on_device in (True, False):
@@ -310,11 +309,6 @@ class AutoPolicy(PlacementPolicy):
             if not born_on_device or device_bytes <= budget:
                 return plan
         raise AssertionError("unreachable")
-
-    @staticmethod
-    def _state_kinds(m: Measurements) -> int:
-        master = 4 if m.compute_itemsize != 4 else 0
-        return (m.set_bytes_per_element - m.compute_itemsize - master) // 4
 
     @staticmethod
     def _elements_from_back(elements: list[int], limit: int) -> int:
