@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -60,6 +61,8 @@ class HookSet:
             self._handles.append(model.register_forward_pre_hook(lambda module, args: on_forward_start(),
                                                                  prepend=True))
         self._graph_task = None  # id of the backward pass the end callback is queued for
+        self._backward_began = 0.0
+        self.last_backward_seconds = 0.0  # host wall time of the last backward pass (its hooks' span)
         self._scale_fn = scale_fn
         index = {id(p): i for i, p in enumerate(params)}
         for module in model.modules():
@@ -120,6 +123,7 @@ class HookSet:
                                "during backward); run backward without torch._dynamo.compiled_autograd.")
         if self._graph_task is None:
             self._graph_task = task
+            self._backward_began = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._on_backward_start is not None:
                 self._on_backward_start()
@@ -140,3 +144,4 @@ class HookSet:
     def _end_backward(self):
         self._graph_task = None
         self.gm.end_backward()
+        self.last_backward_seconds = time.perf_counter() - self._backward_began

@@ -14,7 +14,9 @@ import dataclasses
 import time
 import warnings
 
-from . import _C, _host_memory, allocator
+import torch
+
+from . import _C, _host_memory, _rates, allocator
 from ._env import logger
 from ._layout import set_bytes_per_element
 from .policy import Measurements, Placement, SetPlacement
@@ -100,6 +102,8 @@ class Placer:
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
             return
         figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
+        if self.policy.reads_rates:
+            figures.update(self._rates(tracer))
         measured = self._measure(trace_rerecordings=rerecordings, gradients_accumulate_on_device=accumulating,
                                  **figures)
         current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
@@ -109,6 +113,18 @@ class Placer:
         self._apply(runtime, current, chosen)
         self.current = chosen
         self._report(chosen)
+
+    def _rates(self, tracer) -> dict:
+        """The last backward pass's duration and the machine's measured rates (what
+        _optimizer_split.py weighs), reduced so that every rank decides alike. A probe that cannot run (no device
+        memory left for its buffer) reports 0: the policy then decides without rates."""
+        try:
+            cpu, h2d = _rates.cpu_optimizer_elements_per_s(), _rates.h2d_bytes_per_s(self._device)
+        except torch.OutOfMemoryError:
+            cpu = h2d = 0.0
+        return {"backward_seconds": self._groups.reduce(tracer.last_backward_seconds(), "max"),
+                "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
+                "h2d_bytes_per_s": self._groups.reduce(h2d, "min")}
 
     def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):

@@ -31,7 +31,10 @@ decorating it with `@register`.
   on the device (evicting under the budget when they do not all fit), and then moves the
   optimizer state of as many chunk sets as fit, from the front of the execution order, to the
   device so that fused GPU Adam takes that part of the step (under accumulation, every
-  gradient chunk stays on the device until the step: those are reserved first). It reports
+  gradient chunk stays on the device until the step: those are reserved first). Where the CPU
+  step of the rest would outlast the backward pass, it weighs moving further sets' state there,
+  evicting parameter chunks to make room, with measured rates (gemini_ext/_optimizer_split.py):
+  on a fast host the fetches cost more than the CPU time saved and it stays at what fits. It reports
   what it chose in
   `engine.stats()["placement"]`. When the access trace changes (it is re-recorded), it measures
   the next iteration again and re-places, moving optimizer state back to the host if it no
@@ -55,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _C
+from ._optimizer_split import beyond_fit_by_rates
 from ._units import format_bytes
 
 # [Note: safety margins]
@@ -78,6 +82,7 @@ NON_MODEL_HEADROOM = 1 / 16  # of the measured non-model memory
 HOST_RESERVE_BYTES = 4 << 30
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Measurements:
     """What a policy decides from. Figures that differ between ranks arrive reduced over them."""
@@ -98,6 +103,9 @@ class Measurements:
     device_other_bytes: int = 0         # device memory neither torch nor a chunk pool holds, the most of any rank
     trace_rerecordings: int = 0         # how often the access trace changed so far
     gradients_accumulate_on_device: bool = False  # the iteration kept every gradient chunk there (no_sync)
+    backward_seconds: float = 0.0       # the last iteration's backward pass (host wall time), the most of any rank
+    cpu_optimizer_elements_per_s: float = 0.0  # the CPU optimizer kernel, measured (0: not), the least of any rank
+    h2d_bytes_per_s: float = 0.0        # a host-to-device copy, measured (0: not), the least of any rank
 
     def trainable_shard_bytes(self) -> list[int]:
         return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
@@ -156,6 +164,7 @@ def register(cls):
 class PlacementPolicy:
     name = ""
     reads_host_memory = False  # whether Measurements.host_available_bytes must be gathered
+    reads_rates = False  # whether the CPU optimizer's and the host-to-device copy's rates must be measured
 
     def __init__(self, config):
         self.config = config
@@ -256,6 +265,7 @@ class StaticPolicy(PlacementPolicy):
 class AutoPolicy(PlacementPolicy):
     name = "auto"
     reads_host_memory = True
+    reads_rates = True
     WARMUP_RESERVE = 1 / 8  # of the device, kept from chunks for the warm-up's unmeasured activations
 
     def decides_after_iterations(self, device_kind: str) -> bool:
@@ -419,13 +429,18 @@ class AutoPolicy(PlacementPolicy):
                 fix = "Lower the batch size or use activation checkpointing."
             warnings.append(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as "
                             f"needed. {fix}")
+        rates = {}
+        if remaining >= 0 and not host_bound_sets:  # every parameter chunk fits: weigh moving more state
+            extra, rates = beyond_fit_by_rates(m, on_device, remaining, state_per_element)
+            on_device |= extra
         on_host = [t and index not in on_device for index, t in enumerate(m.trainable)]
         decision = {**budget_decision(m, budget, current), "param_chunk_bytes": p_bytes,
                     "grad_bytes_kept_for_accumulation": grads_kept,
                     "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
-                    "optim_sets_kept_on_device_for_host": host_bound_sets,
+                    "optim_sets_kept_on_device_for_host": host_bound_sets, **rates,
                     "move_seconds": 0.0}  # the engine times the moves it makes
         return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings))
+
 
 
 @register

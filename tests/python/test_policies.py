@@ -588,3 +588,69 @@ def test_moving_optimizer_state_between_steps_keeps_parity(device):
         with pytest.raises(ValueError, match="chunk set index"):
             engine.runtime.set_optim_on_host(n + 5, True)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_the_predicted_exposed_optimizer_time_follows_the_backward_pass():
+    """The rate model (gemini_ext/_optimizer_split.py) on figures: two sets of 100 elements, a 1 s backward pass, a CPU at 100
+    elements/s. The back set's gradients are complete halfway through backward, the front set's
+    at its end; each CPU step starts then or when the previous one ended."""
+    from gemini_ext._optimizer_split import predicted_exposed_optimizer_seconds as exposed
+    assert exposed([100, 100], [True, True], 1.0, 100.0) == pytest.approx(1.5)  # 0.5 -> 1.5 -> 2.5
+    assert exposed([100, 100], [False, True], 1.0, 100.0) == pytest.approx(0.5)  # the back set only
+    assert exposed([100, 100], [True, False], 1.0, 100.0) == pytest.approx(1.0)  # from the end of backward
+    assert exposed([100, 100], [True, True], 1.0, 1000.0) == pytest.approx(0.1)
+    assert exposed([100, 100], [False, False], 1.0, 100.0) == 0.0
+
+
+def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates():
+    """A 1.34B GPT's chunk sets (10 of 134.8M elements) under a 24 GiB limit with 15 GiB of
+    activations: the state of two sets fits beside the parameters. With the H200's rates (16
+    cores stepping 4.4G elements/s, 50 GB/s copies, a 0.12 s backward) a further set would save
+    31 ms of CPU and cost more in fetches: nothing more moves. With a host a tenth as fast the
+    fetches are worth it: more sets move, displacing parameter chunks, and the prediction falls."""
+    from gemini_ext.policy import AutoPolicy, Placement, SetPlacement
+    elements, sets = 134_807_552, 10
+    policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
+    current = Placement(tuple(SetPlacement(optim_on_host=True) for _ in range(sets)))
+    figures = dict(device_capacity_bytes=24 << 30, device_total_bytes=150_109_880_320,
+                   set_shard_bytes=(elements * 2,) * sets, trainable=(True,) * sets,
+                   non_model_peak_bytes=15 << 30, backward_seconds=0.12, h2d_bytes_per_s=50e9)
+    fast = policy.after_iteration(_measured(**figures, cpu_optimizer_elements_per_s=4.4e9), current).decision
+    assert fast["optim_sets_moved_to_device"] == 2 and fast["optim_sets_beyond_fit"] == 0
+    assert fast["displaced_param_bytes"] == 0 and fast["predicted_exposed_optimizer_s"] > 0
+    slow = policy.after_iteration(_measured(**figures, cpu_optimizer_elements_per_s=4.4e8), current).decision
+    assert slow["optim_sets_beyond_fit"] > 0 and slow["displaced_param_bytes"] > 0
+    assert slow["optim_sets_moved_to_device"] == 2 + slow["optim_sets_beyond_fit"]
+    stay = policy.after_iteration(_measured(**{**figures, "h2d_bytes_per_s": 0}, cpu_optimizer_elements_per_s=4.4e8),
+                                  current).decision
+    assert "optim_sets_beyond_fit" not in stay and stay["optim_sets_moved_to_device"] == 2, "no rates: what fits"
+    assert slow["predicted_exposed_optimizer_s"] + slow["predicted_fetch_s"] < _predicted_at_fit(
+        elements, sets, 2, 0.12, 4.4e8), "what it chose beats staying at what fits"
+
+
+def _predicted_at_fit(elements, sets, on_device, backward_seconds, rate):
+    from gemini_ext._optimizer_split import predicted_exposed_optimizer_seconds
+    return predicted_exposed_optimizer_seconds([elements] * sets, [i >= on_device for i in range(sets)],
+                                               backward_seconds, rate)
+
+
+@pytest.mark.parametrize("cpu_rate", [1e12, 1e4], ids=["fast-host", "slow-host"])
+def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch, cpu_rate):
+    """End to end on sim with the CPU optimizer's measured rate replaced: a fast host keeps to the
+    state that fits beside the parameters; a slow one moves more, its parameter chunks are evicted
+    and fetched again each iteration, and training still matches torch."""
+    from gemini_ext import _rates
+    monkeypatch.setitem(_rates._cache, "cpu", cpu_rate)
+    model, reference = make_models()
+    train_reference(reference, 6, torch.device("cpu"))
+    _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES))
+    decision = stats["placement"]["decision"]
+    assert decision["backward_seconds"] > 0 and decision["h2d_bytes_per_s"] > 0
+    assert decision["cpu_optimizer_elements_per_s"] == cpu_rate
+    if cpu_rate > 1e6:
+        assert decision["optim_sets_beyond_fit"] == 0 and stats["steps"][-1]["evictions"] == 0
+    else:
+        assert decision["optim_sets_beyond_fit"] > 0 and decision["displaced_param_bytes"] > 0
+        assert stats["steps"][-1]["evictions"] > 0, "the displaced parameter chunks are fetched again"
+    assert stats["placement"]["optim_chunks_on_device"] == decision["optim_sets_moved_to_device"]
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
