@@ -17,7 +17,7 @@ with rates measured on the machine (gemini_ext/_rates.py) and the last backward 
 and moves the count of further sets (possibly none) that minimises their sum: it stops where
 the CPU step no longer outlasts the backward pass or where the fetches would cost more than
 the CPU time they save. A fast host (the H200's 16 cores) never displaces: there a further set
-saves tens of milliseconds of CPU and costs hundreds of fetching. Not weighed when the host cannot
+saves tens of milliseconds of CPU and costs over a hundred in fetches. Not weighed when the host cannot
 hold every state (those sets' parameter chunks are never evicted) or the parameters do not fit.
 """
 
