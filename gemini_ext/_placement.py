@@ -14,8 +14,6 @@ import dataclasses
 import time
 import warnings
 
-import torch
-
 from . import _C, _host_memory, _rates, allocator
 from ._env import logger
 from ._layout import set_bytes_per_element
@@ -116,11 +114,14 @@ class Placer:
 
     def _rates(self, tracer) -> dict:
         """The last backward pass's duration and the machine's measured rates (what
-        _optimizer_split.py weighs), reduced so that every rank decides alike. A probe that cannot run (no device
-        memory left for its buffer) reports 0: the policy then decides without rates."""
+        _optimizer_split.py weighs), reduced so that every rank decides alike. A probe that
+        cannot run (no memory left for its buffers) reports 0: the policy then decides without
+        rates."""
         try:
             cpu, h2d = _rates.cpu_optimizer_elements_per_s(), _rates.h2d_bytes_per_s(self._device)
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
+            logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
+                        self.policy.name, e)
             cpu = h2d = 0.0
         return {"backward_seconds": self._groups.reduce(tracer.last_backward_seconds(), "max"),
                 "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
