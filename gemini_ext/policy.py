@@ -82,7 +82,6 @@ NON_MODEL_HEADROOM = 1 / 16  # of the measured non-model memory
 HOST_RESERVE_BYTES = 4 << 30
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Measurements:
     """What a policy decides from. Figures that differ between ranks arrive reduced over them."""
@@ -440,7 +439,6 @@ class AutoPolicy(PlacementPolicy):
                     "optim_sets_kept_on_device_for_host": host_bound_sets, **rates,
                     "move_seconds": 0.0}  # the engine times the moves it makes
         return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings))
-
 
 
 @register
