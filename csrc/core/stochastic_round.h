@@ -1,0 +1,47 @@
+// Stochastic rounding of fp32 to bf16, with counter-based random bits.
+//
+// Design note. Rounding to nearest loses an update smaller than half a bf16 step every time:
+// an optimizer moment kept in bf16 that way stalls once its increments fall below 2^-9 of its
+// value. Stochastic rounding rounds up with probability equal to the dropped fraction, so the
+// expected stored value is the fp32 value and small increments survive on average. The random
+// bits are a pure function of (seed, stream, element index): a step is reproducible (a resumed
+// run rounds as the original did) and any implementation (the CPU kernels, the device path in
+// torch operations) that evaluates the same function rounds identically. The hash is the
+// "lowbias32" integer finaliser (two multiply-xorshift rounds), a bijection on 32 bits, mixed
+// once for the stream and once with the index.
+#pragma once
+
+#include <cstdint>
+
+#include "half_convert.h"
+
+namespace gx {
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one random stream: one per (seed, stream) pair, e.g. per step, chunk and moment.
+inline uint32_t stochastic_stream_key(uint32_t seed, uint32_t stream) {
+  return mix32(seed ^ mix32(stream + 0x9e3779b9U));
+}
+
+// 32 random bits for element `index` (< 2^32 in one stream) of the stream `key`.
+inline uint32_t stochastic_bits(uint32_t key, uint32_t index) { return mix32(index ^ key); }
+
+// fp32 -> bf16 rounding the magnitude up with probability (dropped low 16 bits) / 2^16, taking
+// the low 16 bits of `random` as the uniform draw. Exact values stay exact; inf and NaN round to
+// nearest (NaN stays NaN).
+inline uint16_t float_to_bf16_stochastic(float f, uint32_t random) {
+  uint32_t bits = float_to_bits(f);
+  if ((bits & 0x7f800000U) == 0x7f800000U) return float_to_bf16(f);
+  bits += random & 0xffffU;
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace gx

@@ -1,0 +1,169 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/cpu_adam.h"
+#include "core/cpu_adam_bf16_moments.h"
+#include "core/errors.h"
+#include "core/half_convert.h"
+#include "core/stochastic_round.h"
+#include "simd_isas.h"
+
+namespace gx {
+namespace {
+
+struct Data {
+  std::vector<float> p;
+  std::vector<uint16_t> m, v, g;
+};
+
+Data random_data(int64_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Data d{std::vector<float>(n), std::vector<uint16_t>(n), std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
+  for (int64_t i = 0; i < n; ++i) {
+    d.p[i] = normal(rng);
+    d.m[i] = float_to_bf16(normal(rng) * 0.01f);
+    d.v[i] = float_to_bf16(std::abs(normal(rng)) * 1e-4f);
+    d.g[i] = float_to_bf16(normal(rng) * 0.1f);
+  }
+  return d;
+}
+
+AdamHyper hyper() {
+  AdamHyper h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.1;
+  h.step = 4;
+  h.grad_scale = 0.5;
+  return h;
+}
+
+// The kernel's contract: the fp32 update of the widened moments, then stochastic rounding with
+// the bits of (seed, moment, first_index + i).
+TEST(CpuAdamBf16Moments, EqualsTheFp32UpdateOfTheWidenedMomentsThenStochasticRounding) {
+  const int64_t n = 3 * kBf16MomentsBlockNumel + 37;  // a partial block at the end
+  const uint32_t seed = 1234, first = 5000;
+  const Data d = random_data(n, 3);
+  std::vector<float> p_ref = d.p, m_ref(n), v_ref(n);
+  for (int64_t i = 0; i < n; ++i) {
+    m_ref[i] = bf16_to_float(d.m[i]);
+    v_ref[i] = bf16_to_float(d.v[i]);
+  }
+  std::vector<uint16_t> p16_ref(n);
+  AdamBuffers ref{p_ref.data(), m_ref.data(), v_ref.data(), d.g.data(), DType::kBFloat16, p16_ref.data(),
+                  DType::kBFloat16, n};
+  cpu_adam_step(hyper(), ref, SimdIsa::kScalar);
+  const uint32_t km = stochastic_stream_key(seed, 0), kv = stochastic_stream_key(seed, 1);
+  for (SimdIsa isa : available_isas()) {
+    Data x = d;
+    std::vector<uint16_t> p16(n);
+    AdamBuffers b;
+    b.param = x.p.data();
+    b.grad = x.g.data();
+    b.grad_dtype = DType::kBFloat16;
+    b.param16 = p16.data();
+    b.numel = n;
+    Bf16Moments mom;
+    mom.exp_avg = x.m.data();
+    mom.exp_avg_sq = x.v.data();
+    mom.seed = seed;
+    mom.first_index = first;
+    cpu_adam_step_bf16_moments(hyper(), b, mom, isa);
+    ASSERT_EQ(x.p, p_ref) << to_string(isa) << ": the fp32 master is the fp32 kernel's, bit for bit";
+    ASSERT_EQ(p16, p16_ref) << to_string(isa);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t index = first + static_cast<uint32_t>(i);
+      ASSERT_EQ(x.m[i], float_to_bf16_stochastic(m_ref[i], stochastic_bits(km, index))) << to_string(isa) << " " << i;
+      ASSERT_EQ(x.v[i], float_to_bf16_stochastic(v_ref[i], stochastic_bits(kv, index))) << to_string(isa) << " " << i;
+    }
+  }
+}
+
+TEST(CpuAdamBf16Moments, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
+  const int64_t n = kBf16MomentsBlockNumel + 5;
+  const Data d = random_data(n, 9);
+  Data in_place = d;
+  AdamBuffers b;
+  b.grad = d.g.data();
+  b.grad_dtype = DType::kBFloat16;
+  b.numel = n;
+  b.param = in_place.p.data();
+  Bf16Moments mom;
+  mom.exp_avg = in_place.m.data();
+  mom.exp_avg_sq = in_place.v.data();
+  mom.seed = 7;
+  cpu_adam_step_bf16_moments(hyper(), b, mom);
+  Data inputs = d;
+  std::vector<float> p_out(n);
+  std::vector<uint16_t> m_out(n), v_out(n);
+  b.param = inputs.p.data();
+  b.param_out = p_out.data();
+  mom.exp_avg = inputs.m.data();
+  mom.exp_avg_sq = inputs.v.data();
+  mom.exp_avg_out = m_out.data();
+  mom.exp_avg_sq_out = v_out.data();
+  cpu_adam_step_bf16_moments(hyper(), b, mom);
+  EXPECT_EQ(p_out, in_place.p);
+  EXPECT_EQ(m_out, in_place.m);
+  EXPECT_EQ(v_out, in_place.v);
+  EXPECT_EQ(inputs.p, d.p);
+  EXPECT_EQ(inputs.m, d.m);
+  EXPECT_EQ(inputs.v, d.v);
+}
+
+// Why the rounding is stochastic: with beta1 = 0.999, m moves toward a gradient one bf16 step
+// (2^-7) above it by 2^-7 / 1000 a step, far below half a step. Rounded to nearest it would never
+// leave 1.0; stochastically rounded, its mean over elements follows the fp32 recurrence.
+TEST(CpuAdamBf16Moments, SmallIncrementsSurviveOnAverage) {
+  const int64_t n = 32768;
+  std::vector<float> p(n, 0.0f);
+  std::vector<uint16_t> m(n, float_to_bf16(1.0f)), v(n, float_to_bf16(1.0f)), g(n, float_to_bf16(1.0078125f));
+  const double g_value = 1.0078125;  // 1 + 2^-7: one bf16 step above 1
+  double m_fp32 = 1.0;
+  AdamHyper h;
+  h.lr = 0.0;
+  h.beta1 = 0.999;
+  AdamBuffers b;
+  b.param = p.data();
+  b.grad = g.data();
+  b.grad_dtype = DType::kBFloat16;
+  b.numel = n;
+  Bf16Moments mom;
+  mom.exp_avg = m.data();
+  mom.exp_avg_sq = v.data();
+  for (int64_t t = 1; t <= 500; ++t) {
+    h.step = t;
+    mom.seed = static_cast<uint32_t>(t);
+    cpu_adam_step_bf16_moments(h, b, mom);
+    m_fp32 += (1.0 - h.beta1) * (g_value - m_fp32);
+  }
+  double mean = 0.0;
+  for (uint16_t x : m) mean += bf16_to_float(x);
+  mean /= n;
+  EXPECT_GT(m_fp32 - 1.0, 0.003) << "the fp32 recurrence moved";
+  EXPECT_NEAR(mean, m_fp32, 0.05 * (m_fp32 - 1.0)) << "the bf16 moments followed it on average";
+}
+
+TEST(CpuAdamBf16Moments, RefusesMismatchedBuffers) {
+  std::vector<float> p(4);
+  std::vector<uint16_t> m(4), v(4), g(4), out(4);
+  AdamBuffers b;
+  b.param = p.data();
+  b.grad = g.data();
+  b.grad_dtype = DType::kBFloat16;
+  b.numel = 4;
+  Bf16Moments mom;
+  mom.exp_avg = m.data();
+  mom.exp_avg_sq = v.data();
+  mom.exp_avg_out = out.data();  // out of place without param_out
+  EXPECT_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom), UsageError);
+  mom.exp_avg_out = nullptr;
+  b.exp_avg = p.data();  // fp32 moments as well
+  EXPECT_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom), UsageError);
+}
+
+}  // namespace
+}  // namespace gx
