@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="the optimizer (gemini_ext/models/optimizers.py)")
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: Adam's moments in bf16 with stochastic rounding (changes the numerics)")
     p.add_argument("--offload-optim-frac", type=float, default=1.0)
     p.add_argument("--offload-param-frac", type=float, default=0.0)
     p.add_argument("--gpu-limit", default=None, help="device budget for chunks, e.g. 2GiB (sim: the sim capacity)")
@@ -123,7 +125,7 @@ def step_figures(losses: list[float], step_seconds: list[float], tokens_per_step
     """Losses and step times; throughput over the steps after the first (its warm-up, and auto's
     decision, would count otherwise)."""
     timed = step_seconds[1:] or step_seconds
-    return {"first_loss": losses[0], "last_loss": losses[-1],
+    return {"first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "tokens_per_s": tokens_per_step * len(timed) / sum(timed),  # every rank's tokens
             "step_s_median": sorted(timed)[len(timed) // 2],
             "step_seconds": step_seconds}  # every step, the first included
@@ -150,7 +152,8 @@ def main(argv=None) -> dict:
                           offload_param_frac=args.offload_param_frac, max_norm=args.max_norm,
                           min_chunk_size_m=min(32.0, model_m / 8),
                           search_range_m=args.search_range_m or min(128.0, model_m / 4),
-                          extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap, **budget)
+                          extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap,
+                          optimizer_state_dtype=args.optimizer_state_dtype, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     init_started = time.perf_counter()

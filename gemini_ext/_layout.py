@@ -26,17 +26,20 @@ from .search import ALIGNMENT_NUMEL, search_chunk_configuration, wider_search
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHUNK_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter dtypes enable() takes
 STATE_DTYPE = torch.float32  # masters and optimizer state
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GeminiConfig.optimizer_state_dtype
 HOST_TIERS = ("pinned_host", "pageable_host")
 TIERS = ("device", *HOST_TIERS)  # where a chunk's copies may be
 
 
-def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int) -> int:
+def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int,
+                          state_dtype: torch.dtype = STATE_DTYPE) -> int:
     """Bytes per element of a trainable chunk set's optimizer side, wherever it lives: its
     gradient (compute dtype), the fp32 master (16-bit precisions only) and each optimizer state
-    kind (fp32). The parameter chunk itself is not counted. Every plan that sizes optimizer
-    state (host room, device room, moves) uses this one figure."""
+    kind (fp32, or bf16 under optimizer_state_dtype="bf16"). The parameter chunk itself is not
+    counted. Every plan that sizes optimizer state (host room, device room, moves) uses this one
+    figure."""
     master = STATE_DTYPE.itemsize if compute_dtype != STATE_DTYPE else 0
-    return compute_dtype.itemsize + master + STATE_DTYPE.itemsize * num_state_kinds
+    return compute_dtype.itemsize + master + state_dtype.itemsize * num_state_kinds
 
 
 def choose_chunk_size(model, named, config, world_size: int) -> int:
@@ -104,8 +107,9 @@ class ChunkLayout:
     each one lives. Built on a ChunkManager whose chunks are closed before anything is allocated."""
 
     def __init__(self, chunks, named: list, compute_dtype: torch.dtype, compute_device: torch.device,
-                 state_slots: int, chunk_size: int):
+                 state_slots: int, chunk_size: int, state_dtype: torch.dtype = STATE_DTYPE):
         self.compute_dtype = compute_dtype
+        self.state_dtype = state_dtype  # of the optimizer state chunks (the master is fp32)
         self.has_master = compute_dtype != STATE_DTYPE
         self.state_groups = tuple(f"state{k}" for k in range(state_slots))
         self.state_kinds: tuple[str, ...] = ()  # the attached optimizer's (bind_states)
@@ -115,7 +119,8 @@ class ChunkLayout:
         host = chunks.host_tier
         trainable = [(n, p) for n, p in named if p.requires_grad]
         frozen = [(n, p) for n, p in named if not p.requires_grad]
-        group_dtype = {"param": compute_dtype, "grad": compute_dtype, "frozen": compute_dtype}
+        group_dtype = {"param": compute_dtype, "grad": compute_dtype, "frozen": compute_dtype,
+                       **{kind: state_dtype for kind in self.state_groups}}
         if trainable:
             for kind in self.trainable_kinds:
                 chunks.create_group(kind, group_dtype.get(kind, STATE_DTYPE), chunk_size, host, ALIGNMENT_NUMEL)

@@ -50,7 +50,8 @@ class Placer:
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
             trainable=tuple(s.trainable for s in layout.sets),
-            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds),
+            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
+                                                        layout.state_dtype),
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
             world_size=self._groups.world_size, host_available_bytes=available,
             device_total_bytes=self._device.total_bytes(), **iteration)

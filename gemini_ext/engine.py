@@ -41,7 +41,7 @@ from ._device import ComputeDevice, cuda_available, resolve_device  # noqa: F401
 from ._env import logger
 from ._fill import ChunkFill, allocated_on_write
 from ._hooks import HookSet
-from ._layout import COMPUTE_DTYPES, HOST_TIERS, ChunkLayout, check_parameters, choose_chunk_size
+from ._layout import COMPUTE_DTYPES, HOST_TIERS, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from ._materialize import MetaMaterializer
 from ._param_access import ParamAccess
 from ._placement import Placer
@@ -92,8 +92,8 @@ class GeminiEngine:
         self.chunk_size = choose_chunk_size(model, named, config, self.world_size)
         self.chunks = self._open_chunk_manager()
         meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
-        self.layout = ChunkLayout(self.chunks, named, self.compute_dtype, self.compute_device,
-                                  MAX_STATE_KINDS, self.chunk_size)
+        self.layout = ChunkLayout(self.chunks, named, self.compute_dtype, self.compute_device, MAX_STATE_KINDS,
+                                  self.chunk_size, STATE_DTYPES[config.optimizer_state_dtype])
         self.placer = Placer(policy, self.layout, self.device, self.groups)
         self.placer.initial()
         device_first, device_grads = self.placer.device_first_chunks()

@@ -37,7 +37,7 @@ from . import _registry
 from ._host_memory import mem_available_bytes
 from ._generic import GenericStepper
 from ._lion import Lion  # noqa: F401  (gx.optim.Lion)
-from ._rules import MAX_STATE_KINDS, rule_for
+from ._rules import ADAM, MAX_STATE_KINDS, rule_for
 
 
 def _as_groups(params) -> list[dict]:
@@ -82,6 +82,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
             raise TypeError("gemini_ext optimizer: GeminiOptimizer wraps an optimizer class; pass the class itself, "
                             "e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4).")
         rule = rule_for(opt_cls)
+        state_dtype = engine.config.optimizer_state_dtype
+        if state_dtype != "fp32" and rule is not ADAM:
+            raise ValueError(f"gemini_ext optimizer: optimizer_state_dtype={state_dtype!r} keeps Adam's moments in "
+                             f"{state_dtype}; {getattr(opt_cls, '__name__', opt_cls)} has no such kernel. Use "
+                             "torch.optim.Adam or AdamW, or optimizer_state_dtype='fp32'.")
         if params is None:
             params = [p for p in engine.parameters() if p.requires_grad]
         self.engine = engine

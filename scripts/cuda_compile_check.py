@@ -5,8 +5,9 @@ CPU-only, so `#ifdef GX_WITH_CUDA` code in csrc/torch and csrc/bindings would ne
 This compiles each of those files with GX_WITH_CUDA=1 against torch's headers (the CPU wheel
 ships c10/cuda) and the CUDA toolkit's headers, with -fsyntax-only: it catches rot between GPU
 runs. Only files whose own text or project headers mention GX_WITH_CUDA are checked (the rest
-compile identically in the CPU build); csrc/cuda itself is compiled and linked by the CMake
-build of the C++ tests.
+compile identically in the CPU build); csrc/cuda's .cpp files are compiled and linked by the
+CMake build of the C++ tests, and its CUDA kernels (.cu) are compiled here with nvcc when it is
+on the PATH (to an object file that is thrown away).
 """
 
 from __future__ import annotations
@@ -76,12 +77,19 @@ def main() -> int:
                                glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp")))
              if mentions_cuda(f, set())]
 
+    nvcc = shutil.which("nvcc")
+    kernels = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) if nvcc else []
+
     def check(path):
+        if path.endswith(".cu"):
+            command = [nvcc, std, "-c", path, "-I", os.path.join(ROOT, "csrc"),
+                       "-o", os.path.join(shim, os.path.basename(path) + ".o")]
+            return path, subprocess.run(command, capture_output=True, text=True)
         return path, subprocess.run(flags + [path], capture_output=True, text=True)
 
     failed = 0
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        for path, result in pool.map(check, files):
+        for path, result in pool.map(check, files + kernels):
             status = "ok" if result.returncode == 0 else "FAILED"
             print(f"cuda_compile_check: {os.path.relpath(path, ROOT)}: {status}")
             if result.returncode != 0:

@@ -4,6 +4,7 @@
 #include "torch/cpu_adam_op.h"
 #include "torch/cpu_optim_op.h"
 #include "torch/gemini_manager.h"
+#include "torch/stochastic_round_op.h"
 
 namespace gx::bindings {
 
@@ -42,6 +43,18 @@ void attach_optimizer(GeminiManager& g, const std::string& rule, const std::vect
 
 }  // namespace
 
+namespace {
+
+at::Tensor narrow_to_bf16_stochastic(const at::Tensor& x, int64_t key, int64_t first_index) {
+  GX_CHECK(key >= 0 && key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
+           "narrow_to_bf16_stochastic: key and first_index must be in [0, 2^32), got ", key, " and ", first_index, ".");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  torch_layer::narrow_to_bf16_stochastic(x, out, static_cast<uint32_t>(key), static_cast<uint32_t>(first_index));
+  return out;
+}
+
+}  // namespace
+
 void bind_optimizer(py::module_& m) {
   py::enum_<torch_layer::StateKind>(m, "StateKind")
       .value("param", torch_layer::StateKind::kParam)
@@ -54,9 +67,11 @@ void bind_optimizer(py::module_& m) {
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
         py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt,
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("random_seed") = 0, py::arg("first_index") = 0, py::call_guard<py::gil_scoped_release>(),
         "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
-        "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs.");
+        "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs. m and v "
+        "may both be bfloat16: they are then stochastically rounded with the stream of (random_seed, "
+        "first_index) (csrc/core/cpu_adam_bf16_moments.h).");
 
   m.def("cpu_optim_step", &torch_layer::cpu_optim_step, py::arg("name"), py::arg("param"), py::arg("states"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("hyper"),
@@ -64,6 +79,11 @@ void bind_optimizer(py::module_& m) {
         "Fused CPU SGD, Lion or Adagrad (name 'sgd', 'lion', 'adagrad') over one chunk's fp32 master, its "
         "state and gradient (see csrc/core/cpu_optim.h); hyper: the group's values as the rule names them; "
         "out=(param_out, state_outs...) writes the results there and leaves the inputs.");
+
+  m.def("narrow_to_bf16_stochastic", &narrow_to_bf16_stochastic, py::arg("x"), py::arg("key"),
+        py::arg("first_index") = 0,
+        "x (float32, contiguous, cpu or cuda) rounded to bfloat16 stochastically with the bits of (key, first_index + "
+        "i): the rounding of bf16 optimizer state (csrc/core/stochastic_round.h), for tests.");
 
   // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));

@@ -15,7 +15,9 @@ const void* offset_16_or_32(const void* base, DType dtype, int64_t elements) {
   return static_cast<const char*>(base) + static_cast<size_t>(elements) * itemsize;
 }
 
-void check_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& b, const Bf16Moments& m) {
+}  // namespace
+
+void check_adam_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& b, const Bf16Moments& m) {
   GX_CHECK(b.exp_avg == nullptr && b.exp_avg_sq == nullptr && b.exp_avg_out == nullptr && b.exp_avg_sq_out == nullptr,
            "Adam with bf16 moments: the fp32 moment buffers must be unset (the moments come as bf16).");
   GX_CHECK(b.numel <= (int64_t{1} << 32) - m.first_index, "Adam with bf16 moments: ", b.numel,
@@ -34,11 +36,9 @@ void check_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& b, const
   check_adam_args(hyper, probe);
 }
 
-}  // namespace
-
 void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffers, const Bf16Moments& moments,
                                 SimdIsa isa) {
-  check_bf16_moments_args(hyper, buffers, moments);
+  check_adam_bf16_moments_args(hyper, buffers, moments);
   GX_CHECK(static_cast<int>(isa) <= static_cast<int>(detected_simd_isa()), "cpu_adam_step: ISA ", to_string(isa),
            " requested but this CPU supports at most ", to_string(detected_simd_isa()), ".");
   if (buffers.numel == 0) return;

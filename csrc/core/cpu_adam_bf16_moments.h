@@ -29,6 +29,9 @@ struct Bf16Moments {
 
 constexpr int64_t kBf16MomentsBlockNumel = 2048;
 
+// Validates buffers, moments and hyperparameters (UsageError naming the bad one).
+void check_adam_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& buffers, const Bf16Moments& moments);
+
 // One update of all elements over the global ThreadPool. `buffers` gives the master, gradient,
 // optional 16-bit parameter copy and param_out; its exp_avg fields must be null (the moments
 // come in `moments`).

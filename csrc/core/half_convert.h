@@ -4,27 +4,43 @@
 // rounding as torch's own conversions do: bf16 keeps the top 16 bits after adding 0x7FFF plus
 // the lowest kept bit (NaN stays a quiet NaN); fp16 rounds the 24-bit significand to 11 bits,
 // handles subnormals, overflow to infinity and NaN.
+// The bf16 conversions also compile as CUDA device code (GX_HOST_DEVICE), so that a device kernel
+// rounds exactly as the CPU kernels do.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#if defined(__CUDACC__)
+#define GX_HOST_DEVICE __host__ __device__
+#else
+#define GX_HOST_DEVICE
+#endif
+
 namespace gx {
 
-inline float bits_to_float(uint32_t bits) {
+GX_HOST_DEVICE inline float bits_to_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
 }
-inline uint32_t float_to_bits(float f) {
+GX_HOST_DEVICE inline uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
   return bits;
+#endif
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+GX_HOST_DEVICE inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t float_to_bf16(float f) {
+GX_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
   const uint32_t bits = float_to_bits(f);
   if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);

@@ -8,7 +8,8 @@
 // run rounds as the original did) and any implementation (the CPU kernels, the device path in
 // torch operations) that evaluates the same function rounds identically. The hash is the
 // "lowbias32" integer finaliser (two multiply-xorshift rounds), a bijection on 32 bits, mixed
-// once for the stream and once with the index.
+// once for the stream and once with the index. The inline functions compile as CUDA device code
+// too (csrc/cuda/stochastic_round_kernel.cu).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@
 
 namespace gx {
 
-inline uint32_t mix32(uint32_t x) {
+GX_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -27,21 +28,30 @@ inline uint32_t mix32(uint32_t x) {
 }
 
 // The key of one random stream: one per (seed, stream) pair, e.g. per step, chunk and moment.
-inline uint32_t stochastic_stream_key(uint32_t seed, uint32_t stream) {
+GX_HOST_DEVICE inline uint32_t stochastic_stream_key(uint32_t seed, uint32_t stream) {
   return mix32(seed ^ mix32(stream + 0x9e3779b9U));
 }
 
+// The seed of one optimizer step of one chunk: the same on every rank and in every path.
+GX_HOST_DEVICE inline uint32_t stochastic_seed(int64_t step, int64_t chunk) {
+  return mix32(static_cast<uint32_t>(step) ^ mix32(static_cast<uint32_t>(chunk) + 0x632be5abU));
+}
+
 // 32 random bits for element `index` (< 2^32 in one stream) of the stream `key`.
-inline uint32_t stochastic_bits(uint32_t key, uint32_t index) { return mix32(index ^ key); }
+GX_HOST_DEVICE inline uint32_t stochastic_bits(uint32_t key, uint32_t index) { return mix32(index ^ key); }
 
 // fp32 -> bf16 rounding the magnitude up with probability (dropped low 16 bits) / 2^16, taking
 // the low 16 bits of `random` as the uniform draw. Exact values stay exact; inf and NaN round to
 // nearest (NaN stays NaN).
-inline uint16_t float_to_bf16_stochastic(float f, uint32_t random) {
+GX_HOST_DEVICE inline uint16_t float_to_bf16_stochastic(float f, uint32_t random) {
   uint32_t bits = float_to_bits(f);
   if ((bits & 0x7f800000U) == 0x7f800000U) return float_to_bf16(f);
   bits += random & 0xffffU;
   return static_cast<uint16_t>(bits >> 16);
 }
+
+// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i)) over the global
+// ThreadPool (host memory).
+void narrow_to_bf16_stochastic(const float* x, uint16_t* out, int64_t n, uint32_t key, uint32_t first_index);
 
 }  // namespace gx

@@ -73,7 +73,7 @@ class CpuOptimRule final : public OptimizerRule {
     CpuOptimWork w = prepare_cpu_optim(h, run.master, run.states, run.grad, run.param16);
     if (spares != nullptr) {
       w.buffers.param_out = spares->master;
-      for (size_t k = 0; k < kinds_.size(); ++k) w.buffers.state_out[k] = spares->states.at(k);
+      for (size_t k = 0; k < kinds_.size(); ++k) w.buffers.state_out[k] = static_cast<float*>(spares->states.at(k));
       if (spares->param16 != nullptr) {
         w.buffers.param16 = spares->param16;
         w.buffers.param16_dtype = spares->param16_dtype;

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/errors.h"
+#include "core/stochastic_round.h"
 #include "torch/gemini_manager.h"
 
 namespace gx::torch_layer {
@@ -130,6 +131,15 @@ RunViews HybridOptimizer::set_views(const ChunkSet& set, Tier tier, bool with_pa
   return v;
 }
 
+RunViews HybridOptimizer::run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n,
+                                    int64_t step) const {
+  RunViews v = narrow_run(whole, begin, n);
+  const ShardRange shard = m_.chunks().chunk(set.spec.param).shard_range(m_.chunks().rank());
+  v.random_seed = stochastic_seed(step, set.spec.param);
+  v.first_index = static_cast<uint32_t>(shard.begin_numel + begin);
+  return v;
+}
+
 RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n) {
   RunViews v;
   v.master = set.master.narrow(0, begin, n);
@@ -221,7 +231,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     const int64_t step = r.step + 1;
     if (n > 0) {  // else the run lies in other ranks' shards: only the step count advances
       const HyperValues& h = groups[static_cast<size_t>(r.group)];
-      const RunViews views = narrow_run(whole, begin, n);
+      const RunViews views = run_views(whole, set, begin, n, step);
       if (on_host) {
         host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
         stats_.host_params += n;

@@ -137,13 +137,14 @@ void HybridOptimizer::speculate(int set_index) {
     if (n <= 0) continue;  // in other ranks' shards: only the step count advances
     RunSpares out;
     out.master = reinterpret_cast<float*>(spare(master_id)) + begin;
-    for (const auto& [kind, id] : set.spec.states) out.states.push_back(reinterpret_cast<float*>(spare(id)) + begin);
+    for (const auto& [kind, id] : set.spec.states)
+      out.states.push_back(spare(id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(id).dtype()));
     if (has_master) {
       const DType p_dtype = mgr.chunk(set.spec.param).dtype();
       out.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
       out.param16_dtype = p_dtype;
     }
-    const RunViews views = narrow_run(originals, begin, n);
+    const RunViews views = run_views(originals, set, begin, n, step);
     work.push_back(rule_->prepare_host_run(views, &out, step, (*armed_)[static_cast<size_t>(r.group)], 1.0));
     spec->host_params += n;
     stepped.emplace_back(begin, end);

@@ -4,8 +4,8 @@
 // Design note. Stepping a chunk set is the same for every optimizer: which slots form runs,
 // where the set's state lives, keeping P's copies coherent, the overlapped CPU pipeline and
 // speculation. What differs is declared by a rule:
-//  * state_kinds(): the fp32 state chunks every trainable set carries besides its master, in
-//    order (Adam: exp_avg, exp_avg_sq). The engine lays them out and the checkpoints, state
+//  * state_kinds(): the state chunks every trainable set carries besides its master, in order
+//    (Adam: exp_avg, exp_avg_sq); fp32, or bf16 for a rule that supports it (Adam). The engine lays them out and the checkpoints, state
 //    dicts and close() iterate them;
 //  * a host run: checked now against the run's tensors, returned as work on raw host memory
 //    for the optimizer thread (the CPU kernel of csrc/core); with spares it writes the master,
@@ -35,15 +35,19 @@ using HyperValues = std::map<std::string, double>;
 // One run's elements in this rank's shard, as tensors on the tier where the set's state lives.
 struct RunViews {
   at::Tensor master;               // fp32: the master, or P itself for fp32 parameters
-  std::vector<at::Tensor> states;  // fp32, in the rule's order
+  std::vector<at::Tensor> states;  // in the rule's order: fp32, or bf16 where the engine keeps them so
   at::Tensor grad;                 // compute dtype
   at::Tensor param16;              // the 16-bit copy to write (host runs); undefined: none
+  // Stochastic rounding of bf16 states (core/stochastic_round.h): the step's seed for this chunk
+  // and the index of the run's first element within its chunk (the same on every rank and path).
+  uint32_t random_seed = 0;
+  uint32_t first_index = 0;
 };
 
 // A speculative host run's outputs: spare buffers of the same layout, at the run's first element.
 struct RunSpares {
   float* master = nullptr;
-  std::vector<float*> states;
+  std::vector<void*> states;  // of each state chunk's dtype
   void* param16 = nullptr;  // nullptr: fp32 parameters (the master is the parameter)
   DType param16_dtype = DType::kBFloat16;
 };

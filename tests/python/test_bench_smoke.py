@@ -262,3 +262,23 @@ def test_placement_sweep_reads_what_the_example_reports(tmp_path):
     assert rows[2]["decision"]["decisions"] >= 1
     text = placement_sweep.table(rows + [{"name": "static optim 0.1 params 0.0", "error": "timed out after 300 s"}])
     assert text.count("(best static)") == 1 and "timed out after 300 s" in text and "auto: " in text
+
+
+def test_state_dtype_bench_compares_the_two_runs(tmp_path):
+    """bench/state_dtype.py's table and plot from two runs of the example (in this process)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import state_dtype
+
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(REPO, "examples", "train_gpt.py"))
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    common = ["--device", "sim", "--preset", "tiny", "--steps", "4", "--batch", "2", "--seq", "16", "--no-progress"]
+    rows = {name: train_gpt.main(common + ["--optimizer-state-dtype", name]) for name in ("fp32", "bf16")}
+    assert len(rows["bf16"]["losses"]) == 4 and rows["bf16"]["losses"] != rows["fp32"]["losses"]
+    text = state_dtype.table(rows)
+    assert "| fp32 state loss |" in text and "| bf16 state loss |" in text and "largest loss difference" in text
+    state_dtype.plot(rows, str(tmp_path / "curves.png"))
+    assert os.path.getsize(tmp_path / "curves.png") > 1000

@@ -83,6 +83,7 @@ CASES = {
     "clipping": ({"max_norm": 0.05}, 1e-5),
     "tiny_budget": ({"sim_capacity": 8 * CHUNK_BYTES_FP32}, 1e-5),
     "bf16": ({"precision": "bf16"}, 2e-2),
+    "bf16_optimizer_state": ({"precision": "bf16", "optimizer_state_dtype": "bf16"}, 2e-2),
     "auto": ({"placement_policy": "auto", "sim_capacity": 40 * CHUNK_BYTES_FP32}, 1e-5),
     "const": ({"placement_policy": "const", "const_gpu_budget": 8 * CHUNK_BYTES_FP32}, 1e-5),
     "fp16_loss_scaling": ({"precision": "fp16"}, 5e-3),

@@ -1,0 +1,172 @@
+"""optimizer_state_dtype="bf16": Adam's moments in bf16 with stochastic rounding. The kernel
+against an independent Python implementation of the rounding, then the engine: memory, the
+loss curve against fp32 state, determinism, the host and device paths, checkpoints, refusals."""
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import batch, config, make_models, torch_device, train_gemini
+
+M32 = 0xFFFFFFFF
+
+
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x < 2^32 without overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & M32
+
+
+def _mix32(x):
+    if isinstance(x, int):
+        return int(_mix32(torch.tensor([x], dtype=torch.int64))[0])
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mulmod32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _stream_key(seed: int, stream: int) -> int:
+    return _mix32(seed ^ _mix32((stream + 0x9E3779B9) & M32))
+
+
+def _stochastic_bf16(x: torch.Tensor, key: int, first_index: int) -> torch.Tensor:
+    """The rounding of csrc/core/stochastic_round.h, written again with torch's integer ops."""
+    index = (torch.arange(x.numel(), dtype=torch.int64) + first_index) & M32
+    draw = _mix32(index ^ key) & 0xFFFF
+    bits = x.view(torch.int32).to(torch.int64) & M32
+    rounded = ((bits + draw) >> 16) & 0xFFFF
+    finite = (bits & 0x7F800000) != 0x7F800000
+    nearest = x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    halves = torch.where(finite, rounded, nearest)
+    return torch.where(halves >= 0x8000, halves - 0x10000, halves).to(torch.int16).view(torch.bfloat16)
+
+
+def test_the_kernel_is_the_fp32_update_then_the_documented_rounding():
+    torch.manual_seed(0)
+    n, seed, first = 10_007, 123_456, 70_000
+    master = torch.randn(n)
+    m = (torch.randn(n) * 1e-2).to(torch.bfloat16)
+    v = (torch.rand(n) * 1e-4).to(torch.bfloat16)
+    grad = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True)
+    p_ref, m_ref, v_ref, copy_ref = master.clone(), m.float(), v.float(), torch.empty(n, dtype=torch.bfloat16)
+    gx._C.cpu_adam_step(p_ref, m_ref, v_ref, grad, copy_ref, **hyper)
+    p, copy = master.clone(), torch.empty(n, dtype=torch.bfloat16)
+    m_in, v_in = m.clone(), v.clone()
+    gx._C.cpu_adam_step(p, m_in, v_in, grad, copy, **hyper, random_seed=seed, first_index=first)
+    assert torch.equal(p, p_ref) and torch.equal(copy, copy_ref), "the master is the fp32 kernel's"
+    assert torch.equal(m_in, _stochastic_bf16(m_ref, _stream_key(seed, 0), first))
+    assert torch.equal(v_in, _stochastic_bf16(v_ref, _stream_key(seed, 1), first))
+    assert not torch.equal(m_in, m_ref.to(torch.bfloat16)), "not round to nearest"
+    with pytest.raises(ValueError, match="both be float32 or both bfloat16"):
+        gx._C.cpu_adam_step(master.clone(), m.clone(), v.float(), grad, None, **hyper)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_rounding_on_each_device_is_the_documented_one(device):
+    """The narrowing the device path uses (the CUDA kernel on cuda, the core loop on the host)
+    against the Python implementation, values of both signs, exact values, inf and NaN."""
+    torch.manual_seed(1)
+    x = torch.cat([torch.randn(50_000) * 3, torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"),
+                                                            float("nan"), 3e38, -1e-40])])
+    key, first = _stream_key(99, 0), 4_000_000_000
+    got = gx._C.narrow_to_bf16_stochastic(x.to(torch_device(device)), key, first).cpu()
+    want = _stochastic_bf16(x, key, first)
+    nan = x.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN stays NaN (its payload is torch's or ours)"
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    ups = (got.float().abs() > x.abs())[:50_000].float().mean().item()
+    assert 0.3 < ups < 0.7, "about half the random values round up"
+
+
+def _train(device, steps, state_dtype="bf16", **kw):
+    model, _ = make_models()
+    kw.setdefault("precision", "bf16")
+    losses, stats = train_gemini(model, steps, config(device, optimizer_state_dtype=state_dtype, **kw))
+    return model, losses, stats
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_state_trains_like_fp32_state_in_three_quarters_of_the_memory(device):
+    model_fp32, losses_fp32, stats_fp32 = _train(device, 30, state_dtype="fp32")
+    model_bf16, losses_bf16, stats_bf16 = _train(device, 30)
+    tiers = lambda s: sum(t["current"] for t in s["tier_bytes"].values())  # noqa: E731
+    elements = stats_bf16["num_param_chunks"] * stats_bf16["chunk_size"]  # of each trainable chunk kind
+    assert tiers(stats_fp32) - tiers(stats_bf16) == 4 * elements, "m and v: 2 bytes less each per element"
+    # what placement plans per element besides the parameter chunk: grad 2, master 4, m and v
+    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 2 + 4 + 2 + 2
+    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2) == 2 + 4 + 4 + 4
+    assert losses_bf16[-1] < losses_bf16[0] - 0.3, "it trains"
+    # measured on sim: the curves differ by 2e-4 at most over 30 steps, the parameters by 3e-4
+    assert max(abs(a - b) for a, b in zip(losses_bf16, losses_fp32)) < 2e-3, (losses_bf16, losses_fp32)
+    drift = max((a.float() - b.float()).abs().max().item()
+                for a, b in zip(model_bf16.parameters(), model_fp32.parameters()))
+    assert 0 < drift < 3e-3, "the numerics change, a little"
+
+
+def test_bf16_state_is_deterministic_and_the_same_with_or_without_the_overlapped_pipeline():
+    """The rounding's bits depend on (step, chunk, element) alone: a second run, and a run whose
+    CPU steps are serial instead of overlapped or speculative, give the same parameters."""
+    runs = [_train("sim", 6), _train("sim", 6), _train("sim", 6, overlap_optimizer=False)]
+    for model, _, _ in runs[1:]:
+        for a, b in zip(model.parameters(), runs[0][0].parameters()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_state_on_the_device_path_stays_close_to_the_host_path(device):
+    """The state on the device steps through torch's fused Adam on widened slices and the same
+    rounding (the CUDA kernel on cuda); its fp32 arithmetic differs from the CPU kernel's in the
+    last bit, which may flip a rounding: close, not equal."""
+    host, host_losses, _ = _train(device, 10)
+    device, device_losses, stats = _train(device, 10, offload_optim_frac=0.0)
+    assert stats["placement"]["optim_chunks_on_device"] == stats["num_param_chunks"]
+    assert max(abs(a - b) for a, b in zip(host_losses, device_losses)) < 0.01
+    for a, b in zip(host.parameters(), device.parameters()):
+        assert (a.float() - b.float()).abs().max().item() < 1e-3
+
+
+def test_bf16_state_checkpoints_resume_bit_exactly(tmp_path):
+    model, _ = make_models()
+    cfg = config("sim", precision="bf16", optimizer_state_dtype="bf16")
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        for step in range(6):
+            if step == 3:
+                engine.save_checkpoint(str(tmp_path / "ckpt"))
+                exp_avg = opt.state_dict()["state"][0]["exp_avg"]  # torch's format: widened to fp32, exactly
+                assert exp_avg.dtype == torch.float32 and exp_avg.abs().sum() > 0
+                assert torch.equal(exp_avg, exp_avg.to(torch.bfloat16).float())
+            x, y = batch(model.cfg, step, engine.compute_device)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    straight = [p.detach().clone() for p in model.parameters()]
+    model2, _ = make_models(seed=1)
+    with gx.enable(model2, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        for step in range(3, 6):
+            x, y = batch(model2.cfg, step, engine.compute_device)
+            model2(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    resumed = [p.detach().clone() for p in model2.parameters()]
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adagrad])
+def test_bf16_state_refuses_optimizers_without_the_kernel(opt_cls):
+    model, _ = make_models()
+    with gx.enable(model, config("sim", optimizer_state_dtype="bf16")) as engine:
+        with pytest.raises(ValueError, match="optimizer_state_dtype='bf16'.*Adam or AdamW"):
+            engine.optimizer(opt_cls, lr=1e-2)
+
+
+def test_the_config_names_the_allowed_state_dtypes():
+    with pytest.raises(ValueError, match=r"optimizer_state_dtype: expected one of \('fp32', 'bf16'\), got 'fp16'"):
+        gx.GeminiConfig(optimizer_state_dtype="fp16")
