@@ -45,11 +45,12 @@ void attach_optimizer(GeminiManager& g, const std::string& rule, const std::vect
 
 namespace {
 
-at::Tensor narrow_to_bf16_stochastic(const at::Tensor& x, int64_t key, int64_t first_index) {
+at::Tensor narrow_to_bf16_stochastic(const at::Tensor& x, int64_t key, int64_t first_index, bool high_half) {
   GX_CHECK(key >= 0 && key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
            "narrow_to_bf16_stochastic: key and first_index must be in [0, 2^32), got ", key, " and ", first_index, ".");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  torch_layer::narrow_to_bf16_stochastic(x, out, static_cast<uint32_t>(key), static_cast<uint32_t>(first_index));
+  torch_layer::narrow_to_bf16_stochastic(x, out, static_cast<uint32_t>(key), static_cast<uint32_t>(first_index),
+                                         high_half ? DrawHalf::kHigh : DrawHalf::kLow);
   return out;
 }
 
@@ -67,11 +68,11 @@ void bind_optimizer(py::module_& m) {
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
         py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt,
-        py::arg("random_seed") = 0, py::arg("first_index") = 0, py::call_guard<py::gil_scoped_release>(),
+        py::arg("random_key") = 0, py::arg("first_index") = 0, py::call_guard<py::gil_scoped_release>(),
         "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
         "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs. m and v "
-        "may both be bfloat16: they are then stochastically rounded with the stream of (random_seed, "
-        "first_index) (csrc/core/cpu_adam_bf16_moments.h).");
+        "may both be bfloat16: they are then stochastically rounded with the bits of (random_key, "
+        "first_index + i) (csrc/core/cpu_adam_bf16_moments.h).");
 
   m.def("cpu_optim_step", &torch_layer::cpu_optim_step, py::arg("name"), py::arg("param"), py::arg("states"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("hyper"),
@@ -81,9 +82,9 @@ void bind_optimizer(py::module_& m) {
         "out=(param_out, state_outs...) writes the results there and leaves the inputs.");
 
   m.def("narrow_to_bf16_stochastic", &narrow_to_bf16_stochastic, py::arg("x"), py::arg("key"),
-        py::arg("first_index") = 0,
-        "x (float32, contiguous, cpu or cuda) rounded to bfloat16 stochastically with the bits of (key, first_index + "
-        "i): the rounding of bf16 optimizer state (csrc/core/stochastic_round.h), for tests.");
+        py::arg("first_index") = 0, py::arg("high_half") = false,
+        "x (float32, contiguous, cpu or cuda) rounded to bfloat16 stochastically with the low (or high) 16 of the "
+        "bits of (key, first_index + i): the rounding of bf16 optimizer state (csrc/core/stochastic_round.h).");
 
   // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));

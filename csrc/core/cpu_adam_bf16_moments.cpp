@@ -43,7 +43,6 @@ void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffe
            " requested but this CPU supports at most ", to_string(detected_simd_isa()), ".");
   if (buffers.numel == 0) return;
   const AdamConstants c = adam_constants(hyper);
-  const uint32_t keys[2] = {stochastic_stream_key(moments.seed, 0), stochastic_stream_key(moments.seed, 1)};
   constexpr int64_t kGrainBlocks = (int64_t{1} << 16) / kBf16MomentsBlockNumel;  // 64 Ki elements per thread at least
   const int64_t blocks = (buffers.numel + kBf16MomentsBlockNumel - 1) / kBf16MomentsBlockNumel;
   ThreadPool::global().parallel_for(blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
@@ -52,10 +51,8 @@ void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffe
     for (int64_t block = b0; block < b1; ++block) {
       const int64_t begin = block * kBf16MomentsBlockNumel;
       const int64_t n = std::min(kBf16MomentsBlockNumel, buffers.numel - begin);
-      for (int64_t i = 0; i < n; ++i) {
-        m[i] = bf16_to_float(moments.exp_avg[begin + i]);
-        v[i] = bf16_to_float(moments.exp_avg_sq[begin + i]);
-      }
+      widen_bf16(moments.exp_avg + begin, m, n, isa);
+      widen_bf16(moments.exp_avg_sq + begin, v, n, isa);
       AdamBuffers part;
       part.param = buffers.param + begin;
       part.exp_avg = m;
@@ -75,12 +72,8 @@ void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffe
       cpu_adam_range(c, part, 0, n, isa);
       uint16_t* m_out = (moments.exp_avg_out != nullptr ? moments.exp_avg_out : moments.exp_avg) + begin;
       uint16_t* v_out = (moments.exp_avg_sq_out != nullptr ? moments.exp_avg_sq_out : moments.exp_avg_sq) + begin;
-      const uint32_t first = moments.first_index + static_cast<uint32_t>(begin);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t index = first + static_cast<uint32_t>(i);
-        m_out[i] = float_to_bf16_stochastic(m[i], stochastic_bits(keys[0], index));
-        v_out[i] = float_to_bf16_stochastic(v[i], stochastic_bits(keys[1], index));
-      }
+      narrow_pair_bf16_stochastic(m, v, m_out, v_out, n, moments.key, moments.first_index + static_cast<uint32_t>(begin),
+                                  isa);
     }
   });
 }

@@ -5,10 +5,11 @@
 // an fp32 master (which stays fp32: the update itself is not rounded to bf16). Each block of
 // kBlockNumel elements is widened into fp32 scratch on the thread's stack, updated by the same
 // fp32 kernel as cpu_adam_step (cpu_adam_range, every ISA, bit for bit), and narrowed back with
-// stochastic rounding (stochastic_round.h) whose bits depend on (seed, moment, first_index + i)
-// alone. So the result equals, exactly, the fp32 update of the widened moments followed by that
+// stochastic rounding (stochastic_round.h, with the same ISA as the update) whose bits depend on
+// (key, first_index + i) alone: m takes the low 16 bits of each element's hash, v the high 16.
+// So the result equals, exactly, the fp32 update of the widened moments followed by that
 // rounding, on every ISA and thread count; the scratch stays in cache, so memory traffic is
-// 20 bytes per parameter against the fp32 kernel's 28. Moment 0 is m, moment 1 is v.
+// 20 bytes per parameter against the fp32 kernel's 28.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,7 @@ struct Bf16Moments {
   // Out of place (both or none; with AdamBuffers::param_out): written instead of the inputs.
   uint16_t* exp_avg_out = nullptr;
   uint16_t* exp_avg_sq_out = nullptr;
-  uint32_t seed = 0;         // the step's and chunk's seed (the caller derives it)
+  uint32_t key = 0;          // the step's and chunk's key (stochastic_key)
   uint32_t first_index = 0;  // index of element 0 in the random streams (a shard's offset)
 };
 

@@ -27,18 +27,24 @@ inline __m256 load_grad(const void* grad, DType dtype, int64_t i) {
   }
 }
 
-// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16.
-inline __m128i to_bf16(__m256 x) {
+// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16, one per 32-bit lane.
+inline __m256i to_bf16_lanes(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
   const __m256i is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000));
   const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  out = _mm256_blendv_epi8(out, nan, is_nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);  // qwords 0 and 2
+  return _mm256_blendv_epi8(out, nan, is_nan);
+}
+
+// 8 lanes of 16-bit values (each lane < 2^16) packed into 8 uint16.
+inline __m128i pack_lanes(__m256i lanes) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lanes, lanes), 0x08);  // qwords 0 and 2
   return _mm256_castsi256_si128(packed);
 }
+
+inline __m128i to_bf16(__m256 x) { return pack_lanes(to_bf16_lanes(x)); }
 
 inline __m128i to_half(__m256 x, DType dtype) {
   return dtype == DType::kBFloat16 ? to_bf16(x) : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -26,16 +26,17 @@ inline __m512 load_grad(const void* grad, DType dtype, int64_t i) {
   }
 }
 
-// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16.
-inline __m256i to_bf16(__m512 x) {
+// Round to nearest even, NaN to quiet NaN: the same bits as float_to_bf16, one per 32-bit lane.
+inline __m512i to_bf16_lanes(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
   const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F800000));
-  out = _mm512_mask_mov_epi32(out, is_nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(out);
+  return _mm512_mask_mov_epi32(out, is_nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
 }
+
+inline __m256i to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(to_bf16_lanes(x)); }
 
 inline __m256i to_half(__m512 x, DType dtype) {
   return dtype == DType::kBFloat16 ? to_bf16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -4,16 +4,19 @@
 // an optimizer moment kept in bf16 that way stalls once its increments fall below 2^-9 of its
 // value. Stochastic rounding rounds up with probability equal to the dropped fraction, so the
 // expected stored value is the fp32 value and small increments survive on average. The random
-// bits are a pure function of (seed, stream, element index): a step is reproducible (a resumed
-// run rounds as the original did) and any implementation (the CPU kernels, the device path in
-// torch operations) that evaluates the same function rounds identically. The hash is the
-// "lowbias32" integer finaliser (two multiply-xorshift rounds), a bijection on 32 bits, mixed
-// once for the stream and once with the index. The inline functions compile as CUDA device code
-// too (csrc/cuda/stochastic_round_kernel.cu).
+// bits are a pure function of (key, element index): a step is reproducible (a resumed run
+// rounds as the original did) and every implementation (the CPU loops, the CUDA kernel) that
+// evaluates the same function rounds identically. The hash is the "lowbias32" integer finaliser
+// (two multiply-xorshift rounds), a bijection on 32 bits; one hash per element serves two
+// tensors: the low 16 bits are the first one's draw (Adam's m), the high 16 bits the second's
+// (v), so the pair costs one hash. The inline functions compile as CUDA device code too
+// (csrc/cuda/stochastic_round_kernel.cu); the loops have scalar, AVX2 and AVX-512 versions
+// (stochastic_round_avx2.cpp, stochastic_round_avx512.cpp), bit-identical.
 #pragma once
 
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "half_convert.h"
 
 namespace gx {
@@ -27,17 +30,12 @@ GX_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// The key of one random stream: one per (seed, stream) pair, e.g. per step, chunk and moment.
-GX_HOST_DEVICE inline uint32_t stochastic_stream_key(uint32_t seed, uint32_t stream) {
-  return mix32(seed ^ mix32(stream + 0x9e3779b9U));
+// The key of one optimizer step of one chunk: the same on every rank and in every path.
+GX_HOST_DEVICE inline uint32_t stochastic_key(int64_t step, int64_t chunk) {
+  return mix32(static_cast<uint32_t>(step) ^ mix32(static_cast<uint32_t>(chunk) + 0x9e3779b9U));
 }
 
-// The seed of one optimizer step of one chunk: the same on every rank and in every path.
-GX_HOST_DEVICE inline uint32_t stochastic_seed(int64_t step, int64_t chunk) {
-  return mix32(static_cast<uint32_t>(step) ^ mix32(static_cast<uint32_t>(chunk) + 0x632be5abU));
-}
-
-// 32 random bits for element `index` (< 2^32 in one stream) of the stream `key`.
+// 32 random bits for element `index` (< 2^32 in one stream) under `key`.
 GX_HOST_DEVICE inline uint32_t stochastic_bits(uint32_t key, uint32_t index) { return mix32(index ^ key); }
 
 // fp32 -> bf16 rounding the magnitude up with probability (dropped low 16 bits) / 2^16, taking
@@ -50,8 +48,31 @@ GX_HOST_DEVICE inline uint16_t float_to_bf16_stochastic(float f, uint32_t random
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i)) over the global
-// ThreadPool (host memory).
-void narrow_to_bf16_stochastic(const float* x, uint16_t* out, int64_t n, uint32_t key, uint32_t first_index);
+// Which half of an element's 32 random bits a tensor draws from.
+enum class DrawHalf : int { kLow = 0, kHigh = 16 };
+
+// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i) >> half) over the
+// global ThreadPool (host memory).
+void narrow_to_bf16_stochastic(const float* x, uint16_t* out, int64_t n, uint32_t key, uint32_t first_index,
+                               DrawHalf half);
+
+// One thread's loops, with a given implementation (scalar, AVX2, AVX-512: bit-identical):
+// widening, and rounding a pair of tensors (a from the low half of each element's bits, b from
+// the high half) with one hash per element.
+void widen_bf16(const uint16_t* in, float* out, int64_t n, SimdIsa isa);
+void narrow_pair_bf16_stochastic(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
+                                 uint32_t key, uint32_t first_index, SimdIsa isa);
+
+namespace detail {
+void widen_bf16_scalar(const uint16_t* in, float* out, int64_t n);
+void widen_bf16_avx2(const uint16_t* in, float* out, int64_t n);
+void widen_bf16_avx512(const uint16_t* in, float* out, int64_t n);
+void narrow_pair_bf16_stochastic_scalar(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
+                                        uint32_t key, uint32_t first_index);
+void narrow_pair_bf16_stochastic_avx2(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
+                                      uint32_t key, uint32_t first_index);
+void narrow_pair_bf16_stochastic_avx512(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
+                                        uint32_t key, uint32_t first_index);
+}  // namespace detail
 
 }  // namespace gx

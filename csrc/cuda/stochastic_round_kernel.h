@@ -8,9 +8,10 @@
 
 namespace gx {
 
-// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i)), launched on
-// `stream` (asynchronous); both buffers on the current device.
+// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i) >> draw_shift)
+// (draw_shift 0 or 16: core/stochastic_round.h's DrawHalf), launched on `stream` (asynchronous);
+// both buffers on the current device.
 void narrow_to_bf16_stochastic_on_device(const float* x, uint16_t* out, int64_t n, uint32_t key,
-                                         uint32_t first_index, cudaStream_t stream);
+                                         uint32_t first_index, int draw_shift, cudaStream_t stream);
 
 }  // namespace gx

@@ -45,7 +45,7 @@ class AdamRule final : public OptimizerRule {
     if (run.param16.defined()) p16 = run.param16;
     CpuAdamWork w = prepare_cpu_adam(run.master, run.states.at(0), run.states.at(1), run.grad, p16, step, h.lr,
                                      h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled_weight_decay,
-                                     grad_multiplier, run.random_seed, run.first_index);
+                                     grad_multiplier, run.random_key, run.first_index);
     if (spares != nullptr) {
       w.buffers.param_out = spares->master;
       if (w.moments.has_value()) {
@@ -76,7 +76,6 @@ class AdamRule final : public OptimizerRule {
     }
     // bf16 moments: widened slice by slice (bounded fp32 temporaries), stepped, narrowed back.
     constexpr int64_t kSliceNumel = int64_t{1} << 24;
-    const uint32_t keys[2] = {stochastic_stream_key(run.random_seed, 0), stochastic_stream_key(run.random_seed, 1)};
     const int64_t n = run.master.numel();
     for (int64_t begin = 0; begin < n; begin += kSliceNumel) {
       const int64_t len = std::min(kSliceNumel, n - begin);
@@ -84,8 +83,8 @@ class AdamRule final : public OptimizerRule {
       at::Tensor m32 = m.to(at::kFloat), v32 = v.to(at::kFloat);
       fused(h, run.master.narrow(0, begin, len), g.narrow(0, begin, len), m32, v32, step_t);
       const uint32_t first = run.first_index + static_cast<uint32_t>(begin);
-      narrow_to_bf16_stochastic(m32, m, keys[0], first);
-      narrow_to_bf16_stochastic(v32, v, keys[1], first);
+      narrow_to_bf16_stochastic(m32, m, run.random_key, first, DrawHalf::kLow);
+      narrow_to_bf16_stochastic(v32, v, run.random_key, first, DrawHalf::kHigh);
     }
   }
 

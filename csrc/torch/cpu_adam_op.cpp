@@ -12,7 +12,7 @@ namespace gx::torch_layer {
 CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                              const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step,
                              double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                             double grad_scale, uint32_t random_seed, uint32_t first_index) {
+                             double grad_scale, uint32_t random_key, uint32_t first_index) {
   const int64_t n = param.numel();
   GX_CHECK(param.scalar_type() == at::kFloat, "cpu_adam_step: param (the master) must be float32, got ",
            c10::toString(param.scalar_type()), ".");
@@ -31,7 +31,7 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
     moments.emplace();
     moments->exp_avg = static_cast<uint16_t*>(exp_avg.data_ptr());
     moments->exp_avg_sq = static_cast<uint16_t*>(exp_avg_sq.data_ptr());
-    moments->seed = random_seed;
+    moments->key = random_key;
     moments->first_index = first_index;
   } else {
     b.exp_avg = exp_avg.data_ptr<float>();
@@ -78,14 +78,14 @@ void CpuAdamWork::run(SimdIsa isa) const {
 void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                   const std::string& isa, const std::optional<std::vector<at::Tensor>>& out, int64_t random_seed,
+                   const std::string& isa, const std::optional<std::vector<at::Tensor>>& out, int64_t random_key,
                    int64_t first_index) {
   const SimdIsa simd = parse_simd_isa(isa, "cpu_adam_step");
-  GX_CHECK(random_seed >= 0 && random_seed <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
-           "cpu_adam_step: random_seed and first_index must be in [0, 2^32), got ", random_seed, " and ",
+  GX_CHECK(random_key >= 0 && random_key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
+           "cpu_adam_step: random_key and first_index must be in [0, 2^32), got ", random_key, " and ",
            first_index, ".");
   CpuAdamWork w = prepare_cpu_adam(param, exp_avg, exp_avg_sq, grad, param16, step, lr, beta1, beta2, eps,
-                                   weight_decay, adamw, grad_scale, static_cast<uint32_t>(random_seed),
+                                   weight_decay, adamw, grad_scale, static_cast<uint32_t>(random_key),
                                    static_cast<uint32_t>(first_index));
   if (out.has_value()) {
     GX_CHECK(out->size() == 3, "cpu_adam_step out: expected (param_out, exp_avg_out, exp_avg_sq_out), got ", out->size(),

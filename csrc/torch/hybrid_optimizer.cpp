@@ -135,7 +135,7 @@ RunViews HybridOptimizer::run_views(const RunViews& whole, const ChunkSet& set, 
                                     int64_t step) const {
   RunViews v = narrow_run(whole, begin, n);
   const ShardRange shard = m_.chunks().chunk(set.spec.param).shard_range(m_.chunks().rank());
-  v.random_seed = stochastic_seed(step, set.spec.param);
+  v.random_key = stochastic_key(step, set.spec.param);
   v.first_index = static_cast<uint32_t>(shard.begin_numel + begin);
   return v;
 }

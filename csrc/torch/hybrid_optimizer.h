@@ -105,7 +105,7 @@ class HybridOptimizer {
   };
   std::vector<Run> runs_of(const ChunkSet& set, size_t num_groups) const;
   ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
-  // One run's views (narrow_run) stamped with its stochastic-rounding stream: the seed of
+  // One run's views (narrow_run) stamped with its stochastic-rounding stream: the key of
   // `step` for the set's parameter chunk and the chunk-wide index of its first element.
   RunViews run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n, int64_t step) const;
   // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.

@@ -38,9 +38,9 @@ struct RunViews {
   std::vector<at::Tensor> states;  // in the rule's order: fp32, or bf16 where the engine keeps them so
   at::Tensor grad;                 // compute dtype
   at::Tensor param16;              // the 16-bit copy to write (host runs); undefined: none
-  // Stochastic rounding of bf16 states (core/stochastic_round.h): the step's seed for this chunk
+  // Stochastic rounding of bf16 states (core/stochastic_round.h): the step's key for this chunk
   // and the index of the run's first element within its chunk (the same on every rank and path).
-  uint32_t random_seed = 0;
+  uint32_t random_key = 0;
   uint32_t first_index = 0;
 };
 

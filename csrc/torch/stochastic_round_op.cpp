@@ -11,7 +11,8 @@
 
 namespace gx::torch_layer {
 
-void narrow_to_bf16_stochastic(const at::Tensor& x, const at::Tensor& out, uint32_t key, uint32_t first_index) {
+void narrow_to_bf16_stochastic(const at::Tensor& x, const at::Tensor& out, uint32_t key, uint32_t first_index,
+                               DrawHalf half) {
   GX_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16,
            "stochastic rounding: expected float32 in and bfloat16 out, got ", c10::toString(x.scalar_type()), " and ",
            c10::toString(out.scalar_type()), ".");
@@ -20,12 +21,12 @@ void narrow_to_bf16_stochastic(const at::Tensor& x, const at::Tensor& out, uint3
   const auto* in = x.data_ptr<float>();
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
   if (x.device().is_cpu()) {
-    gx::narrow_to_bf16_stochastic(in, dst, x.numel(), key, first_index);
+    gx::narrow_to_bf16_stochastic(in, dst, x.numel(), key, first_index, half);
     return;
   }
 #ifdef GX_WITH_CUDA
   if (x.device().is_cuda()) {
-    narrow_to_bf16_stochastic_on_device(in, dst, x.numel(), key, first_index,
+    narrow_to_bf16_stochastic_on_device(in, dst, x.numel(), key, first_index, static_cast<int>(half),
                                         c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
     return;
   }

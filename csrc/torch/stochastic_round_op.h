@@ -6,10 +6,13 @@
 
 #include <cstdint>
 
+#include "core/stochastic_round.h"
+
 namespace gx::torch_layer {
 
-// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i)); both contiguous,
-// same numel and device, x float32, out bfloat16.
-void narrow_to_bf16_stochastic(const at::Tensor& x, const at::Tensor& out, uint32_t key, uint32_t first_index);
+// out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(key, first_index + i) >> half); both
+// contiguous, same numel and device, x float32, out bfloat16.
+void narrow_to_bf16_stochastic(const at::Tensor& x, const at::Tensor& out, uint32_t key, uint32_t first_index,
+                               DrawHalf half);
 
 }  // namespace gx::torch_layer

@@ -28,14 +28,15 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def _stream_key(seed: int, stream: int) -> int:
-    return _mix32(seed ^ _mix32((stream + 0x9E3779B9) & M32))
+def _key(step: int, chunk: int) -> int:
+    return _mix32((step & M32) ^ _mix32((chunk + 0x9E3779B9) & M32))
 
 
-def _stochastic_bf16(x: torch.Tensor, key: int, first_index: int) -> torch.Tensor:
-    """The rounding of csrc/core/stochastic_round.h, written again with torch's integer ops."""
+def _stochastic_bf16(x: torch.Tensor, key: int, first_index: int, high_half: bool = False) -> torch.Tensor:
+    """The rounding of csrc/core/stochastic_round.h, written again with torch's integer ops: the
+    low (or high) 16 of each element's hashed bits are its draw."""
     index = (torch.arange(x.numel(), dtype=torch.int64) + first_index) & M32
-    draw = _mix32(index ^ key) & 0xFFFF
+    draw = (_mix32(index ^ key) >> (16 if high_half else 0)) & 0xFFFF
     bits = x.view(torch.int32).to(torch.int64) & M32
     rounded = ((bits + draw) >> 16) & 0xFFFF
     finite = (bits & 0x7F800000) != 0x7F800000
@@ -46,7 +47,7 @@ def _stochastic_bf16(x: torch.Tensor, key: int, first_index: int) -> torch.Tenso
 
 def test_the_kernel_is_the_fp32_update_then_the_documented_rounding():
     torch.manual_seed(0)
-    n, seed, first = 10_007, 123_456, 70_000
+    n, key, first = 10_007, _key(3, 17), 70_000
     master = torch.randn(n)
     m = (torch.randn(n) * 1e-2).to(torch.bfloat16)
     v = (torch.rand(n) * 1e-4).to(torch.bfloat16)
@@ -56,10 +57,10 @@ def test_the_kernel_is_the_fp32_update_then_the_documented_rounding():
     gx._C.cpu_adam_step(p_ref, m_ref, v_ref, grad, copy_ref, **hyper)
     p, copy = master.clone(), torch.empty(n, dtype=torch.bfloat16)
     m_in, v_in = m.clone(), v.clone()
-    gx._C.cpu_adam_step(p, m_in, v_in, grad, copy, **hyper, random_seed=seed, first_index=first)
+    gx._C.cpu_adam_step(p, m_in, v_in, grad, copy, **hyper, random_key=key, first_index=first)
     assert torch.equal(p, p_ref) and torch.equal(copy, copy_ref), "the master is the fp32 kernel's"
-    assert torch.equal(m_in, _stochastic_bf16(m_ref, _stream_key(seed, 0), first))
-    assert torch.equal(v_in, _stochastic_bf16(v_ref, _stream_key(seed, 1), first))
+    assert torch.equal(m_in, _stochastic_bf16(m_ref, key, first))
+    assert torch.equal(v_in, _stochastic_bf16(v_ref, key, first, high_half=True))
     assert not torch.equal(m_in, m_ref.to(torch.bfloat16)), "not round to nearest"
     with pytest.raises(ValueError, match="both be float32 or both bfloat16"):
         gx._C.cpu_adam_step(master.clone(), m.clone(), v.float(), grad, None, **hyper)
@@ -72,12 +73,13 @@ def test_the_rounding_on_each_device_is_the_documented_one(device):
     torch.manual_seed(1)
     x = torch.cat([torch.randn(50_000) * 3, torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"),
                                                             float("nan"), 3e38, -1e-40])])
-    key, first = _stream_key(99, 0), 4_000_000_000
-    got = gx._C.narrow_to_bf16_stochastic(x.to(torch_device(device)), key, first).cpu()
-    want = _stochastic_bf16(x, key, first)
+    key, first = _key(5, 99), 4_000_000_000
     nan = x.isnan()
-    assert torch.equal(got.isnan(), nan), "NaN stays NaN (its payload is torch's or ours)"
-    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    for high_half in (False, True):
+        got = gx._C.narrow_to_bf16_stochastic(x.to(torch_device(device)), key, first, high_half).cpu()
+        want = _stochastic_bf16(x, key, first, high_half)
+        assert torch.equal(got.isnan(), nan), "NaN stays NaN (its payload is torch's or ours)"
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), high_half
     ups = (got.float().abs() > x.abs())[:50_000].float().mean().item()
     assert 0.3 < ups < 0.7, "about half the random values round up"
 

@@ -42,10 +42,10 @@ AdamHyper hyper() {
 }
 
 // The kernel's contract: the fp32 update of the widened moments, then stochastic rounding with
-// the bits of (seed, moment, first_index + i).
+// the bits of (key, first_index + i): their low half for m, their high half for v.
 TEST(CpuAdamBf16Moments, EqualsTheFp32UpdateOfTheWidenedMomentsThenStochasticRounding) {
   const int64_t n = 3 * kBf16MomentsBlockNumel + 37;  // a partial block at the end
-  const uint32_t seed = 1234, first = 5000;
+  const uint32_t key = stochastic_key(7, 1234), first = 5000;
   const Data d = random_data(n, 3);
   std::vector<float> p_ref = d.p, m_ref(n), v_ref(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -56,7 +56,6 @@ TEST(CpuAdamBf16Moments, EqualsTheFp32UpdateOfTheWidenedMomentsThenStochasticRou
   AdamBuffers ref{p_ref.data(), m_ref.data(), v_ref.data(), d.g.data(), DType::kBFloat16, p16_ref.data(),
                   DType::kBFloat16, n};
   cpu_adam_step(hyper(), ref, SimdIsa::kScalar);
-  const uint32_t km = stochastic_stream_key(seed, 0), kv = stochastic_stream_key(seed, 1);
   for (SimdIsa isa : available_isas()) {
     Data x = d;
     std::vector<uint16_t> p16(n);
@@ -69,15 +68,15 @@ TEST(CpuAdamBf16Moments, EqualsTheFp32UpdateOfTheWidenedMomentsThenStochasticRou
     Bf16Moments mom;
     mom.exp_avg = x.m.data();
     mom.exp_avg_sq = x.v.data();
-    mom.seed = seed;
+    mom.key = key;
     mom.first_index = first;
     cpu_adam_step_bf16_moments(hyper(), b, mom, isa);
     ASSERT_EQ(x.p, p_ref) << to_string(isa) << ": the fp32 master is the fp32 kernel's, bit for bit";
     ASSERT_EQ(p16, p16_ref) << to_string(isa);
     for (int64_t i = 0; i < n; ++i) {
-      const uint32_t index = first + static_cast<uint32_t>(i);
-      ASSERT_EQ(x.m[i], float_to_bf16_stochastic(m_ref[i], stochastic_bits(km, index))) << to_string(isa) << " " << i;
-      ASSERT_EQ(x.v[i], float_to_bf16_stochastic(v_ref[i], stochastic_bits(kv, index))) << to_string(isa) << " " << i;
+      const uint32_t bits = stochastic_bits(key, first + static_cast<uint32_t>(i));
+      ASSERT_EQ(x.m[i], float_to_bf16_stochastic(m_ref[i], bits)) << to_string(isa) << " " << i;
+      ASSERT_EQ(x.v[i], float_to_bf16_stochastic(v_ref[i], bits >> 16)) << to_string(isa) << " " << i;
     }
   }
 }
@@ -94,7 +93,7 @@ TEST(CpuAdamBf16Moments, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
   Bf16Moments mom;
   mom.exp_avg = in_place.m.data();
   mom.exp_avg_sq = in_place.v.data();
-  mom.seed = 7;
+  mom.key = 7;
   cpu_adam_step_bf16_moments(hyper(), b, mom);
   Data inputs = d;
   std::vector<float> p_out(n);
@@ -136,7 +135,7 @@ TEST(CpuAdamBf16Moments, SmallIncrementsSurviveOnAverage) {
   mom.exp_avg_sq = v.data();
   for (int64_t t = 1; t <= 500; ++t) {
     h.step = t;
-    mom.seed = static_cast<uint32_t>(t);
+    mom.key = stochastic_key(t, 0);
     cpu_adam_step_bf16_moments(h, b, mom);
     m_fp32 += (1.0 - h.beta1) * (g_value - m_fp32);
   }
