@@ -15,7 +15,8 @@ files go to `path.tmp-<pid>` first, and the old checkpoint (if any) is replaced 
 Format version 2 (sharded engines: a process group; every rank calls save and load). Each rank
 writes only what it holds, so no rank gathers the model:
 - `rank<r:05d>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
-  {kind: [begin, end, fp32 tensor]}}, "rng": that rank's RNG states}, where kind is "param"
+  {kind: [begin, end, tensor]}}, "rng": that rank's RNG states}, where the tensor is fp32 (bf16
+  for the moments under optimizer_state_dtype="bf16"; loading casts to the engine's own) and kind is "param"
   (the fp32 master; the parameter itself when frozen) and each state kind of the optimizer
   rule ("exp_avg" and "exp_avg_sq" for Adam, "momentum_buffer" for SGD with momentum, "exp_avg"
   for Lion, "sum" for Adagrad; when the engine has a natively stepped optimizer), and
