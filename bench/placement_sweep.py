@@ -3,6 +3,7 @@ optimizer state (and of parameter chunks) kept on the host, and `auto`, under on
 
     python bench/placement_sweep.py --preset 1.3b --budget 24GiB
     python bench/placement_sweep.py --preset 1.3b --budget 16GiB --optim-fracs 1.0,0.8,0.6 --param-fracs 0.0,0.5
+    python bench/placement_sweep.py --preset 1.3b --budget 16GiB --checkpoint     # activations recomputed
     python bench/placement_sweep.py --preset 6.7b --batch 1 --init-device cuda     # the whole device
     python bench/placement_sweep.py --smoke                                          # tiny, sim (tests)
 
@@ -81,6 +82,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--optim-fracs", default="1.0,0.9,0.8,0.7,0.6,0.5")
     p.add_argument("--param-fracs", default="0.0")
     p.add_argument("--init-device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block in every row")
     p.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
     p.add_argument("--json-out", default=None)
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on sim, two static splits and auto")
@@ -97,6 +99,8 @@ def main(argv=None) -> list[dict]:
         common += ["--gpu-limit", args.budget]
     if args.init_device:
         common += ["--init-device", args.init_device]
+    if args.checkpoint and not args.smoke:
+        common.append("--checkpoint")
     rows = []
     for name, extra in configurations(optim_fracs, param_fracs):
         row = summarize(name, run_system(GEMINI, extra, common, args.timeout))

@@ -64,6 +64,7 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", default=None, help="gpu_memory_limit, e.g. 24GiB (default: the whole device)")
     p.add_argument("--policy", default="auto")
     p.add_argument("--init-device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="write the two loss curves to this PNG")
@@ -76,6 +77,8 @@ def main(argv=None) -> dict:
         common += ["--gpu-limit", args.budget]
     if args.init_device and not args.smoke:
         common += ["--init-device", args.init_device]
+    if args.checkpoint and not args.smoke:
+        common.append("--checkpoint")
     rows = {}
     for name in ("fp32", "bf16"):
         rows[name] = run_system(GEMINI, ["--optimizer-state-dtype", name], common, args.timeout)
