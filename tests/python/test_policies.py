@@ -458,6 +458,26 @@ def test_auto_plans_a_15b_model_built_on_the_host_of_one_h200():
     assert device <= placement.device_budget_bytes, "that state and its parameter chunks fit the warm-up's budget"
 
 
+def test_bf16_optimizer_state_makes_a_20b_model_plan_on_one_h200():
+    """A 20.3B GPT built on meta (nothing on the host yet), one H200 and 124 GiB of host: with
+    fp32 moments (14 bytes per element besides the parameter) the host and the device cannot
+    hold it and enable() refuses it while planning; with bf16 moments (10 bytes) the plan splits
+    it, the front sets' state and parameter chunks born on the device."""
+    from gemini_ext.policy import AutoPolicy
+    GiB = 1 << 30
+    sets, elements = 90, 225_937_408
+    figures = dict(device_capacity_bytes=150_109_880_320, device_total_bytes=150_109_880_320,
+                   set_shard_bytes=(elements * 2,) * sets, trainable=(True,) * sets, host_available_bytes=124 * GiB)
+    policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
+    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 10
+    with pytest.raises(gx.OutOfMemoryError, match="does not fit this rank's host and device memory"):
+        policy.initial(_measured(**figures, set_bytes_per_element=14))
+    placement = policy.initial(_measured(**figures, set_bytes_per_element=10))
+    assert 0 < placement.host_bound_sets < sets and placement.params_born_on_device
+    assert placement.host_bound_sets * elements * (10 + 2) <= placement.device_budget_bytes
+    assert (sets - placement.host_bound_sets) * elements * (10 + 2) <= 120 * GiB, "the host's sets and copies"
+
+
 def test_enable_counts_the_host_memory_a_host_built_model_gives_back(monkeypatch):
     """The engine measures what the model's host tensors will give back: with it the host holds
     every optimizer state, without it (the same MemAvailable) it cannot."""
