@@ -674,3 +674,20 @@ def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch,
         assert stats["steps"][-1]["evictions"] > 0, "the displaced parameter chunks are fetched again"
     assert stats["placement"]["optim_chunks_on_device"] == decision["optim_sets_moved_to_device"]
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_auto_decides_without_rates_when_a_probe_cannot_run(monkeypatch):
+    """A rate probe that finds no memory for its buffer leaves the decision to what fits."""
+    from gemini_ext import _rates
+
+    def no_memory(device):
+        raise torch.OutOfMemoryError("no memory for the probe")
+
+    monkeypatch.setattr(_rates, "h2d_bytes_per_s", no_memory)
+    model, reference = make_models()
+    train_reference(reference, 4, torch.device("cpu"))
+    _, stats = train_gemini(model, 4, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES))
+    decision = stats["placement"]["decision"]
+    assert "optim_sets_beyond_fit" not in decision, "no rates, no weighing"
+    assert 0 < decision["optim_sets_moved_to_device"] < stats["num_param_chunks"]
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
