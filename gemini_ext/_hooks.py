@@ -58,11 +58,12 @@ class HookSet:
         self._on_backward_start = on_backward_start
         self._handles = []
         if on_forward_start is not None:  # before any chunk is fetched (writes between steps land first)
-            self._handles.append(model.register_forward_pre_hook(lambda module, args: on_forward_start(),
-                                                                 prepend=True))
+            self._handles.append(model.register_forward_pre_hook(
+                lambda module, args: self._forward_started(on_forward_start), prepend=True))
         self._graph_task = None  # id of the backward pass the end callback is queued for
-        self._backward_began = 0.0
-        self.last_backward_seconds = 0.0  # host wall time of the last backward pass (its hooks' span)
+        # Host wall times of the last forward (its start to the backward's) and backward pass.
+        self._forward_began = self._backward_began = 0.0
+        self.last_forward_seconds = self.last_backward_seconds = 0.0
         self._scale_fn = scale_fn
         index = {id(p): i for i, p in enumerate(params)}
         for module in model.modules():
@@ -124,6 +125,8 @@ class HookSet:
         if self._graph_task is None:
             self._graph_task = task
             self._backward_began = time.perf_counter()
+            if self._forward_began:
+                self.last_forward_seconds = self._backward_began - self._forward_began
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._on_backward_start is not None:
                 self._on_backward_start()
@@ -140,6 +143,14 @@ class HookSet:
     def _post_accumulate(self, index, param):
         self._backward_started()
         self.gm.post_accumulate_grad(index, param)
+
+    def _forward_started(self, on_forward_start) -> None:
+        self._forward_began = time.perf_counter()
+        on_forward_start()
+
+    def last_pass_seconds(self) -> dict:
+        """{"forward_seconds", "backward_seconds"} of the last iteration (the MemoryTracer's)."""
+        return {"forward_seconds": self.last_forward_seconds, "backward_seconds": self.last_backward_seconds}
 
     def _end_backward(self):
         self._graph_task = None

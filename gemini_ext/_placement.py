@@ -29,10 +29,16 @@ class Placer:
         self.current: Placement | None = None
         self._frozen = False
         self._accumulating = False  # no_sync() was entered in the iteration under way
+        self._steps_during_backward = False  # the optimizer armed CPU steps during this backward
 
     def note_accumulation(self) -> None:
         """Gradients of this iteration accumulate on the device (engine.no_sync)."""
         self._accumulating = True
+
+    def note_optimizer_overlap(self, during_backward: bool) -> None:
+        """Whether the host sets' CPU steps of this iteration start during backward (speculation
+        armed) or only at step(), overlapping the next forward (optim.py backward_started)."""
+        self._steps_during_backward = during_backward
 
     def freeze(self) -> None:
         """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
@@ -114,7 +120,8 @@ class Placer:
         self._report(chosen)
 
     def _rates(self, tracer) -> dict:
-        """The last backward pass's duration and the machine's measured rates (what
+        """The last forward and backward passes' durations, whether the CPU steps overlapped the
+        backward, and the machine's measured rates (what
         _optimizer_split.py weighs), reduced so that every rank decides alike. A probe that
         cannot run (no memory left for its buffers) reports 0: the policy then decides without
         rates."""
@@ -124,7 +131,10 @@ class Placer:
             logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
                         self.policy.name, e)
             cpu = h2d = 0.0
-        return {"backward_seconds": self._groups.reduce(tracer.last_backward_seconds(), "max"),
+        passes = tracer.last_pass_seconds()
+        return {"forward_seconds": self._groups.reduce(passes["forward_seconds"], "max"),
+                "backward_seconds": self._groups.reduce(passes["backward_seconds"], "max"),
+                "optimizer_steps_during_backward": bool(self._groups.all_agree(self._steps_during_backward)),
                 "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
                 "h2d_bytes_per_s": self._groups.reduce(h2d, "min")}
 

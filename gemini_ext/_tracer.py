@@ -36,16 +36,16 @@ class MemoryTracer:
         if self._device.is_cuda:
             allocator.begin_non_model_window(self._device.torch_device)
 
-    def end_iteration(self, backward_seconds: float = 0.0) -> None:
+    def end_iteration(self, pass_seconds: dict | None = None) -> None:
         """Records the iteration that just ended (the manager closed its access trace), with the
-        host wall time of its last backward pass."""
+        host wall times of its last forward and backward passes (HookSet.last_pass_seconds)."""
         totals = self._totals()
         last = self._last_totals or {k: 0 for k in totals}
         entry = {k: totals[k] - last[k] for k in totals}
         entry["prefetch_misses"] = entry["sync_fetches"]  # a chunk compute needed that was not fetched ahead
         entry["device_bytes_peak"] = self._iteration_device_peak()  # model data: chunk bytes on the device
         entry["host_bytes"] = sum(self._chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
-        entry["backward_seconds"] = backward_seconds
+        entry.update(pass_seconds or {"forward_seconds": 0.0, "backward_seconds": 0.0})
         entry.update(self._device_figures())
         self.steps.append(entry)
         if len(self.steps) > HISTORY:
@@ -75,8 +75,10 @@ class MemoryTracer:
         keys = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes")
         return {k: self.steps[-1][k] for k in keys} if self.steps else dict.fromkeys(keys, 0)
 
-    def last_backward_seconds(self) -> float:
-        return self.steps[-1]["backward_seconds"] if self.steps else 0.0
+    def last_pass_seconds(self) -> dict:
+        """The last iteration's forward and backward seconds (zeros before the first ends)."""
+        keys = ("forward_seconds", "backward_seconds")
+        return {k: self.steps[-1][k] for k in keys} if self.steps else dict.fromkeys(keys, 0.0)
 
     def _totals(self) -> dict:
         self._chunks.poll()  # collects the copy waits measured so far

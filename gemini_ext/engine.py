@@ -362,7 +362,7 @@ class GeminiEngine:
         done): closes the access trace, records the iteration's figures and lets the policy act
         on what it measured."""
         self.runtime.end_iteration()
-        self.tracer.end_iteration(backward_seconds=self._hooks.last_backward_seconds)
+        self.tracer.end_iteration(self._hooks.last_pass_seconds())
         self.placer.after_iteration(self.runtime, self.tracer)
 
     def _on_forward_start(self) -> None:

@@ -207,9 +207,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     # --- what the engine calls ----------------------------------------------------------------
     def backward_started(self) -> None:
-        """A backward pass began: arm speculative CPU steps where their guess can hold."""
+        """A backward pass began: arm speculative CPU steps where their guess can hold (and tell
+        the placement whether the CPU steps will overlap this backward)."""
         engine = self.engine
         cfg = engine.config
+        engine.placer.note_optimizer_overlap(False)
         if not cfg.overlap_optimizer or engine.scaler is not None or not self.rule.native:
             return
         if engine.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
@@ -220,6 +222,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if needed > 0 and needed > (mem_available_bytes() or 0) // 2:  # unreadable: no speculation
             return
         engine.runtime.arm_speculation(self._hyper())
+        engine.placer.note_optimizer_overlap(True)
 
     def grad_norm_sq(self) -> float:
         """The sum of squares of every gradient in the chunks (over every rank when sharded)."""

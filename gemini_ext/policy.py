@@ -102,7 +102,9 @@ class Measurements:
     device_other_bytes: int = 0         # device memory neither torch nor a chunk pool holds, the most of any rank
     trace_rerecordings: int = 0         # how often the access trace changed so far
     gradients_accumulate_on_device: bool = False  # the iteration kept every gradient chunk there (no_sync)
-    backward_seconds: float = 0.0       # the last iteration's backward pass (host wall time), the most of any rank
+    forward_seconds: float = 0.0        # the last iteration's forward pass (host wall time), the most of any rank
+    backward_seconds: float = 0.0       # its backward pass, likewise
+    optimizer_steps_during_backward: bool = False  # host CPU steps started in backward (speculation), all ranks
     cpu_optimizer_elements_per_s: float = 0.0  # the CPU optimizer kernel, measured (0: not), the least of any rank
     h2d_bytes_per_s: float = 0.0        # a host-to-device copy, measured (0: not), the least of any rank
 

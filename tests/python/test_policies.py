@@ -620,9 +620,16 @@ def test_the_predicted_exposed_optimizer_time_follows_the_backward_pass():
     assert exposed([100, 100], [True, False], 1.0, 100.0) == pytest.approx(1.0)  # from the end of backward
     assert exposed([100, 100], [True, True], 1.0, 1000.0) == pytest.approx(0.1)
     assert exposed([100, 100], [False, False], 1.0, 100.0) == 0.0
+    # From step(), overlapping a 1 s next forward that reaches the back set halfway: the front
+    # set's step (1 s) delays the forward from its start, the back set's ends at 2 s for 0.5 s.
+    assert exposed([100, 100], [True, True], 1.0, 100.0, during_backward=False) == pytest.approx(1.5)
+    assert exposed([100, 100], [False, True], 1.0, 100.0, during_backward=False) == pytest.approx(0.5)
+    assert exposed([100, 100], [True, False], 1.0, 100.0, during_backward=False) == pytest.approx(1.0)
+    assert exposed([100, 100], [False, True], 1.0, 1000.0, during_backward=False) == 0.0
 
 
-def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates():
+@pytest.mark.parametrize("window", ["backward", "next forward"])
+def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates(window):
     """A 1.34B GPT's chunk sets (10 of 134.8M elements) under a 24 GiB limit with 15 GiB of
     activations: the state of two sets fits beside the parameters. With the H200's rates (16
     cores stepping 4.4G elements/s, 50 GB/s copies, a 0.12 s backward) a further set would save
@@ -634,8 +641,10 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates():
     current = Placement(tuple(SetPlacement(optim_on_host=True) for _ in range(sets)))
     figures = dict(device_capacity_bytes=24 << 30, device_total_bytes=150_109_880_320,
                    set_shard_bytes=(elements * 2,) * sets, trainable=(True,) * sets,
-                   non_model_peak_bytes=15 << 30, backward_seconds=0.12, h2d_bytes_per_s=50e9)
+                   non_model_peak_bytes=15 << 30, forward_seconds=0.06, backward_seconds=0.12, h2d_bytes_per_s=50e9,
+                   optimizer_steps_during_backward=window == "backward")
     fast = policy.after_iteration(_measured(**figures, cpu_optimizer_elements_per_s=4.4e9), current).decision
+    assert fast["optimizer_window"] == window
     assert fast["optim_sets_moved_to_device"] == 2 and fast["optim_sets_beyond_fit"] == 0
     assert fast["displaced_param_bytes"] == 0 and fast["predicted_exposed_optimizer_s"] > 0
     slow = policy.after_iteration(_measured(**figures, cpu_optimizer_elements_per_s=4.4e8), current).decision
@@ -645,27 +654,33 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates():
                                   current).decision
     assert "optim_sets_beyond_fit" not in stay and stay["optim_sets_moved_to_device"] == 2, "no rates: what fits"
     assert slow["predicted_exposed_optimizer_s"] + slow["predicted_fetch_s"] < _predicted_at_fit(
-        elements, sets, 2, 0.12, 4.4e8), "what it chose beats staying at what fits"
+        elements, sets, 2, 0.12 if window == "backward" else 0.06, 4.4e8, window == "backward"), \
+        "what it chose beats staying at what fits"
 
 
-def _predicted_at_fit(elements, sets, on_device, backward_seconds, rate):
+def _predicted_at_fit(elements, sets, on_device, window_seconds, rate, during_backward):
     from gemini_ext._optimizer_split import predicted_exposed_optimizer_seconds
     return predicted_exposed_optimizer_seconds([elements] * sets, [i >= on_device for i in range(sets)],
-                                               backward_seconds, rate)
+                                               window_seconds, rate, during_backward)
 
 
-@pytest.mark.parametrize("cpu_rate", [1e12, 1e4], ids=["fast-host", "slow-host"])
-def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch, cpu_rate):
+@pytest.mark.parametrize("cpu_rate,max_norm", [(1e12, 0.0), (1e4, 0.0), (1e4, 0.05)],
+                         ids=["fast-host", "slow-host", "slow-host-clipping"])
+def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch, cpu_rate, max_norm):
     """End to end on sim with the CPU optimizer's measured rate replaced: a fast host keeps to the
     state that fits beside the parameters; a slow one moves more, its parameter chunks are evicted
-    and fetched again each iteration, and training still matches torch."""
+    and fetched again each iteration, and training still matches torch. Without clipping the CPU
+    steps start during backward (speculation) and the backward is the window; under clipping the
+    warm-up arms none (no norm yet) and the window is the next forward."""
     from gemini_ext import _rates
     monkeypatch.setitem(_rates._cache, "cpu", cpu_rate)
     model, reference = make_models()
-    train_reference(reference, 6, torch.device("cpu"))
-    _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES))
+    train_reference(reference, 6, torch.device("cpu"), max_norm=max_norm)
+    _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES,
+                                             max_norm=max_norm))
     decision = stats["placement"]["decision"]
-    assert decision["backward_seconds"] > 0 and decision["h2d_bytes_per_s"] > 0
+    assert decision["forward_seconds"] > 0 and decision["backward_seconds"] > 0 and decision["h2d_bytes_per_s"] > 0
+    assert decision["optimizer_window"] == ("next forward" if max_norm else "backward")
     assert decision["cpu_optimizer_elements_per_s"] == cpu_rate
     if cpu_rate > 1e6:
         assert decision["optim_sets_beyond_fit"] == 0 and stats["steps"][-1]["evictions"] == 0
