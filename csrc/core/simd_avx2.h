@@ -72,6 +72,37 @@ struct Vec {
     F out = _mm256_blendv_ps(x, _mm256_set1_ps(1.0f), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
     return _mm256_blendv_ps(out, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
   }
+  // 32-bit integer lanes, for bf16 widening and stochastic rounding (stochastic_round_kernels.inc).
+  using I = __m256i;
+  static F widen16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static I index_lanes(uint32_t first) {
+    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static I xor_key(I x, uint32_t key) { return _mm256_xor_si256(x, _mm256_set1_epi32(static_cast<int>(key))); }
+  static I mix32(I x) {  // stochastic_round.h's mix32 per lane
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static I low16(I x) { return _mm256_and_si256(x, _mm256_set1_epi32(0xffff)); }
+  static I high16(I x) { return _mm256_srli_epi32(x, 16); }
+  // float_to_bf16_stochastic per lane (`draw` < 2^16), the 16-bit results in 32-bit lanes.
+  static I round_stochastic(F v, I draw) {
+    const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, draw), 16);
+    const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent);
+    if (_mm256_testz_si256(nonfinite, nonfinite)) return rounded;  // the common case: no inf or NaN
+    return _mm256_blendv_epi8(rounded, to_bf16_lanes(v), nonfinite);
+  }
+  static void store_lanes16(uint16_t* p, I lanes) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_lanes(lanes));
+  }
 };
 
 }  // namespace gx::simd_avx2

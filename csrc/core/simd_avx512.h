@@ -64,6 +64,38 @@ struct Vec {
     F out = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
     return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
   }
+  // 32-bit integer lanes, for bf16 widening and stochastic rounding (stochastic_round_kernels.inc).
+  using I = __m512i;
+  static F widen16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static I index_lanes(uint32_t first) {
+    return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static I xor_key(I x, uint32_t key) { return _mm512_xor_si512(x, _mm512_set1_epi32(static_cast<int>(key))); }
+  static I mix32(I x) {  // stochastic_round.h's mix32 per lane
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bU)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static I low16(I x) { return _mm512_and_si512(x, _mm512_set1_epi32(0xffff)); }
+  static I high16(I x) { return _mm512_srli_epi32(x, 16); }
+  // float_to_bf16_stochastic per lane (`draw` < 2^16), the 16-bit results in 32-bit lanes.
+  static I round_stochastic(F v, I draw) {
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, draw), 16);
+    const __mmask16 nonfinite = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);
+    if (nonfinite == 0) return rounded;  // the common case: no inf or NaN among the lanes
+    return _mm512_mask_mov_epi32(rounded, nonfinite, to_bf16_lanes(v));
+  }
+  static void store_lanes16(uint16_t* p, I lanes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(lanes));
+  }
 };
 
 }  // namespace gx::simd_avx512
