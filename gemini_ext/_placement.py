@@ -120,11 +120,10 @@ class Placer:
         self._report(chosen)
 
     def _rates(self, tracer) -> dict:
-        """The last forward and backward passes' durations, whether the CPU steps overlapped the
-        backward, and the machine's measured rates (what
-        _optimizer_split.py weighs), reduced so that every rank decides alike. A probe that
-        cannot run (no memory left for its buffers) reports 0: the policy then decides without
-        rates."""
+        """What _optimizer_split.py weighs, reduced so that every rank decides alike: the last
+        forward and backward passes' durations, whether the CPU steps overlapped the backward, and
+        the machine's measured rates. A probe that cannot run (no memory left for its buffers)
+        reports 0: the policy then decides without rates."""
         try:
             cpu, h2d = _rates.cpu_optimizer_elements_per_s(), _rates.h2d_bytes_per_s(self._device)
         except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
