@@ -4,7 +4,7 @@
 #include "torch/cpu_adam_op.h"
 #include "torch/cpu_optim_op.h"
 #include "torch/gemini_manager.h"
-#include "torch/stochastic_round_op.h"
+#include "torch/device_adam_op.h"
 
 namespace gx::bindings {
 
@@ -45,13 +45,24 @@ void attach_optimizer(GeminiManager& g, const std::string& rule, const std::vect
 
 namespace {
 
-at::Tensor narrow_to_bf16_stochastic(const at::Tensor& x, int64_t key, int64_t first_index, bool high_half) {
-  GX_CHECK(key >= 0 && key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
-           "narrow_to_bf16_stochastic: key and first_index must be in [0, 2^32), got ", key, " and ", first_index, ".");
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  torch_layer::narrow_to_bf16_stochastic(x, out, static_cast<uint32_t>(key), static_cast<uint32_t>(first_index),
-                                         high_half ? DrawHalf::kHigh : DrawHalf::kLow);
-  return out;
+void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                      const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
+                      double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                      int64_t random_key, int64_t first_index) {
+  GX_CHECK(random_key >= 0 && random_key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
+           "device_adam_step: random_key and first_index must be in [0, 2^32), got ", random_key, " and ",
+           first_index, ".");
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled_weight_decay = adamw;
+  h.step = step;
+  h.grad_scale = grad_scale;
+  torch_layer::device_adam_step(param, exp_avg, exp_avg_sq, grad, param16, h, static_cast<uint32_t>(random_key),
+                                static_cast<uint32_t>(first_index));
 }
 
 }  // namespace
@@ -81,10 +92,12 @@ void bind_optimizer(py::module_& m) {
         "state and gradient (see csrc/core/cpu_optim.h); hyper: the group's values as the rule names them; "
         "out=(param_out, state_outs...) writes the results there and leaves the inputs.");
 
-  m.def("narrow_to_bf16_stochastic", &narrow_to_bf16_stochastic, py::arg("x"), py::arg("key"),
-        py::arg("first_index") = 0, py::arg("high_half") = false,
-        "x (float32, contiguous, cpu or cuda) rounded to bfloat16 stochastically with the low (or high) 16 of the "
-        "bits of (key, first_index + i): the rounding of bf16 optimizer state (csrc/core/stochastic_round.h).");
+  m.def("device_adam_step", &device_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
+        py::arg("grad_scale") = 1.0, py::arg("random_key") = 0, py::arg("first_index") = 0, nogil(),
+        "The device Adam/AdamW kernel (csrc/cuda/adam_kernel.h) on CUDA tensors, in place, on the current "
+        "stream: the same arguments and the same bits as cpu_adam_step.");
 
   // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));

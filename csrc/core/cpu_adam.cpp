@@ -28,13 +28,17 @@ AdamConstants adam_constants(const AdamHyper& h) {
   return c;
 }
 
-void check_adam_args(const AdamHyper& h, const AdamBuffers& b) {
+void check_adam_hyper(const AdamHyper& h) {
   GX_CHECK(h.step >= 1, "Adam step: expected >= 1 (the count after this update), got ", h.step, ".");
   GX_CHECK(h.lr >= 0.0, "Adam lr: expected >= 0, got ", h.lr, ".");
   GX_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, "Adam beta1: expected in [0, 1), got ", h.beta1, ".");
   GX_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, "Adam beta2: expected in [0, 1), got ", h.beta2, ".");
   GX_CHECK(h.eps >= 0.0, "Adam eps: expected >= 0, got ", h.eps, ".");
   GX_CHECK(h.weight_decay >= 0.0, "Adam weight_decay: expected >= 0, got ", h.weight_decay, ".");
+}
+
+void check_adam_args(const AdamHyper& h, const AdamBuffers& b) {
+  check_adam_hyper(h);
   GX_CHECK(b.numel >= 0, "Adam numel: expected >= 0, got ", b.numel, ".");
   if (b.numel == 0) return;
   GX_CHECK(b.param && b.exp_avg && b.exp_avg_sq && b.grad, "Adam buffers: param, exp_avg, exp_avg_sq and grad must "
@@ -75,16 +79,9 @@ void cpu_adam_scalar(const AdamConstants& c, const AdamBuffers& b, int64_t begin
       case DType::kFloat16: g = fp16_to_float(static_cast<const uint16_t*>(b.grad)[i]); break;
       default: g = static_cast<const float*>(b.grad)[i]; break;
     }
-    // The same operations, in the same order and with FMAs in the same places, as the SIMD
-    // paths: every path gives bit-identical results (sqrt and division are correctly rounded).
-    g *= c.grad_scale;
-    float pi = p[i];
-    g = std::fma(c.weight_decay, pi, g);
-    pi *= c.decay;
-    const float mi = std::fma(c.one_minus_beta1, g - m[i], m[i]);
-    const float vi = std::fma(c.one_minus_beta2, g * g, c.beta2 * v[i]);
-    const float denom = std::sqrt(vi) / c.bias2_sqrt + c.eps;
-    pi = std::fma(-c.step_size, mi / denom, pi);
+    // adam_update.h's arithmetic, which the SIMD paths repeat operation for operation.
+    float pi = p[i], mi = m[i], vi = v[i];
+    adam_update_element(c, g, pi, mi, vi);
     po[i] = pi;
     mo[i] = mi;
     vo[i] = vi;

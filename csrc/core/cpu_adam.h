@@ -13,8 +13,8 @@
 // p, m, v, grad and one write of p, m, v, param16: 28 bytes per parameter with bf16 in and out,
 // where torch's fused CPU AdamW needs a separate cast of the gradient and of the parameter.
 // Three implementations with one result contract: scalar, AVX2+F16C+FMA and AVX-512 (F, BW),
-// picked by best_simd_isa() (GEMINI_EXT_SIMD caps it). All three do the same float operations in
-// the same order, with fused multiply-adds in the same places (std::fma in the scalar path) and
+// picked by best_simd_isa() (GEMINI_EXT_SIMD caps it). All three do adam_update.h's float
+// operations in the same order, with fused multiply-adds in the same places, and
 // the same round-to-nearest-even conversions as half_convert.h, so their results are
 // bit-identical. Against torch.optim (which rounds some of these steps differently) they agree
 // within 1e-6 relative on parameters.
@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "adam_update.h"
 #include "cpu_features.h"
 #include "types.h"
 
@@ -58,22 +59,11 @@ struct AdamBuffers {
   float* out_exp_avg_sq() const { return exp_avg_sq_out != nullptr ? exp_avg_sq_out : exp_avg_sq; }
 };
 
-// The per-step float constants every path uses.
-struct AdamConstants {
-  float lr;
-  float beta1;
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float eps;
-  float weight_decay;   // Adam: L2 coefficient; AdamW: 0 (folded into decay)
-  float decay;          // AdamW: 1 - lr * wd; Adam: 1
-  float step_size;      // lr / (1 - beta1^t)
-  float bias2_sqrt;     // sqrt(1 - beta2^t)
-  float grad_scale;
-};
+// The per-step float constants of `hyper` (adam_update.h).
 AdamConstants adam_constants(const AdamHyper& hyper);
 
+// Validates the hyperparameters (UsageError naming the bad one).
+void check_adam_hyper(const AdamHyper& hyper);
 // Validates buffers and hyperparameters (UsageError naming the bad one).
 void check_adam_args(const AdamHyper& hyper, const AdamBuffers& buffers);
 

@@ -4,8 +4,8 @@
 // rounding as torch's own conversions do: bf16 keeps the top 16 bits after adding 0x7FFF plus
 // the lowest kept bit (NaN stays a quiet NaN); fp16 rounds the 24-bit significand to 11 bits,
 // handles subnormals, overflow to infinity and NaN.
-// The bf16 conversions also compile as CUDA device code (GX_HOST_DEVICE), so that a device kernel
-// rounds exactly as the CPU kernels do.
+// They also compile as CUDA device code (GX_HOST_DEVICE), so that a device kernel rounds exactly
+// as the CPU kernels do.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +47,7 @@ GX_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-inline float fp16_to_float(uint16_t h) {
+GX_HOST_DEVICE inline float fp16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exponent = (h >> 10) & 0x1Fu;
   uint32_t mantissa = h & 0x3FFu;
@@ -67,7 +67,7 @@ inline float fp16_to_float(uint16_t h) {
   return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-inline uint16_t float_to_fp16(float f) {
+GX_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
   const uint32_t bits = float_to_bits(f);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;

@@ -10,7 +10,7 @@
 // (two multiply-xorshift rounds), a bijection on 32 bits; one hash per element serves two
 // tensors: the low 16 bits are the first one's draw (Adam's m), the high 16 bits the second's
 // (v), so the pair costs one hash. The inline functions compile as CUDA device code too
-// (csrc/cuda/stochastic_round_kernel.cu); the loops have scalar, AVX2 and AVX-512 versions
+// (csrc/cuda/adam_kernel.cu); the loops have scalar, AVX2 and AVX-512 versions
 // (stochastic_round_avx2.cpp, stochastic_round_avx512.cpp), bit-identical.
 #pragma once
 

@@ -1,21 +1,15 @@
-// The Adam / AdamW rule: our fused CPU Adam (csrc/core/cpu_adam.h) on the host, torch's
-// _fused_adam(w)_ on the device. Hyperparameters: lr, beta1, beta2, eps, weight_decay and adamw
-// (1: decoupled weight decay). With bf16 moments (GeminiConfig.optimizer_state_dtype) the host
-// runs csrc/core/cpu_adam_bf16_moments.h and the device widens slices of the moments to fp32,
-// steps them with the fused kernel and narrows them back with the same stochastic rounding.
-#include <ATen/TensorOperators.h>
-#include <ATen/ops/_fused_adam.h>
-#include <ATen/ops/_fused_adamw.h>
-#include <ATen/ops/full.h>
-
-#include <algorithm>
+// The Adam / AdamW rule: our fused CPU Adam (csrc/core/cpu_adam.h) on the host, our device kernel
+// (csrc/cuda/adam_kernel.h) on the GPU, which computes the same bits: a set steps identically on
+// either tier. Hyperparameters: lr, beta1, beta2, eps, weight_decay and adamw (1: decoupled weight
+// decay). With bf16 moments (GeminiConfig.optimizer_state_dtype) the host runs
+// csrc/core/cpu_adam_bf16_moments.h and the device kernel rounds the moments the same way.
+#include <optional>
 
 #include "core/cpu_adam.h"
 #include "core/errors.h"
-#include "core/stochastic_round.h"
 #include "torch/cpu_adam_op.h"
+#include "torch/device_adam_op.h"
 #include "torch/optimizer_rule.h"
-#include "torch/stochastic_round_op.h"
 
 namespace gx::torch_layer {
 
@@ -64,42 +58,24 @@ class AdamRule final : public OptimizerRule {
     return [w] { w.run(best_simd_isa()); };
   }
 
-  void device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
+  bool device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
                   double grad_multiplier) const override {
     const AdamHyper h = adam_hyper(hyper, step, grad_multiplier);
-    at::Tensor g = run.grad.to(at::kFloat);
-    if (grad_multiplier != 1.0) g = g.mul(grad_multiplier);
-    at::Tensor step_t = at::full({}, static_cast<double>(step), run.master.options());
-    if (run.states.at(0).scalar_type() != at::kBFloat16) {
-      fused(h, run.master, g, run.states.at(0), run.states.at(1), step_t);
-      return;
+    std::optional<at::Tensor> p16;
+    if (run.param16.defined()) p16 = run.param16;
+    if (run.master.device().is_cuda()) {
+      device_adam_step(run.master, run.states.at(0), run.states.at(1), run.grad, p16, h, run.random_key,
+                       run.first_index);
+    } else {  // the simulated device is host memory: the CPU kernel, the same arithmetic
+      prepare_cpu_adam(run.master, run.states.at(0), run.states.at(1), run.grad, p16, step, h.lr, h.beta1, h.beta2,
+                       h.eps, h.weight_decay, h.decoupled_weight_decay, grad_multiplier, run.random_key,
+                       run.first_index)
+          .run(best_simd_isa());
     }
-    // bf16 moments: widened slice by slice (bounded fp32 temporaries), stepped, narrowed back.
-    constexpr int64_t kSliceNumel = int64_t{1} << 24;
-    const int64_t n = run.master.numel();
-    for (int64_t begin = 0; begin < n; begin += kSliceNumel) {
-      const int64_t len = std::min(kSliceNumel, n - begin);
-      at::Tensor m = run.states.at(0).narrow(0, begin, len), v = run.states.at(1).narrow(0, begin, len);
-      at::Tensor m32 = m.to(at::kFloat), v32 = v.to(at::kFloat);
-      fused(h, run.master.narrow(0, begin, len), g.narrow(0, begin, len), m32, v32, step_t);
-      const uint32_t first = run.first_index + static_cast<uint32_t>(begin);
-      narrow_to_bf16_stochastic(m32, m, run.random_key, first, DrawHalf::kLow);
-      narrow_to_bf16_stochastic(v32, v, run.random_key, first, DrawHalf::kHigh);
-    }
+    return true;  // the kernels write the 16-bit copy
   }
 
  private:
-  static void fused(const AdamHyper& h, const at::Tensor& master, const at::Tensor& g, const at::Tensor& m,
-                    const at::Tensor& v, const at::Tensor& step_t) {
-    if (h.decoupled_weight_decay) {
-      at::_fused_adamw_({master}, {g}, {m}, {v}, {}, {step_t}, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false,
-                        false);
-    } else {
-      at::_fused_adam_({master}, {g}, {m}, {v}, {}, {step_t}, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, false,
-                       false);
-    }
-  }
-
   std::vector<StateKind> kinds_{StateKind::kExpAvg, StateKind::kExpAvgSq};
 };
 

@@ -83,14 +83,15 @@ class CpuOptimRule final : public OptimizerRule {
     return [w] { gx::cpu_optim_step(w.hyper, w.buffers); };
   }
 
-  void device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
+  bool device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
                   double grad_multiplier) const override {
     const CpuOptimHyper h = checked_hyper(hyper, step, grad_multiplier);
     switch (kind_) {
-      case CpuOptimizer::kSgd: sgd_device(run, h); return;
-      case CpuOptimizer::kLion: lion_device(run, h); return;
-      case CpuOptimizer::kAdagrad: adagrad_device(run, h); return;
+      case CpuOptimizer::kSgd: sgd_device(run, h); break;
+      case CpuOptimizer::kLion: lion_device(run, h); break;
+      case CpuOptimizer::kAdagrad: adagrad_device(run, h); break;
     }
+    return false;  // torch's kernels update the master only
   }
 
  private:

@@ -19,7 +19,7 @@ class GenericRule final : public OptimizerRule {
     GX_INTERNAL_ASSERT(false, "the generic rule steps whole sets, never runs");
   }
 
-  void device_run(const RunViews&, int64_t, const HyperValues&, double) const override {
+  bool device_run(const RunViews&, int64_t, const HyperValues&, double) const override {
     GX_INTERNAL_ASSERT(false, "the generic rule steps whole sets, never runs");
   }
 

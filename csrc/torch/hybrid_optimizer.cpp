@@ -236,8 +236,8 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
         host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
         stats_.host_params += n;
       } else {
-        rule_->device_run(views, step, h, grad_multiplier);
-        if (has_master) views.param16.copy_(views.master);  // the rounded copy for compute
+        const bool wrote_param16 = rule_->device_run(views, step, h, grad_multiplier);
+        if (has_master && !wrote_param16) views.param16.copy_(views.master);  // the rounded copy for compute
         stats_.device_params += n;
       }
     }

@@ -10,7 +10,9 @@
 //  * a host run: checked now against the run's tensors, returned as work on raw host memory
 //    for the optimizer thread (the CPU kernel of csrc/core); with spares it writes the master,
 //    the states and the 16-bit parameter out of place (a speculative step);
-//  * a device run: launched now on the device copies (torch's fused kernels where they exist);
+//  * a device run: launched now on the device copies (our kernel for Adam, torch's fused or
+//    foreach kernels for the others); it says whether it also wrote the 16-bit copy, else the
+//    caller copies the master into it;
 //  * or, for a rule that steps whole sets in the caller's thread (the generic rule, which hands a
 //    user's torch optimizer per-parameter views: generic_rule.cpp), step_whole_set on either tier.
 // Hyperparameters arrive per parameter group as name -> value (the Python rule writes them);
@@ -37,7 +39,7 @@ struct RunViews {
   at::Tensor master;               // fp32: the master, or P itself for fp32 parameters
   std::vector<at::Tensor> states;  // in the rule's order: fp32, or bf16 where the engine keeps them so
   at::Tensor grad;                 // compute dtype
-  at::Tensor param16;              // the 16-bit copy to write (host runs); undefined: none
+  at::Tensor param16;              // the 16-bit copy to write; undefined: none (fp32 parameters)
   // Stochastic rounding of bf16 states (core/stochastic_round.h): the step's key for this chunk
   // and the index of the run's first element within its chunk (the same on every rank and path).
   uint32_t random_key = 0;
@@ -58,7 +60,8 @@ class OptimizerRule {
   virtual const std::vector<StateKind>& state_kinds() const = 0;
   virtual std::function<void()> prepare_host_run(const RunViews& run, const RunSpares* spares, int64_t step,
                                                  const HyperValues& hyper, double grad_multiplier) const = 0;
-  virtual void device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
+  // Returns true when it wrote run.param16 too.
+  virtual bool device_run(const RunViews& run, int64_t step, const HyperValues& hyper,
                           double grad_multiplier) const = 0;
   // Whole-set rules: no host kernel, no overlap, no speculation; the caller's thread steps every
   // set, host or device, with step_whole_set (`params`: the set's parameters that have a

@@ -1,4 +1,5 @@
-"""Our fused CPU Adam kernel against torch.optim.Adam / AdamW (fp32 masters)."""
+"""Our fused Adam kernels: the CPU kernel against torch.optim.Adam / AdamW (fp32 masters), the CUDA
+kernel against the CPU kernel (the same bits)."""
 
 import pytest
 import torch
@@ -78,3 +79,40 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="isa"):
         _C.cpu_adam_step(p, torch.zeros(8), torch.zeros(8), torch.zeros(8), step=1, lr=1e-3, beta1=0.9, beta2=0.999,
                          eps=1e-8, weight_decay=0.0, isa="sse")
+    with pytest.raises(ValueError, match="expected CUDA tensors, got param on cpu"):
+        _C.device_adam_step(p, torch.zeros(8), torch.zeros(8), torch.zeros(8), step=1, lr=1e-3, beta1=0.9,
+                            beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.cuda
+def test_the_device_kernel_computes_the_cpu_kernels_bits():
+    """csrc/cuda/adam_kernel.cu and the CPU kernel on the same values over three steps: every
+    gradient, moment and 16-bit copy dtype, Adam and AdamW, a gradient scale, and bf16 moments'
+    stochastic rounding; gradients spanning ten orders of magnitude."""
+    n, key, first = 1_000_003, 123_456_789, 3_000_000_000
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [(state, grad, copy, adamw) for state in (fp32, bf16) for grad in (fp32, bf16, fp16)
+             for copy in (None, bf16, fp16) for adamw in (True, False) if copy in (None, bf16) or grad == fp16]
+    for state, grad_dtype, copy_dtype, adamw in cases:
+        torch.manual_seed(len(str((state, grad_dtype, copy_dtype, adamw))))
+        master = torch.randn(n)
+        moments = [(torch.randn(n) * 1e-3).to(state), (torch.rand(n) * 1e-5).to(state)]
+        host = [master.clone(), *[m.clone() for m in moments]]
+        dev = [t.cuda() for t in host]
+        copies = (torch.empty(n, dtype=copy_dtype), torch.empty(n, dtype=copy_dtype, device="cuda")) \
+            if copy_dtype else (None, None)
+        hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1 if adamw else 0.01, adamw=adamw,
+                     grad_scale=0.37, random_key=key, first_index=first)
+        for step in (1, 2, 3):
+            grad = (torch.randn(n) * 10.0 ** torch.empty(n).uniform_(-8, 2)).to(grad_dtype)
+            _C.cpu_adam_step(*host, grad, copies[0], step=step, **hyper)
+            _C.device_adam_step(*dev, grad.cuda(), copies[1], step=step, **hyper)
+        what = f"state {state}, grad {grad_dtype}, copy {copy_dtype}, adamw {adamw}"
+        for name, a, b in zip(["master", "exp_avg", "exp_avg_sq", "copy"], host + [copies[0]], dev + [copies[1]]):
+            if a is not None:
+                assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                                   b.cpu().view(torch.int16 if a.element_size() == 2 else torch.int32)), \
+                    f"{name} differs: {what}"
+    with pytest.raises(ValueError, match="exp_avg is on cpu, expected the param's device cuda"):
+        _C.device_adam_step(dev[0], host[1], dev[2], dev[0], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.0)

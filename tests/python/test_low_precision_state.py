@@ -1,13 +1,14 @@
-"""optimizer_state_dtype="bf16": Adam's moments in bf16 with stochastic rounding. The kernel
-against an independent Python implementation of the rounding, then the engine: memory, the
-loss curve against fp32 state, determinism, the host and device paths, checkpoints, refusals."""
+"""optimizer_state_dtype="bf16": Adam's moments in bf16 with stochastic rounding. The CPU kernel
+against an independent Python implementation of the rounding (the CUDA kernel against the CPU
+kernel: test_cpu_adam.py), then the engine: memory, the loss curve against fp32 state,
+determinism, checkpoints, refusals (the host and device paths: test_optimizer.py)."""
 
 import pytest
 import torch
 
 import gemini_ext as gx
 from conftest import DEVICES
-from parity_utils import batch, config, make_models, torch_device, train_gemini
+from parity_utils import batch, config, make_models, train_gemini
 
 M32 = 0xFFFFFFFF
 
@@ -66,24 +67,6 @@ def test_the_kernel_is_the_fp32_update_then_the_documented_rounding():
         gx._C.cpu_adam_step(master.clone(), m.clone(), v.float(), grad, None, **hyper)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_rounding_on_each_device_is_the_documented_one(device):
-    """The narrowing the device path uses (the CUDA kernel on cuda, the core loop on the host)
-    against the Python implementation, values of both signs, exact values, inf and NaN."""
-    torch.manual_seed(1)
-    x = torch.cat([torch.randn(50_000) * 3, torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"),
-                                                            float("nan"), 3e38, -1e-40])])
-    key, first = _key(5, 99), 4_000_000_000
-    nan = x.isnan()
-    for high_half in (False, True):
-        got = gx._C.narrow_to_bf16_stochastic(x.to(torch_device(device)), key, first, high_half).cpu()
-        want = _stochastic_bf16(x, key, first, high_half)
-        assert torch.equal(got.isnan(), nan), "NaN stays NaN (its payload is torch's or ours)"
-        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), high_half
-    ups = (got.float().abs() > x.abs())[:50_000].float().mean().item()
-    assert 0.3 < ups < 0.7, "about half the random values round up"
-
-
 def _train(device, steps, state_dtype="bf16", **kw):
     model, _ = make_models()
     kw.setdefault("precision", "bf16")
@@ -116,19 +99,6 @@ def test_bf16_state_is_deterministic_and_the_same_with_or_without_the_overlapped
     for model, _, _ in runs[1:]:
         for a, b in zip(model.parameters(), runs[0][0].parameters()):
             assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_bf16_state_on_the_device_path_stays_close_to_the_host_path(device):
-    """The state on the device steps through torch's fused Adam on widened slices and the same
-    rounding (the CUDA kernel on cuda); its fp32 arithmetic differs from the CPU kernel's in the
-    last bit, which may flip a rounding: close, not equal."""
-    host, host_losses, _ = _train(device, 10)
-    device, device_losses, stats = _train(device, 10, offload_optim_frac=0.0)
-    assert stats["placement"]["optim_chunks_on_device"] == stats["num_param_chunks"]
-    assert max(abs(a - b) for a, b in zip(host_losses, device_losses)) < 0.01
-    for a, b in zip(host.parameters(), device.parameters()):
-        assert (a.float() - b.float()).abs().max().item() < 1e-3
 
 
 def test_bf16_state_checkpoints_resume_bit_exactly(tmp_path):
