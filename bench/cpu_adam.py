@@ -8,6 +8,7 @@ three passes (cast the gradient up, step, cast the parameter down); ours is one.
   gemini_ext, fp32 grad                 our step alone
   gemini_ext, bf16 grad + bf16 copy     our one-pass equivalent of the second row
   gemini_ext, ... bf16 moments          optimizer_state_dtype="bf16": m and v stochastically rounded
+                                        (in place, and out of place as a speculative step runs)
 Both sides use all cores (torch's intra-op threads; our ThreadPool). Median of --repeats steps.
 
     python bench/cpu_adam.py                    # 100 M parameters
@@ -74,6 +75,7 @@ def main(argv=None) -> list[dict]:
     spare = [torch.empty(n), torch.empty(n), torch.empty(n)]  # the speculative step's outputs
 
     bm, bv = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)  # bf16 moments
+    spare16 = [torch.empty(n), torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)]
 
     def ours(grad, out, out_of_place=False, bf16_moments=False):
         m, v = (bm, bv) if bf16_moments else (gm, gv)
@@ -82,7 +84,8 @@ def main(argv=None) -> list[dict]:
             step[0] += 1
             gx._C.cpu_adam_step(gp, m, v, grad, out, step=step[0], lr=hyper["lr"], beta1=0.9, beta2=0.999,
                                 eps=hyper["eps"], weight_decay=hyper["weight_decay"], adamw=True,
-                                out=spare if out_of_place else None, random_key=step[0])
+                                out=(spare16 if bf16_moments else spare) if out_of_place else None,
+                                random_key=step[0])
         return run
 
     rows = []
@@ -91,7 +94,9 @@ def main(argv=None) -> list[dict]:
                      ("gemini_ext, fp32 grad", ours(g32, None)),
                      ("gemini_ext, bf16 grad + bf16 copy", ours(grad16, g16out)),
                      ("gemini_ext out of place, bf16 grad + copy", ours(grad16, g16out, out_of_place=True)),
-                     ("gemini_ext, bf16 grad + copy, bf16 moments", ours(grad16, g16out, bf16_moments=True))):
+                     ("gemini_ext, bf16 grad + copy, bf16 moments", ours(grad16, g16out, bf16_moments=True)),
+                     ("gemini_ext out of place, ..., bf16 moments",
+                      ours(grad16, g16out, out_of_place=True, bf16_moments=True))):
         seconds = timed(fn, args.repeats)
         rows.append({"system": name, "ms": seconds * 1e3, "Gparams_per_s": n / seconds / 1e9})
     base_fp32, base_mixed = rows[0]["ms"], rows[1]["ms"]
