@@ -36,6 +36,59 @@ void check_adam_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& b, 
   check_adam_args(hyper, probe);
 }
 
+namespace detail {
+
+AdamBuffers buffers_from(const AdamBuffers& b, int64_t begin, int64_t n) {
+  AdamBuffers part;
+  part.param = b.param + begin;
+  part.grad = offset_16_or_32(b.grad, b.grad_dtype, begin);
+  part.grad_dtype = b.grad_dtype;
+  if (b.param16 != nullptr) {
+    part.param16 = const_cast<void*>(offset_16_or_32(b.param16, b.param16_dtype, begin));
+    part.param16_dtype = b.param16_dtype;
+  }
+  if (b.param_out != nullptr) part.param_out = b.param_out + begin;
+  part.numel = n;
+  return part;
+}
+
+Bf16Moments moments_from(const Bf16Moments& m, int64_t begin) {
+  Bf16Moments part = m;
+  part.exp_avg += begin;
+  part.exp_avg_sq += begin;
+  if (m.exp_avg_out != nullptr) {
+    part.exp_avg_out += begin;
+    part.exp_avg_sq_out += begin;
+  }
+  part.first_index = m.first_index + static_cast<uint32_t>(begin);
+  return part;
+}
+
+void adam_bf16_moments_scalar(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                              int64_t end) {
+  alignas(64) float m[kBf16MomentsBlockNumel];
+  alignas(64) float v[kBf16MomentsBlockNumel];
+  for (int64_t start = begin; start < end; start += kBf16MomentsBlockNumel) {
+    const int64_t n = std::min(kBf16MomentsBlockNumel, end - start);
+    const Bf16Moments part_m = moments_from(mo, start);
+    widen_bf16_scalar(part_m.exp_avg, m, n);
+    widen_bf16_scalar(part_m.exp_avg_sq, v, n);
+    AdamBuffers part = buffers_from(b, start, n);
+    part.exp_avg = m;
+    part.exp_avg_sq = v;
+    if (part.param_out != nullptr) {  // the master out of place; the scratch is private anyway
+      part.exp_avg_out = m;
+      part.exp_avg_sq_out = v;
+    }
+    cpu_adam_scalar(c, part, 0, n);
+    narrow_pair_bf16_stochastic_scalar(m, v, part_m.exp_avg_out != nullptr ? part_m.exp_avg_out : part_m.exp_avg,
+                                       part_m.exp_avg_sq_out != nullptr ? part_m.exp_avg_sq_out : part_m.exp_avg_sq,
+                                       n, part_m.key, part_m.first_index);
+  }
+}
+
+}  // namespace detail
+
 void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffers, const Bf16Moments& moments,
                                 SimdIsa isa) {
   check_adam_bf16_moments_args(hyper, buffers, moments);
@@ -46,34 +99,11 @@ void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffe
   constexpr int64_t kGrainBlocks = (int64_t{1} << 16) / kBf16MomentsBlockNumel;  // 64 Ki elements per thread at least
   const int64_t blocks = (buffers.numel + kBf16MomentsBlockNumel - 1) / kBf16MomentsBlockNumel;
   ThreadPool::global().parallel_for(blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    alignas(64) float m[kBf16MomentsBlockNumel];
-    alignas(64) float v[kBf16MomentsBlockNumel];
-    for (int64_t block = b0; block < b1; ++block) {
-      const int64_t begin = block * kBf16MomentsBlockNumel;
-      const int64_t n = std::min(kBf16MomentsBlockNumel, buffers.numel - begin);
-      widen_bf16(moments.exp_avg + begin, m, n, isa);
-      widen_bf16(moments.exp_avg_sq + begin, v, n, isa);
-      AdamBuffers part;
-      part.param = buffers.param + begin;
-      part.exp_avg = m;
-      part.exp_avg_sq = v;
-      part.grad = offset_16_or_32(buffers.grad, buffers.grad_dtype, begin);
-      part.grad_dtype = buffers.grad_dtype;
-      if (buffers.param16 != nullptr) {
-        part.param16 = const_cast<void*>(offset_16_or_32(buffers.param16, buffers.param16_dtype, begin));
-        part.param16_dtype = buffers.param16_dtype;
-      }
-      part.numel = n;
-      if (buffers.param_out != nullptr) {  // the master out of place; the scratch is private anyway
-        part.param_out = buffers.param_out + begin;
-        part.exp_avg_out = m;
-        part.exp_avg_sq_out = v;
-      }
-      cpu_adam_range(c, part, 0, n, isa);
-      uint16_t* m_out = (moments.exp_avg_out != nullptr ? moments.exp_avg_out : moments.exp_avg) + begin;
-      uint16_t* v_out = (moments.exp_avg_sq_out != nullptr ? moments.exp_avg_sq_out : moments.exp_avg_sq) + begin;
-      narrow_pair_bf16_stochastic(m, v, m_out, v_out, n, moments.key, moments.first_index + static_cast<uint32_t>(begin),
-                                  isa);
+    const int64_t begin = b0 * kBf16MomentsBlockNumel, end = std::min(b1 * kBf16MomentsBlockNumel, buffers.numel);
+    switch (isa) {
+      case SimdIsa::kAvx512: detail::adam_bf16_moments_avx512(c, buffers, moments, begin, end); return;
+      case SimdIsa::kAvx2: detail::adam_bf16_moments_avx2(c, buffers, moments, begin, end); return;
+      default: detail::adam_bf16_moments_scalar(c, buffers, moments, begin, end); return;
     }
   });
 }

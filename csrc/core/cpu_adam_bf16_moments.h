@@ -2,14 +2,15 @@
 //
 // Design note. An opt-in that trades exactness for memory: m and v take 2 bytes each instead of
 // 4, so a set's optimizer side drops from 16 to 12 bytes per parameter with a bf16 gradient and
-// an fp32 master (which stays fp32: the update itself is not rounded to bf16). Each block of
-// kBlockNumel elements is widened into fp32 scratch on the thread's stack, updated by the same
-// fp32 kernel as cpu_adam_step (cpu_adam_range, every ISA, bit for bit), and narrowed back with
-// stochastic rounding (stochastic_round.h, with the same ISA as the update) whose bits depend on
-// (key, first_index + i) alone: m takes the low 16 bits of each element's hash, v the high 16.
-// So the result equals, exactly, the fp32 update of the widened moments followed by that
-// rounding, on every ISA and thread count; the scratch stays in cache, so memory traffic is
-// 20 bytes per parameter against the fp32 kernel's 28.
+// an fp32 master (which stays fp32: the update itself is not rounded to bf16). The AVX2 and
+// AVX-512 paths do it in one pass per vector (cpu_adam_bf16_moments_kernels.inc): widen m and v,
+// the fp32 kernel's operations in its order (adam_update.h), and stochastic rounding
+// (stochastic_round.h) whose bits depend on (key, first_index + i) alone: m takes the low 16 bits
+// of each element's hash, v the high 16. The scalar path (and the vector paths' tails) widens
+// blocks of kBf16MomentsBlockNumel elements into stack scratch, runs the scalar fp32 kernel and
+// narrows them back. So the result equals, exactly, the fp32 update of the widened moments
+// followed by that rounding, on every ISA and thread count; memory traffic is 20 bytes per
+// parameter against the fp32 kernel's 28.
 #pragma once
 
 #include <cstdint>
@@ -39,5 +40,18 @@ void check_adam_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& buf
 void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffers, const Bf16Moments& moments,
                                 SimdIsa isa);
 void cpu_adam_step_bf16_moments(const AdamHyper& hyper, const AdamBuffers& buffers, const Bf16Moments& moments);
+
+namespace detail {
+// The buffers and moments of elements [begin, begin + n) (offset pointers and first_index).
+AdamBuffers buffers_from(const AdamBuffers& b, int64_t begin, int64_t n);
+Bf16Moments moments_from(const Bf16Moments& m, int64_t begin);
+// Elements [begin, end), one thread, with a given implementation (bit-identical).
+void adam_bf16_moments_scalar(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                              int64_t end);
+void adam_bf16_moments_avx2(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                            int64_t end);
+void adam_bf16_moments_avx512(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                              int64_t end);
+}  // namespace detail
 
 }  // namespace gx

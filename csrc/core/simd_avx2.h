@@ -63,6 +63,7 @@ struct Vec {
   }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding

@@ -55,6 +55,7 @@ struct Vec {
   }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding

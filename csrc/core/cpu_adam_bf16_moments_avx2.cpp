@@ -1,0 +1,31 @@
+// Adam with bf16 moments, AVX2 path (8 lanes); see cpu_adam_bf16_moments.h.
+#include "cpu_adam_bf16_moments.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "simd_avx2.h"
+
+namespace gx::detail {
+namespace bf16_moments_avx2 {
+#include "cpu_adam_bf16_moments_kernels.inc"
+}  // namespace bf16_moments_avx2
+
+void adam_bf16_moments_avx2(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                              int64_t end) {
+  const int64_t done = bf16_moments_avx2::adam_bf16_moments_body<simd_avx2::Vec>(
+      c, buffers_from(b, begin, end - begin), moments_from(mo, begin), end - begin);
+  adam_bf16_moments_scalar(c, b, mo, begin + done, end);
+}
+
+}  // namespace gx::detail
+
+#pragma GCC pop_options
+#else
+namespace gx::detail {
+void adam_bf16_moments_avx2(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
+                              int64_t end) {
+  adam_bf16_moments_scalar(c, b, mo, begin, end);  // never selected off x86
+}
+}  // namespace gx::detail
+#endif
