@@ -52,17 +52,10 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
   GX_CHECK(random_key >= 0 && random_key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
            "device_adam_step: random_key and first_index must be in [0, 2^32), got ", random_key, " and ",
            first_index, ".");
-  AdamHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.decoupled_weight_decay = adamw;
-  h.step = step;
-  h.grad_scale = grad_scale;
-  torch_layer::device_adam_step(param, exp_avg, exp_avg_sq, grad, param16, h, static_cast<uint32_t>(random_key),
-                                static_cast<uint32_t>(first_index));
+  torch_layer::device_adam_step(
+      param, exp_avg, exp_avg_sq, grad, param16,
+      torch_layer::adam_hyper_of(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale),
+      static_cast<uint32_t>(random_key), static_cast<uint32_t>(first_index));
 }
 
 }  // namespace

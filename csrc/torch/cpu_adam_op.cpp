@@ -9,6 +9,20 @@
 
 namespace gx::torch_layer {
 
+AdamHyper adam_hyper_of(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                         bool adamw, double grad_scale) {
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled_weight_decay = adamw;
+  h.step = step;
+  h.grad_scale = grad_scale;
+  return h;
+}
+
 CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                              const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step,
                              double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
@@ -45,16 +59,7 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
     b.param16 = param16->data_ptr();
     b.param16_dtype = to_gx_dtype(param16->scalar_type());
   }
-  AdamHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.decoupled_weight_decay = adamw;
-  h.step = step;
-  h.grad_scale = grad_scale;
-  CpuAdamWork work{h, b, moments};
+  CpuAdamWork work{adam_hyper_of(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale), b, moments};
   work.check();
   return work;
 }

@@ -13,6 +13,10 @@
 
 namespace gx::torch_layer {
 
+// The hyperparameters of one step as the ops take them (`step`: the count after this update).
+AdamHyper adam_hyper_of(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool adamw, double grad_scale);
+
 // Updates `param` (fp32), `exp_avg`, `exp_avg_sq` in place from `grad` (fp32/bf16/fp16) and, when
 // given, writes the updated param into `param16` (bf16/fp16). All CPU, contiguous, same numel.
 // The moments are fp32, or both bf16: then they are stochastically rounded with the bits of
