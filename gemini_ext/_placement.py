@@ -16,7 +16,7 @@ import warnings
 
 from . import _C, _host_memory, _rates, allocator
 from ._env import logger
-from ._layout import HOST_TIERS, set_bytes_per_element
+from ._layout import set_bytes_per_element
 from .policy import Measurements, Placement, SetPlacement
 
 
@@ -96,10 +96,9 @@ class Placer:
                     first.append(chunks.param)
         return first, grads
 
-    def after_iteration(self, runtime, tracer, chunks) -> None:
+    def after_iteration(self, runtime, tracer) -> None:
         """Decides again after the first iteration and whenever the access trace was re-recorded
-        (other control flow, sequence length, eval vs train), from the iteration just measured.
-        `chunks` (the ChunkManager) gives back the host memory that state moved to the device left."""
+        (other control flow, sequence length, eval vs train), from the iteration just measured."""
         accumulating = self._accumulating or self.policy.config.enable_gradient_accumulation
         self._accumulating = False
         if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
@@ -116,7 +115,7 @@ class Placer:
                                                p["grad_stays_on_device"]) for p in runtime.set_placements()),
                             self.current.device_budget_bytes, self.current.decision)
         chosen = self.policy.after_iteration(measured, current)
-        self._apply(runtime, current, chosen, chunks)
+        self._apply(runtime, current, chosen)
         self.current = chosen
         self._report(chosen)
 
@@ -138,7 +137,7 @@ class Placer:
                 "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
                 "h2d_bytes_per_s": self._groups.reduce(h2d, "min")}
 
-    def _apply(self, runtime, current: Placement, chosen: Placement, chunks) -> None:
+    def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
             if dataclasses.replace(was, optim_on_host=now.optim_on_host) != now:
                 raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): policy "
@@ -149,14 +148,9 @@ class Placer:
             if now.optim_on_host and not was.optim_on_host:
                 runtime.set_optim_on_host(k, True)
         runtime.set_device_budget(chosen.device_budget_bytes)
-        moved_to_device = False
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
             if was.optim_on_host and not now.optim_on_host:
                 runtime.set_optim_on_host(k, False)
-                moved_to_device = True
-        if moved_to_device:  # the host pools' slots it left, and whole extents, go back to the system
-            for tier in HOST_TIERS:
-                chunks.trim(tier)
         if "move_seconds" in chosen.decision:
             chosen.decision["move_seconds"] = time.perf_counter() - started  # the state moved to its tiers
 

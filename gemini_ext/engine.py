@@ -363,7 +363,7 @@ class GeminiEngine:
         on what it measured."""
         self.runtime.end_iteration()
         self.tracer.end_iteration(self._hooks.last_pass_seconds())
-        self.placer.after_iteration(self.runtime, self.tracer, self.chunks)
+        self.placer.after_iteration(self.runtime, self.tracer)
 
     def _on_forward_start(self) -> None:
         self.access.absorb_writes()

@@ -205,9 +205,6 @@ def test_auto_moves_optimizer_state_to_the_device_when_it_fits(device):
     assert stats["placement"]["optim_chunks_on_device"] == stats["num_param_chunks"]
     assert decision["move_seconds"] > 0, "moving every set's state to the device takes time"
     assert stats["steps"][-1]["d2h_bytes"] == 0, "after the warm-up nothing goes to the host"
-    host_pools = [stats["pools"][t]["reserved_bytes"] for t in ("pinned_host", "pageable_host")]
-    assert sum(r["freed"] for r in host_pools) >= sum(r["peak"] for r in host_pools) // 4, \
-        "the host memory the moved state left goes back to the system"
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
