@@ -1,5 +1,6 @@
 // Adam with bf16 moments, AVX-512 path (16 lanes); see cpu_adam_bf16_moments.h.
 #include "cpu_adam_bf16_moments.h"
+#include "stochastic_round.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
@@ -8,6 +9,7 @@
 
 namespace gx::detail {
 namespace bf16_moments_avx512 {
+#include "stochastic_round_kernels.inc"
 #include "cpu_adam_bf16_moments_kernels.inc"
 }  // namespace bf16_moments_avx512
 
