@@ -6,6 +6,10 @@ CUDA is decided at build time, never from whether a GPU is present:
     major version equals torch's CUDA major version is found (CUDA_HOME or PATH).
 The C++ standard is left to torch's build helper (C++20 from torch 2.13 on, C++17 before).
 Install with:  pip install --no-build-isolation .   (torch is never a build requirement)
+
+The build records the torch it compiled against in gemini_ext/_built_for.py, beside the native
+module, so that `import gemini_ext` under another torch fails with both versions named instead
+of an undefined symbol.
 """
 
 import glob
@@ -15,7 +19,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,9 +44,12 @@ locate_cuda_home()
 try:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-except ImportError:  # pragma: no cover - a clear message instead of a traceback
-    sys.exit("gemini_ext needs torch installed before it is built: pip install torch, then "
-             "pip install --no-build-isolation .")
+except ImportError:  # a clear message instead of a traceback, before any compiler runs
+    sys.exit("gemini_ext: torch is not importable in this build environment. The extension compiles "
+             "against the torch of the environment it will run in, so it cannot be built in an isolated "
+             "one: pip's default build isolation hides the installed torch (and installing one there would "
+             "compile against a torch the extension does not load with). Install torch first "
+             "(pip install torch), then build without isolation: pip install --no-build-isolation .")
 
 
 def nvcc_major():
@@ -83,6 +90,40 @@ def want_cuda():
     return True
 
 
+BUILT_FOR_MODULE = "_built_for.py"
+
+
+def built_for_text() -> str:
+    return ('"""Written by setup.py at build time: the torch the native module was compiled against."""\n\n'
+            f"TORCH_VERSION = {torch.__version__!r}\n"
+            f"CUDA = {use_cuda!r}\n")
+
+
+class RecordingBuildExtension(BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)):
+    """torch's build helper, plus the record of the torch it built against, written beside the
+    native module (in the source tree for editable builds, in the build tree otherwise). An
+    in-place (editable) build keeps its objects in build/ext-<python>-<cpu|cuda>/, so that a
+    rebuild with ninja recompiles only what changed (setuptools would use a new temporary folder
+    each time)."""
+
+    def run(self):
+        if self.inplace:
+            self.build_temp = os.path.join(ROOT, "build", f"ext-{sys.implementation.cache_tag}-"
+                                                          f"{'cuda' if use_cuda else 'cpu'}")
+        super().run()
+        for ext in self.extensions:
+            package_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+            os.makedirs(package_dir, exist_ok=True)
+            with open(os.path.join(package_dir, BUILT_FOR_MODULE), "w") as f:
+                f.write(built_for_text())
+
+
+# What the extension compiles, under csrc/ (tests/python/test_packaging.py reads these two to
+# check that the source distribution holds them and every header they include).
+CPU_SOURCES = ("core/*.cpp", "torch/*.cpp", "bindings/*.cpp")
+CUDA_SOURCES = ("cuda/*.cpp", "cuda/*.cu")
+
+
 def sources(*patterns):
     return sorted(s for p in patterns for s in glob.glob(os.path.join("csrc", p)))
 
@@ -92,9 +133,9 @@ use_cuda = want_cuda()
 # the compile time of each file).
 cxx_flags = ["-O3", "-g0", "-Wall", "-Wno-unused-parameter"]
 define_macros = []
-src = sources("core/*.cpp", "torch/*.cpp", "bindings/*.cpp")
+src = sources(*CPU_SOURCES)
 if use_cuda:
-    src += sources("cuda/*.cpp", "cuda/*.cu")
+    src += sources(*CUDA_SOURCES)
     define_macros.append(("GX_WITH_CUDA", "1"))
     ext = CUDAExtension(
         "gemini_ext._C", src, include_dirs=[os.path.join(ROOT, "csrc")], define_macros=define_macros,
@@ -106,8 +147,4 @@ else:
 print(f"gemini_ext: building {'CUDA' if use_cuda else 'CPU-only'} extension against torch {torch.__version__}",
       file=sys.stderr)
 
-setup(
-    packages=find_packages(include=["gemini_ext", "gemini_ext.*"]),
-    ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-)
+setup(ext_modules=[ext], cmdclass={"build_ext": RecordingBuildExtension})

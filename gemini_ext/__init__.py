@@ -7,11 +7,38 @@
 Environment variables are read once, here (see gemini_ext/_env.py and docs/USAGE.md).
 """
 
-from ._env import SETTINGS as _SETTINGS  # noqa: F401  (read the environment first, before CUDA)
+__version__ = "0.1.0"  # the one version string: pyproject.toml reads it from here
 
-import torch  # noqa: E402,F401  (the extension links against torch's libraries)
+from ._env import SETTINGS as _SETTINGS  # noqa: F401,E402  (read the environment first, before CUDA)
 
-from . import _C  # noqa: E402
+import torch  # noqa: E402  (the extension links against torch's libraries)
+
+
+def _load_native():
+    """The native module, after checking it was built for the torch installed now: a native
+    module compiled against another torch fails with an undefined symbol, or worse loads and
+    misbehaves; this names both versions and the fix instead."""
+    rebuild = ("Rebuild gemini_ext against the installed torch (from its source: pip install "
+               "--no-build-isolation --force-reinstall --no-deps .), or install the torch it was built for.")
+    try:
+        from ._built_for import TORCH_VERSION as built_for
+    except ImportError:
+        built_for = None
+    if built_for is not None and built_for != torch.__version__:
+        raise ImportError(f"gemini_ext was built against torch {built_for}, but torch {torch.__version__} is "
+                          f"installed; its native module only loads with the torch it was compiled against. {rebuild}")
+    try:
+        from . import _C as native
+    except ImportError as e:
+        if built_for is None:
+            raise ImportError(f"gemini_ext's native module is not built or did not load ({e}). Build it: "
+                              "pip install --no-build-isolation . (or -e . in a checkout).") from e
+        raise ImportError(f"gemini_ext's native module (built against torch {built_for}) did not load under "
+                          f"torch {torch.__version__}: {e}. {rebuild}") from e
+    return native
+
+
+_C = _load_native()
 from . import allocator as _allocator  # noqa: E402
 
 _allocator.install_if_requested()  # GEMINI_EXT_ALLOCATOR=chunk: before anything touches CUDA
@@ -32,7 +59,6 @@ InternalError = _C.InternalError
 IllegalTransition = _C.IllegalTransition
 TensorState = _C.TensorState
 
-__version__ = "0.1.0"
 __all__ = [
     "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "GeminiDDP", "GeminiPlugin", "Booster",
     "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",

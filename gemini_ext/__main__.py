@@ -1,11 +1,16 @@
-"""python -m gemini_ext info | export CKPT OUT [--dtype bf16] [--config config.json]"""
+"""gemini-ext (or python -m gemini_ext) info | export CKPT OUT [--dtype bf16] [--config config.json]"""
 
 import argparse
+import os
 import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemini_ext", description="gemini_ext command line")
+    prog = "gemini-ext" if os.path.basename(sys.argv[0]) == "gemini-ext" else "python -m gemini_ext"
+    parser = argparse.ArgumentParser(prog=prog, description="gemini_ext command line")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"gemini_ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print the build (CPU/CUDA, CUDA version, SIMD ISA), torch, allocator and device")
     exp = sub.add_parser("export", help="write a checkpoint (any format, any world size) as one safetensors file, "

@@ -1,11 +1,12 @@
 # Sourced by scripts/train.sh and scripts/test.sh: installs what is missing, reuses what is there.
 #   torch        pip install torch==2.13.0 when `import torch` fails (a machine with a CUDA torch
 #                keeps it)
-#   tqdm/pytest  pip, when missing
 #   GoogleTest   Debian's libgtest-dev (tests only), unless already installed or its sources are
 #                in $GX_GTEST_SOURCE, .deps/googletest or /usr/src/googletest
-#   gemini_ext   pip install --no-build-isolation -e . when the extension is missing or its sources
-#                changed since the last build (a stamp in build/ records what was built)
+#   gemini_ext   pip install --no-build-isolation -e ".[EXTRA]" when the extension is missing, its
+#                sources changed since the last build or the extra was not installed with it (a
+#                stamp in build/ records what was built and installed); the extras of pyproject.toml
+#                are the one list of Python packages (tqdm comes with the package itself)
 # Honours PYTHON (default python3) and MAX_JOBS (default: all cores).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,13 +19,6 @@ log() { echo "[setup] $*" >&2; }
 
 has_python_module() {  # module: installed (found, not imported: importing lightning alone takes seconds)
   "$PYTHON" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" 2>/dev/null
-}
-
-ensure_python_module() {  # module pip-spec
-  if ! has_python_module "$1"; then
-    log "installing $2"
-    "$PYTHON" -m pip install -q "$2"
-  fi
 }
 
 ensure_torch() {
@@ -55,7 +49,7 @@ ensure_cpp_toolchain() {
 }
 
 source_hash() {
-  (cd "$REPO" && find csrc setup.py pyproject.toml -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -print0 \
+  (cd "$REPO" && find csrc setup.py pyproject.toml MANIFEST.in -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.inc' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' -o -name MANIFEST.in \) -print0 \
     | sort -z | xargs -0 sha256sum; "$PYTHON" -c "import sys, torch; print(sys.version, torch.__version__)"; echo "${GEMINI_EXT_CUDA:-}") | sha256sum | cut -d' ' -f1
 }
 
@@ -66,16 +60,23 @@ assert int(setuptools.__version__.split(".")[0]) >= 64
 PY
 }
 
-ensure_extension() {
+ensure_extension() {  # [extra]: the editable install of gemini_ext, with that extra's packages
   ensure_build_tools
-  local stamp="$REPO/build/.gemini_ext_stamp" want
+  local stamp="$REPO/build/.gemini_ext_stamp" want extras="${1:-}" spec="."
   want="$(source_hash)"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && \
-     (cd /tmp && "$PYTHON" -c "import gemini_ext._C, os, sys; sys.exit(0 if os.path.realpath(gemini_ext.__file__).startswith(os.path.realpath('$REPO')) else 1)") 2>/dev/null; then
-    return 0
+  if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
+    # The same sources: keep the extras already installed with them.
+    local had; had="$(sed -n 2p "$stamp")"
+    if [ -z "$extras" ] || [[ ",$had," == *",$extras,"* ]]; then
+      if (cd /tmp && "$PYTHON" -c "import gemini_ext._C, os, sys; sys.exit(0 if os.path.realpath(gemini_ext.__file__).startswith(os.path.realpath('$REPO')) else 1)") 2>/dev/null; then
+        return 0
+      fi
+    fi
+    [ -n "$had" ] && extras="${extras:+$extras,}$had"
   fi
-  log "building and installing gemini_ext (MAX_JOBS=$MAX_JOBS)"
-  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e .)
+  [ -n "$extras" ] && spec=".[$extras]"
+  log "building and installing gemini_ext$([ -n "$extras" ] && echo " with [$extras]") (MAX_JOBS=$MAX_JOBS)"
+  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec")
   mkdir -p "$REPO/build"
-  echo "$want" > "$stamp"
+  printf '%s\n%s\n' "$want" "$extras" > "$stamp"
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: the C++ core's GoogleTest suite (and the cuda backend's, which skips
 # without a GPU), a compile check of the CUDA-only torch-layer code when CUDA headers exist but
-# the extension is CPU-only, then pytest. Installs whatever is missing first. Extra arguments go
-# to pytest (e.g. -m cuda).
+# the extension is CPU-only, then pytest. Installs whatever is missing first (the package itself,
+# editable, with its `test` extra). Extra arguments go to pytest (e.g. -m cuda).
 #
 # On a CPU-only build with no extra arguments (CI) the stages share the cores: the C++ stage runs
 # in the background while pytest runs as two processes, the benchmark smoke tests in one and
@@ -11,14 +11,8 @@
 # stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_torch
-ensure_python_module tqdm tqdm
-ensure_python_module pytest pytest
-ensure_python_module matplotlib matplotlib
-ensure_python_module transformers "transformers>=4.45"   # real models from small configs (no weights downloaded)
-ensure_python_module safetensors safetensors
-ensure_python_module lightning "lightning>=2.4"          # the Lightning strategy's tests
 ensure_cpp_toolchain
-ensure_extension
+ensure_extension test   # pyproject.toml's `test` extra: pytest and every integration's packages
 cd "$REPO"
 
 cpp_stage() {

@@ -4,7 +4,6 @@
 # examples/train_gpt.py (e.g. --preset 350m --steps 100).
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_torch
-ensure_python_module tqdm tqdm
 ensure_extension
 cd "$REPO"
 exec "$PYTHON" examples/train_gpt.py "$@"
