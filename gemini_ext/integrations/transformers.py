@@ -90,10 +90,18 @@ class GeminiTrainer(transformers.Trainer):
         # accelerate would move the model to its device and wrap it in DistributedDataParallel:
         # the engine owns both placement and gradient reduction, so the model passes unchanged.
         self.accelerator.prepare_model = self._model_as_is
+        # accelerate (from 1.x) takes the norm from p.grad itself, which is None for managed
+        # parameters: it would report 0 and clip nothing. torch's clip_grad_norm_ is the engine's
+        # while it is open (it checks that the parameters are the model's, then clips in the chunks).
+        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_in_chunks
 
     @staticmethod
     def _model_as_is(model, device_placement=None, evaluation_mode=False):
         return model
+
+    @staticmethod
+    def _clip_grad_norm_in_chunks(parameters, max_norm, norm_type=2):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
