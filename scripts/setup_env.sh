@@ -76,7 +76,7 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
   fi
   [ -n "$extras" ] && spec=".[$extras]"
   log "building and installing gemini_ext$([ -n "$extras" ] && echo " with [$extras]") (MAX_JOBS=$MAX_JOBS)"
-  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec")
+  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec") || return 1
   mkdir -p "$REPO/build"
   printf '%s\n%s\n' "$want" "$extras" > "$stamp"
 }

@@ -4,15 +4,15 @@
 # the extension is CPU-only, then pytest. Installs whatever is missing first (the package itself,
 # editable, with its `test` extra). Extra arguments go to pytest (e.g. -m cuda).
 #
-# On a CPU-only build with no extra arguments (CI) the stages share the cores: the C++ stage runs
-# in the background while pytest runs as two processes, the benchmark smoke tests in one and
+# With a CPU build of torch and no extra arguments (CI) the stages share the cores: the C++ stage
+# starts in the background before the package is installed and built (it needs neither), and
+# pytest runs as two processes, the benchmark smoke tests and framework integrations in one and
 # everything else in the other (most tests wait on child processes, so one pytest keeps about
-# one core busy). Each background stage's output is printed when it ends. On a CUDA build the
+# one core busy). Each background stage's output is printed when it ends. With a CUDA torch the
 # stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 ensure_torch
 ensure_cpp_toolchain
-ensure_extension test   # pyproject.toml's `test` extra: pytest and every integration's packages
 cd "$REPO"
 
 cpp_stage() {
@@ -31,19 +31,22 @@ cpp_stage() {
   if [ -x build/cpp/gx_cuda_tests ]; then
     ./build/cpp/gx_cuda_tests --gtest_brief=1
   fi
-  if [ "$cuda_build" = "False" ]; then
+  if [ "$cpu_extension" = "True" ]; then
     echo "== CUDA sources of the torch layer: compile-only check"
     "$PYTHON" scripts/cuda_compile_check.py
   fi
   echo "[C++ stage took $((SECONDS - stage_started)) s]"
 }
 
-cuda_build="$("$PYTHON" -c 'import gemini_ext; print(gemini_ext._C.build_info()["cuda"])')"
-if [ "$cuda_build" = "True" ] || [ $# -gt 0 ]; then
+cpu_torch="$("$PYTHON" -c 'import torch; print(torch.version.cuda is None)')"
+if [ "$cpu_torch" = "False" ] || [ $# -gt 0 ]; then
+  ensure_extension test   # pyproject.toml's `test` extra: pytest and every integration's packages
+  cpu_extension="$("$PYTHON" -c 'import gemini_ext; print(not gemini_ext._C.build_info()["cuda"])')"
   cpp_stage
   echo "== pytest"
   exec "$PYTHON" -m pytest -q -ra "$@"
 fi
+cpu_extension=True  # a CPU torch builds a CPU-only extension
 
 # Three stages share the cores: torch's intra-op threads in each test process would only add
 # context switches (the CPU optimizer kernels size their own thread pool from the hardware).
@@ -54,6 +57,12 @@ mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its par
 started=$SECONDS
 (cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
+if ! ensure_extension test; then  # beside the C++ stage: installs and the extension's build
+  kill "$cpp_pid" 2>/dev/null || true
+  echo "== FAILED: gemini_ext and its test extra did not install (see above)"
+  exit 1
+fi
+echo "== package installed and built [after $((SECONDS - started)) s]"
 # The second pytest process: the benchmark smoke tests and the framework integrations (each
 # imports a large framework), so that the two processes end at about the same time.
 beside=(tests/python/test_bench_smoke.py tests/python/test_integration_transformers.py

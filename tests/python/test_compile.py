@@ -21,12 +21,16 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _compile(model, mode):
+def _compile(model, mode, device):
+    # On sim, dynamo and AOTAutograd (what meets the engine's hooks and chunk-backed parameters)
+    # without inductor's C++ code generation, which is not the engine's and costs most of the
+    # test's time on a CPU; on cuda, inductor's kernels.
+    backend = "aot_eager" if device == "sim" else "inductor"
     if mode == "whole":
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     blocks = model.blocks if hasattr(model, "blocks") else model.model.layers
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
     return model
 
 
@@ -39,11 +43,11 @@ def _loss(model, fwd, step, device):
     return fwd(input_ids=ids, labels=ids).loss
 
 
-def _train(model, mode, engine_cfg):
+def _train(model, mode, engine_cfg, device):
     torch._dynamo.reset()
     with gx.enable(model, engine_cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        fwd = _compile(model, mode) if mode else model
+        fwd = _compile(model, mode, device) if mode else model
         for step in range(STEPS):
             _loss(model, fwd, step, engine.compute_device).backward()
             opt.step()
@@ -56,9 +60,10 @@ def _train(model, mode, engine_cfg):
 def test_compiled_training_under_the_engine_matches_eager(device, model_name, mode):
     make = (lambda: make_models()[0]) if model_name == "gpt" else _llama
     cfg = config(device, chunk_config_dict={"chunk_size": 8192}, offload_optim_frac=0.5)
-    eager = _train(make(), None, cfg)
-    compiled = _train(make(), mode, cfg)
+    eager = _train(make(), None, cfg, device)
+    compiled = _train(make(), mode, cfg, device)
     gap = max(max_relative_difference(compiled, eager).values())
-    # Plain PyTorch's own eager-vs-compiled difference for the same training, measured on sim:
-    # 1.7e-5 (GPT, whole) and 2.6e-6 (Llama, per layer); under the engine the same, 1.7e-5 and 3.2e-6.
+    # Plain PyTorch's own eager-vs-compiled (inductor) difference for the same training, measured
+    # on the CPU: 1.7e-5 (GPT, whole) and 2.6e-6 (Llama, per layer); under the engine the same,
+    # 1.7e-5 and 3.2e-6. aot_eager keeps eager's kernels, so on sim the gap is rounding only.
     assert gap <= 5e-5, gap
