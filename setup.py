@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 from setuptools import setup
 
@@ -41,6 +42,8 @@ def locate_cuda_home():
 
 
 locate_cuda_home()
+# torch warns when numpy is absent, as it is while pip installs a fresh environment; the build needs none.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 try:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
