@@ -6,8 +6,7 @@
 #
 # With a CPU build of torch and no extra arguments (CI) the stages share the cores: the C++ stage
 # starts in the background before the package is installed and built (it needs neither), and
-# pytest runs as two processes, the benchmark smoke tests and framework integrations in one and
-# everything else in the other (most tests wait on child processes, so one pytest keeps about
+# pytest runs as four processes (most tests wait on child processes, so one pytest keeps about
 # one core busy). Each background stage's output is printed when it ends. With a CUDA torch the
 # stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
@@ -48,7 +47,7 @@ if [ "$cpu_torch" = "False" ] || [ $# -gt 0 ]; then
 fi
 cpu_extension=True  # a CPU torch builds a CPU-only extension
 
-# Three stages share the cores: torch's intra-op threads in each test process would only add
+# Five stages share the cores: torch's intra-op threads in each test process would only add
 # context switches (the CPU optimizer kernels size their own thread pool from the hardware).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=build/test-logs
@@ -63,22 +62,45 @@ if ! ensure_extension test; then  # beside the C++ stage: installs and the exten
   exit 1
 fi
 echo "== package installed and built [after $((SECONDS - started)) s]"
-# The second pytest process: the benchmark smoke tests and the framework integrations (each
-# imports a large framework), so that the two processes end at about the same time.
-beside=(tests/python/test_bench_smoke.py tests/python/test_integration_transformers.py
-        tests/python/test_integration_lightning.py tests/python/test_compile.py)
-smoke="${beside[*]}"
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp build/test-tmp/smoke "${beside[@]}" \
-  > "$logs/pytest-bench-smoke.log" 2>&1 &
-smoke_pid=$!
-echo "== pytest (all but ${#beside[@]} files; C++ and those run beside it, logs in $logs/)"
+# Three pytest processes beside the main one, so that the waits of one (child interpreters,
+# gloo ranks, sleeping copies) are another's compute; each group takes about a quarter of the
+# suite's time (the benchmark smoke tests, which start child interpreters, are split in two by
+# node id, and the main process runs every file no group names). One argument per line.
+smoke=tests/python/test_bench_smoke.py
+bench_big=("$smoke::test_scaling_bench_smoke" "$smoke::test_offload_bench_smoke" "$smoke::test_capacity_bench_smoke")
+groups=(bench-big bench-rest multiprocess)
+declare -A group_args=(
+  [bench-big]="$(printf '%s\n' "${bench_big[@]}")
+tests/python/test_integration_lightning.py"
+  [bench-rest]="$smoke
+$(printf -- '--deselect=%s\n' "${bench_big[@]}")
+tests/python/test_integration_transformers.py
+tests/python/test_compile.py
+tests/python/test_hostile.py"
+  [multiprocess]="tests/python/test_distributed.py
+tests/python/test_sim_delays.py
+tests/python/test_example.py"
+)
+declare -A pids=()
+ignore=()
+for name in "${groups[@]}"; do
+  mapfile -t args <<< "${group_args[$name]}"
+  for arg in "${args[@]}"; do
+    [[ "$arg" == tests/* ]] && ignore+=("--ignore=${arg%%::*}")
+  done
+  "$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp "build/test-tmp/$name" "${args[@]}" \
+    > "$logs/pytest-$name.log" 2>&1 &
+  pids[$name]=$!
+done
+echo "== pytest (the rest; C++ and ${groups[*]} run beside it, logs in $logs/)"
 rc=0
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp build/test-tmp/main "${beside[@]/#/--ignore=}" \
-  || rc=$?
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider --durations=8 --basetemp build/test-tmp/main "${ignore[@]}" || rc=$?
 echo "   [pytest done after $((SECONDS - started)) s]"
-wait "$smoke_pid" || rc=$?
-echo "== pytest $smoke [done after $((SECONDS - started)) s]"
-cat "$logs/pytest-bench-smoke.log"
+for name in "${groups[@]}"; do
+  wait "${pids[$name]}" || rc=$?
+  echo "== pytest $name: $(echo ${group_args[$name]}) [done after $((SECONDS - started)) s]"
+  cat "$logs/pytest-$name.log"
+done
 wait "$cpp_pid" || rc=$?
 echo "== C++ stage [done after $((SECONDS - started)) s]"
 cat "$logs/cpp.log"
