@@ -5,16 +5,15 @@
 # editable, with its `test` extra). Extra arguments go to pytest (e.g. -m cuda).
 #
 # With a CPU build of torch and no extra arguments (CI) the stages share the cores: the C++ stage
-# starts in the background before the package is installed and built (it needs neither), and
+# starts in the background before torch and the package are installed (it needs neither), and
 # pytest runs as four processes (most tests wait on child processes, so one pytest keeps about
 # one core busy). Each background stage's output is printed when it ends. With a CUDA torch the
 # stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-ensure_torch
 ensure_cpp_toolchain
 cd "$REPO"
 
-cpp_stage() {
+cpp_stage() {  # the GoogleTest suites: needs neither torch nor the extension
   local stage_started=$SECONDS
   echo "== C++: configure and build the core tests"
   local generator=() src
@@ -30,22 +29,26 @@ cpp_stage() {
   if [ -x build/cpp/gx_cuda_tests ]; then
     ./build/cpp/gx_cuda_tests --gtest_brief=1
   fi
-  if [ "$cpu_extension" = "True" ]; then
-    echo "== CUDA sources of the torch layer: compile-only check"
-    "$PYTHON" scripts/cuda_compile_check.py
-  fi
   echo "[C++ stage took $((SECONDS - stage_started)) s]"
 }
 
-cpu_torch="$("$PYTHON" -c 'import torch; print(torch.version.cuda is None)')"
-if [ "$cpu_torch" = "False" ] || [ $# -gt 0 ]; then
+cuda_check_stage() {  # CPU-only extensions: the torch layer's CUDA paths compile (needs torch)
+  echo "== CUDA sources of the torch layer: compile-only check"
+  "$PYTHON" scripts/cuda_compile_check.py
+}
+
+# Parallel (CI): no pytest arguments and a CPU torch, or none yet (ensure_torch installs the CPU
+# build). Otherwise one stage after another.
+if [ $# -gt 0 ] || { has_python_module torch && [ "$("$PYTHON" -c 'import torch; print(torch.version.cuda is None)')" = "False" ]; }; then
+  ensure_torch
   ensure_extension test   # pyproject.toml's `test` extra: pytest and every integration's packages
-  cpu_extension="$("$PYTHON" -c 'import gemini_ext; print(not gemini_ext._C.build_info()["cuda"])')"
   cpp_stage
+  if [ "$("$PYTHON" -c 'import gemini_ext; print(gemini_ext._C.build_info()["cuda"])')" = "False" ]; then
+    cuda_check_stage
+  fi
   echo "== pytest"
   exec "$PYTHON" -m pytest -q -ra "$@"
 fi
-cpu_extension=True  # a CPU torch builds a CPU-only extension
 
 # Five stages share the cores: torch's intra-op threads in each test process would only add
 # context switches (the CPU optimizer kernels size their own thread pool from the hardware).
@@ -54,14 +57,17 @@ logs=build/test-logs
 rm -rf "$logs" build/test-tmp
 mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
 started=$SECONDS
+# The C++ build fills the core that pip leaves idle while it installs torch and the test extra.
 (cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
-if ! ensure_extension test; then  # beside the C++ stage: installs and the extension's build
+if ! { ensure_torch && ensure_extension test; }; then  # beside the C++ stage
   kill "$cpp_pid" 2>/dev/null || true
-  echo "== FAILED: gemini_ext and its test extra did not install (see above)"
+  echo "== FAILED: torch, gemini_ext or its test extra did not install (see above)"
   exit 1
 fi
 echo "== package installed and built [after $((SECONDS - started)) s]"
+(cuda_check_stage) > "$logs/cuda-check.log" 2>&1 &
+cuda_check_pid=$!
 # Three pytest processes beside the main one, so that the waits of one (child interpreters,
 # gloo ranks, sleeping copies) are another's compute; each group takes about a quarter of the
 # suite's time (the benchmark smoke tests, which start child interpreters, are split in two by
@@ -104,5 +110,7 @@ done
 wait "$cpp_pid" || rc=$?
 echo "== C++ stage [done after $((SECONDS - started)) s]"
 cat "$logs/cpp.log"
+wait "$cuda_check_pid" || rc=$?
+cat "$logs/cuda-check.log"
 [ "$rc" -eq 0 ] && echo "== all stages passed" || echo "== FAILED: see the output above"
 exit "$rc"

@@ -19,6 +19,14 @@ import torch
 
 import gemini_ext as gx
 
+
+def _dtype_kw() -> str:
+    """from_pretrained's dtype argument: `dtype` since transformers 4.56, `torch_dtype` before."""
+    import transformers
+
+    return "dtype" if isinstance(getattr(transformers.PretrainedConfig, "torch_dtype", None), property) \
+        else "torch_dtype"
+
 VOCAB = 128
 
 
@@ -207,7 +215,7 @@ def check_save_pretrained(ctx):
         ctx.model.save_pretrained(d)  # every rank: its state dict is collective
         if ctx.rank != 0:
             return  # transformers writes the weights from the main process
-        again = type(ctx.model).from_pretrained(d, dtype=torch.float32)
+        again = type(ctx.model).from_pretrained(d, **{_dtype_kw(): torch.float32})
     loaded = again.state_dict()
     for k, v in full.items():
         if k in loaded:
