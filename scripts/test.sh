@@ -10,7 +10,6 @@
 # one core busy). Each background stage's output is printed when it ends. With a CUDA torch the
 # stages run one after another, since GPU tests of two processes would compete for the device.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-ensure_cpp_toolchain
 cd "$REPO"
 
 cpp_stage() {  # the GoogleTest suites: needs neither torch nor the extension
@@ -40,6 +39,7 @@ cuda_check_stage() {  # CPU-only extensions: the torch layer's CUDA paths compil
 # Parallel (CI): no pytest arguments and a CPU torch, or none yet (ensure_torch installs the CPU
 # build). Otherwise one stage after another.
 if [ $# -gt 0 ] || { has_python_module torch && [ "$("$PYTHON" -c 'import torch; print(torch.version.cuda is None)')" = "False" ]; }; then
+  ensure_cpp_toolchain
   ensure_torch
   ensure_extension test   # pyproject.toml's `test` extra: pytest and every integration's packages
   cpp_stage
@@ -58,7 +58,7 @@ rm -rf "$logs" build/test-tmp
 mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
 started=$SECONDS
 # The C++ build fills the core that pip leaves idle while it installs torch and the test extra.
-(cpp_stage) > "$logs/cpp.log" 2>&1 &
+(ensure_cpp_toolchain && cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
 if ! { ensure_torch && ensure_extension test; }; then  # beside the C++ stage
   kill "$cpp_pid" 2>/dev/null || true
@@ -81,7 +81,6 @@ tests/python/test_integration_lightning.py"
   [bench-rest]="$smoke
 $(printf -- '--deselect=%s\n' "${bench_big[@]}")
 tests/python/test_integration_transformers.py
-tests/python/test_compile.py
 tests/python/test_hostile.py"
   [multiprocess]="tests/python/test_distributed.py
 tests/python/test_sim_delays.py
