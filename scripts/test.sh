@@ -50,7 +50,7 @@ if [ $# -gt 0 ] || { has_python_module torch && [ "$("$PYTHON" -c 'import torch;
   exec "$PYTHON" -m pytest -q -ra "$@"
 fi
 
-# Five stages share the cores: torch's intra-op threads in each test process would only add
+# The stages share the cores: torch's intra-op threads in each test process would only add
 # context switches (the CPU optimizer kernels size their own thread pool from the hardware).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=build/test-logs

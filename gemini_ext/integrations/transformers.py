@@ -44,9 +44,9 @@ ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 OTHER_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}  # TrainingArguments.optim -> class
 
 
-# The config attribute that records the weights' dtype: `dtype` since transformers 4.56 (where
-# `torch_dtype` became an alias property), `torch_dtype` before.
-_CONFIG_DTYPE = "dtype" if isinstance(getattr(transformers.PretrainedConfig, "torch_dtype", None), property) \
+# transformers' name for the weights' dtype (the config attribute and from_pretrained's argument):
+# `dtype` since transformers 4.56 (where `torch_dtype` became an alias property), `torch_dtype` before.
+DTYPE_NAME = "dtype" if isinstance(getattr(transformers.PretrainedConfig, "torch_dtype", None), property) \
     else "torch_dtype"
 
 
@@ -145,7 +145,7 @@ class GeminiTrainer(transformers.Trainer):
             floating = [v.dtype for v in state_dict.values() if v.is_floating_point()]
             self.model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
             if floating:
-                setattr(self.model.config, _CONFIG_DTYPE, str(floating[0]).split(".")[1])
+                setattr(self.model.config, DTYPE_NAME, str(floating[0]).split(".")[1])
                 self.model.config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

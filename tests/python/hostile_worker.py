@@ -19,14 +19,6 @@ import torch
 
 import gemini_ext as gx
 
-
-def _dtype_kw() -> str:
-    """from_pretrained's dtype argument: `dtype` since transformers 4.56, `torch_dtype` before."""
-    import transformers
-
-    return "dtype" if isinstance(getattr(transformers.PretrainedConfig, "torch_dtype", None), property) \
-        else "torch_dtype"
-
 VOCAB = 128
 
 
@@ -215,7 +207,9 @@ def check_save_pretrained(ctx):
         ctx.model.save_pretrained(d)  # every rank: its state dict is collective
         if ctx.rank != 0:
             return  # transformers writes the weights from the main process
-        again = type(ctx.model).from_pretrained(d, **{_dtype_kw(): torch.float32})
+        from gemini_ext.integrations.transformers import DTYPE_NAME
+
+        again = type(ctx.model).from_pretrained(d, **{DTYPE_NAME: torch.float32})
     loaded = again.state_dict()
     for k, v in full.items():
         if k in loaded:
