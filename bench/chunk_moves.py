@@ -22,7 +22,6 @@ import time
 import torch
 
 import gemini_ext as gx
-from gemini_ext.engine import cuda_available
 
 MB = 10**6
 
@@ -65,7 +64,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.total_mb, args.tensors, args.chunk_mb, args.repeats = "sim", 8, 24, 1, 2
-    device = args.device if args.device != "auto" else ("cuda" if cuda_available() else "sim")
+    device = args.device if args.device != "auto" else ("cuda" if gx.cuda_available() else "sim")
     dtype = torch.bfloat16
     esize = 2
     sizes = tensor_sizes(int(args.total_mb * MB), args.tensors, esize)

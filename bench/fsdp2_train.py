@@ -42,7 +42,7 @@ def _load_by_path(name: str, *path: str):
 
 
 _gpt = _load_by_path("gx_gpt", "models", "gpt.py")
-_load_by_path("gx_lion", "_lion.py")
+_load_by_path("gx_lion", "optim", "lion.py")
 _optimizers = _load_by_path("gx_optimizers", "models", "optimizers.py")
 OPTIMIZERS, optimizer_spec = _optimizers.OPTIMIZERS, _optimizers.optimizer_spec
 GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch, _gpt.checkpoint_blocks

@@ -20,7 +20,6 @@ import torch
 import transformers
 
 import gemini_ext as gx
-from gemini_ext.engine import resolve_device
 from gemini_ext.integrations.transformers import GeminiTrainer
 
 
@@ -61,7 +60,7 @@ def main(argv=None) -> dict:
                                       max_position_embeddings=args.seq)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    device = resolve_device(gx.GeminiConfig(device=args.device))
+    device = gx.resolve_device(gx.GeminiConfig(device=args.device))
     cuda = device == "cuda"
     bf16 = (args.precision or ("bf16" if cuda else "fp32")) == "bf16"
     training = transformers.TrainingArguments(

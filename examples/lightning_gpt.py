@@ -19,7 +19,6 @@ import lightning.pytorch as pl
 import torch
 
 import gemini_ext as gx
-from gemini_ext.engine import resolve_device
 from gemini_ext.integrations.lightning import GeminiStrategy
 from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch
 
@@ -64,7 +63,7 @@ def main(argv=None) -> list[float]:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--devices", type=int, default=1, help="processes (one GPU each on cuda)")
     args = p.parse_args(argv)
-    device = resolve_device(gx.GeminiConfig(device=args.device))
+    device = gx.resolve_device(gx.GeminiConfig(device=args.device))
     cuda = device == "cuda"
     torch.manual_seed(0)
     module = GPTModule(args.preset, lr=1e-3)

@@ -20,7 +20,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import gemini_ext as gx  # noqa: E402
-from gemini_ext.engine import resolve_device  # noqa: E402
 from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch  # noqa: E402
 
 
@@ -56,7 +55,7 @@ def main(argv=None) -> dict:
         fields["const_gpu_budget"] = args.budget or max(int(cfg_model.num_parameters() * 2 * 0.5), 6 * chunk * 2,
                                                       3 * max(p.numel() for p in model.parameters()) * 2)
     elif args.budget:
-        fields["gpu_memory_limit" if resolve_device(gx.GeminiConfig(device=args.device)) == "cuda"
+        fields["gpu_memory_limit" if gx.resolve_device(gx.GeminiConfig(device=args.device)) == "cuda"
                else "sim_capacity"] = args.budget
     with gx.enable(model, gx.GeminiConfig(**fields)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=3e-4)

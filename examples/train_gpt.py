@@ -26,7 +26,6 @@ import torch
 from tqdm import tqdm
 
 import gemini_ext as gx
-from gemini_ext.engine import resolve_device
 from gemini_ext.models import GPT, GPT_PRESETS, checkpoint_blocks, synthetic_batch
 from gemini_ext.models.optimizers import OPTIMIZERS, optimizer_spec
 
@@ -133,7 +132,7 @@ def step_figures(losses: list[float], step_seconds: list[float], tokens_per_step
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device_kind = resolve_device(gx.GeminiConfig(device=args.device))
+    device_kind = gx.resolve_device(gx.GeminiConfig(device=args.device))
     rank, world = init_distributed(device_kind)
     if rank != 0:
         args.no_progress, args.json_out = True, None
@@ -185,21 +184,21 @@ def main(argv=None) -> dict:
         for step in bar:
             x, y = synthetic_batch(model_cfg, args.batch, seq, step * world + rank, dev, seed=args.seed)
             start = time.perf_counter()
-            waited = engine.runtime.counters()["optimizer_wait_seconds"]
+            waited = engine.internal.runtime.counters()["optimizer_wait_seconds"]
             loss = forward(x, y)  # computes in the chunks' dtype (bf16 by default)
             loss.backward()
             before_step = time.perf_counter()
-            waited_before_step = engine.runtime.counters()["optimizer_wait_seconds"]
+            waited_before_step = engine.internal.runtime.counters()["optimizer_wait_seconds"]
             opt.step()
             in_step = time.perf_counter() - before_step
-            waited_in_step = engine.runtime.counters()["optimizer_wait_seconds"] - waited_before_step
+            waited_in_step = engine.internal.runtime.counters()["optimizer_wait_seconds"] - waited_before_step
             opt.zero_grad(set_to_none=True)
             loss_value = loss.item()  # synchronises the device
             step_seconds.append(time.perf_counter() - start)
             # the optimizer's time on the critical path: inside step(), plus this iteration's
             # waits for CPU steps of the previous one (the forward settling a pending chunk)
             # (waits inside step() are part of in_step already)
-            exposed_optimizer.append(in_step + engine.runtime.counters()["optimizer_wait_seconds"] - waited - waited_in_step)
+            exposed_optimizer.append(in_step + engine.internal.runtime.counters()["optimizer_wait_seconds"] - waited - waited_in_step)
             loss_value = mean_over_ranks(loss_value, world, dev)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")

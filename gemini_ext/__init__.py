@@ -46,6 +46,7 @@ _allocator.install_if_requested()  # GEMINI_EXT_ALLOCATOR=chunk: before anything
 from .allocator import empty_cache, memory_stats, reset_peak_memory_stats  # noqa: E402
 from ._units import format_bytes, parse_bytes  # noqa: E402
 from .config import GeminiConfig  # noqa: E402
+from ._engine.device import cuda_available, resolve_device  # noqa: E402
 from .engine import GeminiEngine, enable  # noqa: E402
 from .info import info  # noqa: E402
 from .optim import GeminiOptimizer  # noqa: E402
@@ -62,6 +63,6 @@ TensorState = _C.TensorState
 __all__ = [
     "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "GeminiDDP", "GeminiPlugin", "Booster",
     "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
-    "memory_stats", "reset_peak_memory_stats", "empty_cache",
+    "memory_stats", "reset_peak_memory_stats", "empty_cache", "resolve_device", "cuda_available",
     "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
 ]

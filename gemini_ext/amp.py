@@ -5,14 +5,12 @@
 model: a hook on every floating output of the root module multiplies the incoming gradient by
 the current scale. Parameter gradients are therefore scaled by `scale`; the optimizer divides by
 it (folded into the CPU Adam's gradient factor, no extra pass) after checking the global norm for
-inf/NaN. An overflow skips the step and counts against `hysteresis`: after `hysteresis`
+inf/NaN. An overflow skips the step (counted here, in `skipped_steps`) and counts against `hysteresis`: after `hysteresis`
 consecutive overflows the scale is multiplied by `backoff_factor` (not below `min_scale`);
 `growth_interval` clean steps in a row multiply it by `growth_factor` (not above `max_scale`).
 """
 
 from __future__ import annotations
-
-import math
 
 
 class DynamicLossScaler:
@@ -48,10 +46,6 @@ class DynamicLossScaler:
                 self.scale = min(self.scale * self.growth_factor, self.max_scale)
                 self._clean_steps = 0
                 self._overflows_in_a_row = 0
-
-    @staticmethod
-    def is_finite(value: float) -> bool:
-        return math.isfinite(value)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "overflows_in_a_row": self._overflows_in_a_row,

@@ -5,7 +5,7 @@ Format version 1 (one unsharded process). A checkpoint is a directory holding
   "precision": ..., "optimizer_steps": ..., "parameters": number of parameters}
 - `rank00000.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
   parameters), "optimizer": GeminiOptimizer.state_dict() (the torch optimizer's format) or None,
-  "optimizer_class": its class name or None, "scaler": loss-scaler state or None, "engine": {"optimizer_steps", "skipped_steps"},
+  "optimizer_class": its class name or None, "scaler": loss-scaler state or None, "engine": {"optimizer_steps"},
   "rng": {"cpu": torch RNG state, "cuda": CUDA RNG state or None}}.
 Resuming restores the masters (the 16-bit parameters are their round-to-nearest copies, as
 after a step), the optimizer state, per-parameter step counts, the loss scale and the RNG states, so that
@@ -66,13 +66,13 @@ def save(engine, path: str) -> None:
         "model": engine.state_dict(),
         "optimizer": opt.state_dict() if opt is not None else None,
         "optimizer_class": opt.opt_class.__name__ if opt is not None else None,
-        "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "engine": dataclasses.asdict(engine.counters),
+        "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
+        "engine": dataclasses.asdict(engine.internal.counters),
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None},
     }
     index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [SHARD],
-             "precision": engine.config.precision, "optimizer_steps": engine.counters.optimizer_steps,
+             "precision": engine.config.precision, "optimizer_steps": engine.internal.counters.optimizer_steps,
              "parameters": engine.num_parameters}
     tmp = f"{path}.tmp-{os.getpid()}"
     if os.path.exists(tmp):
@@ -101,7 +101,7 @@ def _replace_dir(tmp: str, path: str) -> None:
 
 
 def _kinds(engine, idx: int) -> list[str]:
-    return engine.layout.value_kinds(idx, with_state=engine.attached_optimizer is not None)
+    return engine.internal.layout.value_kinds(idx, with_state=engine.attached_optimizer is not None)
 
 
 def _optimizer_common(engine):
@@ -113,9 +113,9 @@ def _optimizer_common(engine):
         entry = {k: v for k, v in g.items() if k != "params"}
         entry["params"] = [engine.parameter_index(p) for p in g["params"]]
         groups.append(entry)
-    return {"param_groups": groups, "steps": [engine.runtime.step_of(i) for i in range(engine.num_parameters)],
+    return {"param_groups": groups, "steps": [engine.internal.runtime.step_of(i) for i in range(engine.num_parameters)],
             "class": opt.opt_class.__name__,
-            # a generically stepped optimizer's state: whole on every rank (_generic.py), saved once
+            # a generically stepped optimizer's state: whole on every rank (optim/generic.py), saved once
             "generic": opt.state_dict() if not opt.rule.native else None}
 
 
@@ -124,8 +124,8 @@ def _state_dict_keys(engine) -> list:
     appear under every key) or None for a buffer (in rank 0's "buffers"): what an exporter writes."""
     out = []
     for key, value in engine.model.state_dict(keep_vars=True).items():
-        idx = engine.layout.find(value)
-        out.append([key, engine.layout.names[idx] if idx is not None else None])
+        idx = engine.internal.layout.find(value)
+        out.append([key, engine.internal.layout.names[idx] if idx is not None else None])
     return out
 
 
@@ -137,11 +137,11 @@ def _check_optimizer_class(saved: str | None, opt, path: str) -> None:
 
 def _save_sharded(engine, path: str) -> None:
     if engine.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
-        engine.groups.barrier()
+        engine.internal.groups.barrier()
         return
     _save_zero_group(engine, path)
     if engine.replica_group is not None:
-        engine.groups.barrier()
+        engine.internal.groups.barrier()
 
 
 def _save_zero_group(engine, path: str) -> None:
@@ -158,24 +158,24 @@ def _save_zero_group(engine, path: str) -> None:
     error = None
     try:
         tensors = {}
-        for idx, name in enumerate(engine.layout.names):
+        for idx, name in enumerate(engine.internal.layout.names):
             tensors[name] = {}
             for kind in _kinds(engine, idx):
-                begin, end, value = engine.runtime.read_local(kind, idx)
+                begin, end, value = engine.internal.runtime.read_local(kind, idx)
                 tensors[name][kind] = [begin, end, value]
         payload = {"rank": rank, "world_size": world, "tensors": tensors,
                    "rng": {"cpu": torch.get_rng_state(),
                            "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None}}
         if rank == 0:
             own = engine.model.state_dict(keep_vars=True)
-            params = {id(p) for p in engine.layout.params}
+            params = {id(p) for p in engine.internal.layout.params}
             payload["common"] = {
-                "names": list(engine.layout.names),
+                "names": list(engine.internal.layout.names),
                 "buffers": {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
                             for k, v in own.items() if id(v) not in params},
                 "optimizer": _optimizer_common(engine),
-                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-                "engine": dataclasses.asdict(engine.counters),
+                "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
+                "engine": dataclasses.asdict(engine.internal.counters),
             }
         torch.save(payload, os.path.join(tmp, rank_file(rank)))
     except Exception as e:  # noqa: BLE001  (every rank must learn of a failure, or the others hang)
@@ -190,12 +190,12 @@ def _save_zero_group(engine, path: str) -> None:
     if rank == 0:
         index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world,
                  "files": [rank_file(r) for r in range(world)], "precision": engine.config.precision,
-                 "optimizer_steps": engine.counters.optimizer_steps,
-                 "parameters": [{"name": name, "shape": list(engine.layout.params[i].shape),
-                                 "numel": engine.layout.numels[i],
-                                 "trainable": bool(engine.layout.params[i].requires_grad),
-                                 "pieces": engine.layout.pieces(i, world)}
-                                for i, name in enumerate(engine.layout.names)],
+                 "optimizer_steps": engine.internal.counters.optimizer_steps,
+                 "parameters": [{"name": name, "shape": list(engine.internal.layout.params[i].shape),
+                                 "numel": engine.internal.layout.numels[i],
+                                 "trainable": bool(engine.internal.layout.params[i].requires_grad),
+                                 "pieces": engine.internal.layout.pieces(i, world)}
+                                for i, name in enumerate(engine.internal.layout.names)],
                  "state_dict_keys": _state_dict_keys(engine)}
         with open(os.path.join(tmp, "index.json"), "w") as f:
             json.dump(index, f, indent=1)
@@ -228,8 +228,8 @@ def load(engine, path: str) -> None:
                                "engine.optimizer(...) before loading it.")
         _check_optimizer_class(payload.get("optimizer_class"), opt, path)
         opt.load_state_dict(payload["optimizer"])
-    if payload["scaler"] is not None and engine.scaler is not None:
-        engine.scaler.load_state_dict(payload["scaler"])
+    if payload["scaler"] is not None and engine.internal.scaler is not None:
+        engine.internal.scaler.load_state_dict(payload["scaler"])
     _restore_counters(engine, payload["engine"])
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] is not None and engine.device_kind == "cuda":
@@ -238,16 +238,15 @@ def load(engine, path: str) -> None:
 
 def _my_range(engine, idx: int) -> tuple[int, int]:
     """The elements of parameter idx this process holds: its shard's part, or all of it."""
-    numel = engine.layout.numels[idx]
+    numel = engine.internal.layout.numels[idx]
     if engine.process_group is None:
         return 0, numel
-    mine = [p for p in engine.layout.pieces(idx, engine.world_size) if p[0] == engine.rank]
+    mine = [p for p in engine.internal.layout.pieces(idx, engine.world_size) if p[0] == engine.rank]
     return (mine[0][1], mine[0][2]) if mine else (0, 0)
 
 
 def _restore_counters(engine, saved: dict) -> None:
-    engine.counters.optimizer_steps = saved["optimizer_steps"]
-    engine.counters.skipped_steps = saved["skipped_steps"]
+    engine.internal.counters.optimizer_steps = saved["optimizer_steps"]  # skipped steps: the scaler's state
 
 
 def _load_sharded(engine, path: str, index: dict) -> None:
@@ -260,7 +259,7 @@ def _load_sharded(engine, path: str, index: dict) -> None:
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}
-    names = engine.layout.names
+    names = engine.internal.layout.names
     missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
     if missing or unexpected:
         raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
@@ -272,12 +271,12 @@ def _load_sharded(engine, path: str, index: dict) -> None:
                            "engine.optimizer(...) before loading it.")
     if opt is not None and common["optimizer"] is not None:
         _check_optimizer_class(common["optimizer"].get("class"), opt, path)
-    gm = engine.runtime
+    gm = engine.internal.runtime
     for idx, name in enumerate(names):
         entry = saved[name]
-        if tuple(entry["shape"]) != tuple(engine.layout.params[idx].shape):
+        if tuple(entry["shape"]) != tuple(engine.internal.layout.params[idx].shape):
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
-                             f"the model has {tuple(engine.layout.params[idx].shape)}.")
+                             f"the model has {tuple(engine.internal.layout.params[idx].shape)}.")
         lo, hi = _my_range(engine, idx)
         for kind in _kinds(engine, idx):
             full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
@@ -291,7 +290,7 @@ def _load_sharded(engine, path: str, index: dict) -> None:
     if opt is not None and common["optimizer"] is not None:
         steps = common["optimizer"]["steps"]
         for idx in range(len(names)):
-            if engine.layout.params[idx].requires_grad:
+            if engine.internal.layout.params[idx].requires_grad:
                 gm.set_step(idx, int(steps[idx]))
         for saved_group, mine in zip(common["optimizer"]["param_groups"], opt.param_groups):
             for k, v in saved_group.items():
@@ -304,8 +303,8 @@ def _load_sharded(engine, path: str, index: dict) -> None:
         for key, value in common["buffers"].items():
             if key in own:
                 own[key].copy_(value)
-    if common["scaler"] is not None and engine.scaler is not None:
-        engine.scaler.load_state_dict(common["scaler"])
+    if common["scaler"] is not None and engine.internal.scaler is not None:
+        engine.internal.scaler.load_state_dict(common["scaler"])
     _restore_counters(engine, common["engine"])
     if index["world_size"] == engine.world_size:
         rng = payload(engine.rank)["rng"]

@@ -7,7 +7,7 @@ from typing import Any
 
 from ._env import DEVICES
 from ._units import parse_bytes
-from .policy import POLICY_CLASSES
+from .placement.policies import POLICY_CLASSES
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")

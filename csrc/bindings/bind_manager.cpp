@@ -1,7 +1,7 @@
 // gemini_ext._C, manager: the GeminiManager's hooks, residency, gradients and values. Every call
 // that takes the manager's lock releases the GIL (hooks run on autograd threads too).
 #include "bindings/common.h"
-#include "torch/gemini_manager.h"
+#include "torch/manager/manager.h"
 #include "torch/pg_communicator.h"
 
 namespace gx::bindings {
@@ -33,6 +33,20 @@ torch_layer::ChunkSetSpec set_spec_of(const py::dict& d) {
 
 StateKind kind_of(const std::string& name) { return torch_layer::parse_state_kind(name); }
 
+py::dict counters_dict(const EngineCounters& c) {
+  return as_dict(c, field("evictions", &EngineCounters::evictions),
+                 field("sync_fetch_waits", &EngineCounters::sync_fetch_waits),
+                 field("wait_seconds", &EngineCounters::wait_seconds),
+                 field("evicted_bytes", &EngineCounters::evicted_bytes), field("fetches", &EngineCounters::fetches),
+                 field("grad_chunks_offloaded", &EngineCounters::grad_chunks_offloaded),
+                 field("flushed_chunks", &EngineCounters::flushed_chunks),
+                 field("backward_passes", &EngineCounters::backward_passes),
+                 field("reclaims", &EngineCounters::reclaims),
+                 field("reclaimed_bytes", &EngineCounters::reclaimed_bytes),
+                 field("optimizer_wait_seconds", &EngineCounters::optimizer_wait_seconds),
+                 field("optimizer_waits", &EngineCounters::optimizer_waits));
+}
+
 // Construction, parameters and the hook bodies.
 void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
   cls.def(py::init([](PyChunkManager& cm, const py::list& sets, const py::list& params, const std::string& policy) {
@@ -63,8 +77,19 @@ void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
       .def("set_no_sync", &GeminiManager::set_no_sync, nogil())
       .def_property_readonly("no_sync", &GeminiManager::no_sync)
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
-      .def_property_readonly("phase", [](GeminiManager& g) { return std::string(hook_phase_name(g.phase())); })
-      .def("end_iteration", &GeminiManager::end_iteration, nogil());
+      .def("end_iteration", [](GeminiManager& g) {
+        torch_layer::IterationEnd end;
+        {
+          py::gil_scoped_release release;
+          end = g.end_iteration();
+        }
+        py::dict d;
+        d["repeated"] = end.repeated;
+        d["counters"] = counters_dict(end.counters);
+        d["device_bytes_peak"] = end.device_bytes_peak;
+        d["trace_rerecordings"] = end.trace_rerecordings;
+        return d;
+      });
 }
 
 // Residency and placement.
@@ -174,18 +199,7 @@ void def_observing(py::class_<GeminiManager>& cls) {
           py::gil_scoped_release release;
           c = g.counters();
         }
-        return as_dict(c, field("evictions", &EngineCounters::evictions),
-                       field("sync_fetch_waits", &EngineCounters::sync_fetch_waits),
-                       field("wait_seconds", &EngineCounters::wait_seconds),
-                       field("evicted_bytes", &EngineCounters::evicted_bytes),
-                       field("fetches", &EngineCounters::fetches),
-                       field("grad_chunks_offloaded", &EngineCounters::grad_chunks_offloaded),
-                       field("flushed_chunks", &EngineCounters::flushed_chunks),
-                       field("backward_passes", &EngineCounters::backward_passes),
-                       field("reclaims", &EngineCounters::reclaims),
-                       field("reclaimed_bytes", &EngineCounters::reclaimed_bytes),
-                       field("optimizer_wait_seconds", &EngineCounters::optimizer_wait_seconds),
-                       field("optimizer_waits", &EngineCounters::optimizer_waits));
+        return counters_dict(c);
       });
 }
 

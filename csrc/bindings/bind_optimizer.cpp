@@ -1,10 +1,10 @@
 // gemini_ext._C, optimizer: the CPU kernels, the state kinds, and the GeminiManager's optimizer
-// entry points (the generic set stepping with a rule: torch/hybrid_optimizer.h).
+// entry points (the generic set stepping with a rule: torch/optim/hybrid_optimizer.h).
 #include "bindings/common.h"
-#include "torch/cpu_adam_op.h"
-#include "torch/cpu_optim_op.h"
-#include "torch/gemini_manager.h"
-#include "torch/device_adam_op.h"
+#include "torch/optim/cpu_adam_op.h"
+#include "torch/optim/cpu_optim_op.h"
+#include "torch/manager/manager.h"
+#include "torch/optim/device_adam_op.h"
 
 namespace gx::bindings {
 
@@ -60,6 +60,65 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
 
 }  // namespace
 
+namespace {
+
+// The GeminiManager's optimizer entry points and the pipeline's controls.
+void def_manager_optimizer(py::module_& m) {
+  // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
+  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
+  // The optimizer's own queries go through with_optimizer (the manager's lock, one call each).
+  using torch_layer::HybridOptimizer;
+  cls.def("attach_optimizer", &attach_optimizer, py::arg("rule"), py::arg("kinds"), py::arg("group_of_param"),
+          py::arg("state_chunks"), py::arg("step_set") = std::nullopt)
+      .def("grad_norm_sq", &GeminiManager::grad_norm_sq, nogil())
+      .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
+      .def("arm_speculation",
+           [](GeminiManager& g, const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
+             return g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
+           },
+           py::arg("groups"), py::arg("spare_limit_bytes"), nogil())
+      .def("spare_bytes", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
+           nogil())
+      .def("release_spares",
+           [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
+      .def("speculations",
+           [](GeminiManager& g) {
+             std::pair<int64_t, int64_t> counts;
+             {
+               py::gil_scoped_release release;
+               counts = g.with_optimizer([](HybridOptimizer& o) {
+                 return std::pair<int64_t, int64_t>{o.speculations_confirmed(), o.speculations_dropped()};
+               });
+             }
+             py::dict d;
+             d["confirmed"] = counts.first;
+             d["dropped"] = counts.second;
+             return d;
+           })
+      .def("last_step",
+           [](GeminiManager& g) {
+             StepStats s;
+             {
+               py::gil_scoped_release release;
+               s = g.with_optimizer([](HybridOptimizer& o) { return o.last_step(); });
+             }
+             return as_dict(s, field("host_params", &StepStats::host_params),
+                            field("device_params", &StepStats::device_params),
+                            field("host_seconds", &StepStats::host_seconds),
+                            field("launch_seconds", &StepStats::launch_seconds),
+                            field("device_seconds", &StepStats::device_seconds),
+                            field("pending_sets", &StepStats::pending_sets));
+           })
+      // the pipeline
+      .def("pending_steps", &GeminiManager::pending_steps, nogil())
+      .def("settle_all", &GeminiManager::settle_all, nogil())
+      .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
+      .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
+      .def("set_optimizer_task_delay_us", &GeminiManager::set_optimizer_task_delay_us);
+}
+
+}  // namespace
+
 void bind_optimizer(py::module_& m) {
   py::enum_<torch_layer::StateKind>(m, "StateKind")
       .value("param", torch_layer::StateKind::kParam)
@@ -92,51 +151,7 @@ void bind_optimizer(py::module_& m) {
         "The device Adam/AdamW kernel (csrc/cuda/adam_kernel.h) on CUDA tensors, in place, on the current "
         "stream: the same arguments and the same bits as cpu_adam_step.");
 
-  // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
-  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
-  cls.def("attach_optimizer", &attach_optimizer, py::arg("rule"), py::arg("kinds"), py::arg("group_of_param"),
-          py::arg("state_chunks"), py::arg("step_set") = std::nullopt)
-      .def("grad_norm_sq", &GeminiManager::grad_norm_sq, nogil())
-      .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
-      .def("arm_speculation", &GeminiManager::arm_speculation, nogil())
-      .def("disarm_speculation", &GeminiManager::disarm_speculation, nogil())
-      .def_property_readonly("speculation_armed", &GeminiManager::speculation_armed)
-      .def("spare_bytes_needed", &GeminiManager::spare_bytes_needed, nogil())
-      .def("spare_bytes", &GeminiManager::spare_bytes, nogil())
-      .def("release_spares", &GeminiManager::release_spares, nogil())
-      .def("speculations",
-           [](GeminiManager& g) {
-             std::pair<int64_t, int64_t> counts;
-             {
-               py::gil_scoped_release release;
-               counts = g.speculations();
-             }
-             py::dict d;
-             d["confirmed"] = counts.first;
-             d["dropped"] = counts.second;
-             return d;
-           })
-      .def("last_step",
-           [](GeminiManager& g) {
-             StepStats s;
-             {
-               py::gil_scoped_release release;
-               s = g.last_step();
-             }
-             return as_dict(s, field("host_params", &StepStats::host_params),
-                            field("device_params", &StepStats::device_params),
-                            field("host_seconds", &StepStats::host_seconds),
-                            field("launch_seconds", &StepStats::launch_seconds),
-                            field("device_seconds", &StepStats::device_seconds),
-                            field("pending_sets", &StepStats::pending_sets));
-           })
-      // the pipeline
-      .def("guard_stepping_params", &GeminiManager::guard_stepping_params, nogil())
-      .def("pending_steps", &GeminiManager::pending_steps, nogil())
-      .def("settle_all", &GeminiManager::settle_all, nogil())
-      .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
-      .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
-      .def("set_optimizer_task_delay_us", &GeminiManager::set_optimizer_task_delay_us);
+  def_manager_optimizer(m);
 }
 
 }  // namespace gx::bindings

@@ -7,7 +7,7 @@
 #include <torch/version.h>
 
 #include "bindings/areas.h"
-#include "core/cpu_features.h"
+#include "core/kernels/cpu_features.h"
 #include "core/errors.h"
 #include "core/tensor_state.h"
 

@@ -35,6 +35,7 @@ void OptimizerPipeline::launch(int set, std::function<void()> compute, std::func
   }, priority);
   pending_.emplace(set, Pending{std::move(done), std::move(complete), seconds, std::move(eager)});
   order_.push_back(set);
+  if (!overlap_) settle(set);
 }
 
 void OptimizerPipeline::settle(int set) {

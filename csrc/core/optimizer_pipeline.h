@@ -8,7 +8,8 @@
 // threw as an InternalError naming the set. `eager` says whether a finished step may be settled
 // before anyone needs it (settle_finished, which prefetch calls); a speculative step may not
 // until it was confirmed. The priority of a launch is the set's position in the next forward
-// (SerialExecutor takes the most urgent first). Tests may hold the thread (steps wait before
+// (SerialExecutor takes the most urgent first). With overlap off, launch settles the step before
+// it returns (the serial step, for comparison). Tests may hold the thread (steps wait before
 // they start) or slow each task down. Not thread-safe itself: its owner calls it under its lock.
 #pragma once
 
@@ -42,6 +43,7 @@ class OptimizerPipeline {
   void settle_all();         // in launch order
   void settle_finished();    // the eager steps that finished
   void drain();              // waits for every compute part (nothing is settled)
+  void set_overlap(bool overlap) { overlap_ = overlap; }  // off: every launch settles at once
 
   bool pending(int set) const { return pending_.count(set) != 0; }
   size_t pending_count() const { return pending_.size(); }
@@ -76,6 +78,7 @@ class OptimizerPipeline {
   double host_step_seconds_ = 0.0;
   double wait_seconds_ = 0.0;
   int64_t waits_ = 0;
+  bool overlap_ = true;
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
   std::unique_ptr<SerialExecutor> worker_;  // last: joined first
 };

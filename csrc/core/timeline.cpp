@@ -1,5 +1,7 @@
 #include "core/timeline.h"
 
+#include <algorithm>
+
 #include "core/errors.h"
 
 namespace gx {
@@ -11,6 +13,12 @@ Timeline::Timeline(size_t capacity) : capacity_(capacity) {
 void Timeline::note(char kind, ChunkId chunk, int64_t device_bytes) {
   const TimelineEvent e{std::chrono::duration<double>(std::chrono::steady_clock::now() - created_).count(), kind,
                         chunk, device_bytes};
+  if (kind == 'S') {
+    last_iteration_peak_bytes_ = iteration_peak_bytes_;
+    iteration_peak_bytes_ = 0;
+  } else {
+    iteration_peak_bytes_ = std::max(iteration_peak_bytes_, device_bytes);
+  }
   if (events_.size() < capacity_) {
     events_.push_back(e);
   } else {

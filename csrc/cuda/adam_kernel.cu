@@ -3,8 +3,8 @@
 #include <type_traits>
 
 #include "core/errors.h"
-#include "core/half_convert.h"
-#include "core/stochastic_round.h"
+#include "core/kernels/half_convert.h"
+#include "core/kernels/stochastic_round.h"
 #include "cuda/cuda_backend.h"
 
 namespace gx {

@@ -1,11 +1,11 @@
 // Adam / AdamW on the device in one pass: the device side of csrc/core/cpu_adam.h.
 //
 // Design note. One kernel reads the gradient in its compute dtype, the fp32 master and the
-// moments (fp32, or bf16 with the stochastic rounding of core/stochastic_round.h), and writes the
+// moments (fp32, or bf16 with the stochastic rounding of core/kernels/stochastic_round.h), and writes the
 // master, the moments and the 16-bit copy for compute: 28 bytes per parameter with bf16
 // gradients and fp32 moments, 20 with bf16 moments. torch's fused kernel needs the gradient in
 // fp32 and the 16-bit copy written by separate passes (40 bytes). Each element is updated by
-// core/adam_update.h's function with correctly rounded intrinsics and narrowed by the same
+// core/kernels/adam_update.h's function with correctly rounded intrinsics and narrowed by the same
 // inline conversions as the CPU loops, so the results equal the CPU kernel's bit for bit.
 #pragma once
 
@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "core/adam_update.h"
+#include "core/kernels/adam_update.h"
 #include "core/types.h"
 
 namespace gx {

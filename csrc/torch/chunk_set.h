@@ -68,4 +68,12 @@ struct ChunkSet {
   at::Tensor grad_sq;
 };
 
+// The sets in the order the recorded iteration first touches their P chunks (forward order);
+// sets it never touched follow in index order. The manager recomputes it when an iteration ends;
+// the optimizer steps host sets in this order and gives each launch its position as priority.
+struct ForwardOrder {
+  std::vector<int> sets;
+  std::vector<int64_t> rank;  // per set index: its position in `sets`
+};
+
 }  // namespace gx::torch_layer

@@ -10,7 +10,7 @@ import sys
 import torch
 
 try:
-    from .._lion import Lion
+    from ..optim.lion import Lion
 except ImportError:  # loaded by path by a peer benchmark that must not load gemini_ext (bench/fsdp2_train.py)
     Lion = sys.modules["gx_lion"].Lion
 

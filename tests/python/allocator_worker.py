@@ -33,7 +33,7 @@ def parity() -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         stats = engine.stats()
-        figures = engine.tracer.memory_figures()  # what an out-of-memory note and the info log after enable() print
+        figures = engine.internal.tracer.memory_figures()  # what an out-of-memory note and the info log after enable() print
     diffs = max_relative_difference(model, reference)
     return {"losses": losses, "ref_losses": ref_losses, "max_param_diff": max(diffs.values()),
             "evictions": stats["counters"]["evictions"], "non_model_peak": [s["non_model_peak_bytes"] for s in stats["steps"]],

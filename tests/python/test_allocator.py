@@ -75,7 +75,7 @@ def test_pools_reuse_slots_on_sim_with_exact_accounting():
         assert device["slots_taken_from_arena"] < fetches, "evicted chunks' slots are reused, not re-allocated"
         assert device["arena_extents"] >= 1
         assert device["reserved_bytes"]["current"] <= 8 * 4096 * 4 + 4096 * 4, "the arena stays within the capacity"
-        freed = engine.chunks.trim("device")  # slots not in use and wholly free extents go back
+        freed = engine.internal.chunks.trim("device")  # slots not in use and wholly free extents go back
         assert engine.stats()["pools"]["device"]["reserved_bytes"]["current"] == \
             device["reserved_bytes"]["current"] - freed
 

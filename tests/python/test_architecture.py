@@ -1,5 +1,7 @@
-"""The code's shape, checked: the package's imports form no circle, no source file is over 500
-lines and no function over 80 (docs/DESIGN.md; the CPU kernels' per-ISA files may stay parallel).
+"""The code's shape, checked: the package's imports form no circle and point one way between its
+rooms (placement <- engine parts <- optimizers <- the facade), the package's top holds at most 15
+modules, no source file is over 500 lines and no function over 80 (docs/DESIGN.md; the CPU
+kernels' per-ISA files may stay parallel), and no C++ class in csrc/torch befriends another.
 Static reads of the tree: no import of gemini_ext, well under a second."""
 
 import ast
@@ -11,6 +13,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gemini_ext"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_TOP_LEVEL_MODULES = 15
+# Each room and the rooms it must not import (a module counts as in a room when its name is the
+# room's or starts with it and a dot).
+FORBIDDEN_IMPORTS = {
+    "gemini_ext.placement": ("gemini_ext._engine", "gemini_ext.optim", "gemini_ext.engine", "gemini_ext.checkpoint",
+                             "gemini_ext.compat", "gemini_ext.integrations"),
+    "gemini_ext._engine": ("gemini_ext.optim", "gemini_ext.engine", "gemini_ext.checkpoint", "gemini_ext.compat",
+                           "gemini_ext.integrations"),
+    "gemini_ext.optim": ("gemini_ext.engine", "gemini_ext.checkpoint", "gemini_ext.compat", "gemini_ext.integrations"),
+}
 PARALLEL_BY_DESIGN = {"cpu_adam_avx2.cpp", "cpu_adam_avx512.cpp"}
 
 
@@ -61,6 +73,32 @@ def test_the_package_imports_form_no_circle():
     graph = _import_graph()
     assert graph["gemini_ext.optim"], "the graph sees the package's imports"
     assert _cycles(graph) == []
+
+
+def _in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_imports_point_one_way_between_the_rooms():
+    graph = _import_graph()
+    assert any(_in_room(m, "gemini_ext.placement") for m in graph["gemini_ext.engine"]), "the rooms are seen"
+    wrong = [f"{importer} imports {imported}"
+             for importer, imported_set in sorted(graph.items()) for imported in sorted(imported_set)
+             for room, forbidden in FORBIDDEN_IMPORTS.items()
+             if _in_room(importer, room) and any(_in_room(imported, f) for f in forbidden)]
+    assert wrong == []
+
+
+def test_the_package_top_holds_at_most_15_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert "engine.py" in top
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_no_class_in_csrc_torch_befriends_another():
+    befriending = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "csrc" / "torch").rglob("*.[ch]*"))
+                   for n, line in enumerate(p.read_text().split("\n"), 1) if re.search(r"\bfriend\s+class\b", line)]
+    assert befriending == []
 
 
 def _cpp_function_lengths(text: str):

@@ -54,7 +54,7 @@ def test_resume_from_a_checkpoint_continues_bit_exactly(tmp_path, device, precis
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         first = _train(model, engine, opt, 4, 0)
         engine.save_checkpoint(tmp_path / "ckpt")
-        scale = engine.scaler.scale if engine.scaler else None
+        scale = engine.internal.scaler.scale if engine.internal.scaler else None
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], "no temporary directory left behind"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["index.json", "rank00000.pt"]
 
@@ -63,7 +63,7 @@ def test_resume_from_a_checkpoint_continues_bit_exactly(tmp_path, device, precis
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         engine.load_checkpoint(tmp_path / "ckpt")
         if scale is not None:
-            assert engine.scaler.scale == scale
+            assert engine.internal.scaler.scale == scale
         rest = _train(model, engine, opt, 4, 4)
         resumed = engine.state_dict()
     assert first + rest == uninterrupted, "same losses as the uninterrupted run"

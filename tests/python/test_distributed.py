@@ -127,7 +127,7 @@ def _hsdp_layout_body(rank, world_size):
         assert engine.stats()["distributed"] == {"zero_world_size": 2, "zero_rank": rank % 2, "replicas": 2,
                                                  "replica_index": rank // 2, "backend": "gloo"}
         assert dist.get_process_group_ranks(engine.replica_group) == [rank % 2, rank % 2 + 2]
-        info = engine.chunk_info(engine.chunks.group_chunk_ids("param")[0])
+        info = engine.chunk_info(engine.internal.chunks.group_chunk_ids("param")[0])
         assert info["shard_numel"] * 2 == info["padded_numel"], "sharded over the ZeRO group of 2, not over 4"
 
 
@@ -152,12 +152,12 @@ def _collectives_body(rank, world_size, device="sim"):
         n_chunks = engine.stats()["num_param_chunks"]
         for step in range(3):
             before = engine._comm.calls
-            t0 = dict(engine.chunks.traffic())
+            t0 = dict(engine.internal.chunks.traffic())
             x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
             model(_slice(x, rank, world_size), _slice(y, rank, world_size)).backward()
             opt.step()
             opt.zero_grad()
-            t1 = engine.chunks.traffic()
+            t1 = engine.internal.chunks.traffic()
             gathers = t1["all_gathers"] - t0["all_gathers"]
             scatters = t1["reduce_scatters"] - t0["reduce_scatters"]
             # A chunk is gathered when the access stream reaches it and stays gathered while in
@@ -165,7 +165,7 @@ def _collectives_body(rank, world_size, device="sim"):
             # of equal chunk ids in the iteration's access order, at least one per chunk, and the
             # same number on every rank (collectives must match). Each chunk's gradients are
             # reduce-scattered once; the step all-reduces the squared gradient norm once.
-            order = engine.runtime.trace_info()["recorded"]
+            order = engine.internal.runtime.trace_info()["recorded"]
             runs = sum(1 for i, c in enumerate(order) if i == 0 or order[i - 1] != c)
             if step > 0:  # the trace of the first iteration closes at its step
                 assert n_chunks <= gathers <= runs, (gathers, runs, order)
@@ -174,8 +174,8 @@ def _collectives_body(rank, world_size, device="sim"):
             assert len(set(counts)) == 1, counts
             assert scatters == n_chunks, (scatters, n_chunks)
             assert engine._comm.calls - before == gathers + scatters + 1
-        for c in engine.chunks.group_chunk_ids("state0"):  # fp32 precision: no separate master group
-            info = engine.chunks.chunk_info(c)
+        for c in engine.internal.chunks.group_chunk_ids("state0"):  # fp32 precision: no separate master group
+            info = engine.internal.chunks.chunk_info(c)
             assert info["shard_numel"] * world_size == info["padded_numel"]
 
 
@@ -414,7 +414,7 @@ def _no_room_on_one_rank_body(rank, world_size):
 
     model, _ = make_models(seed=0)
     if rank == 1:
-        gx._restore.restore_room_bytes = lambda chunks, device: 0
+        gx._engine.restore.restore_room_bytes = lambda chunks, device: 0
     engine = gx.enable(model, config("sim"), process_group=dist.group.WORLD)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -471,7 +471,7 @@ def _uneven_optimizer_body(rank, world_size, device="sim"):
     (or hang)."""
     model, reference = make_models()
     ref_losses = train_reference(reference, STEPS, torch_device(device), batch_size=GLOBAL_BATCH)
-    slow = (lambda engine: engine.runtime.set_optimizer_task_delay_us(30_000)) if rank == 0 else None
+    slow = (lambda engine: engine.internal.runtime.set_optimizer_task_delay_us(30_000)) if rank == 0 else None
     losses, stats, _ = _train_sharded(model, config(device), rank, world_size, setup=slow)
     assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
     assert max(max_relative_difference(model, reference).values()) <= PARAM_TOLERANCE
@@ -507,14 +507,14 @@ def _read_to_body(rank, world_size, device="sim"):
         opt.step()
         opt.zero_grad()
         index = {name: engine.parameter_index(p) for name, p in model.named_parameters()}
-        reads = {i: engine.runtime.read("param", i) for i in index.values()}
+        reads = {i: engine.internal.runtime.read("param", i) for i in index.values()}
         for i, value in reads.items():
             for target in {torch.device("cpu"), engine.compute_device}:
                 for dtype in (torch.float32, torch.bfloat16):
-                    got = engine.runtime.read_to("param", i, target, dtype)
+                    got = engine.internal.runtime.read_to("param", i, target, dtype)
                     assert got.device == target and got.dtype == dtype and got.shape == value.shape, (i, got)
                     assert torch.equal(got.cpu(), value.to(dtype)), (i, target, dtype)
-        engine.runtime.release_read_cache()
+        engine.internal.runtime.release_read_cache()
         state = engine.state_dict()
     for name, p in model.named_parameters():  # close() restored the same values, as fp32
         assert p.dtype == torch.float32 and torch.equal(p.detach().cpu(), reads[index[name]]), name

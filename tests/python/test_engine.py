@@ -36,7 +36,7 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
     with gx.enable(model, _cfg(device)) as engine:
         for name, p in model.named_parameters():
             chunk_id, slot = engine.parameter_slot(p)
-            chunk = engine.chunks.shard_view(chunk_id, "device")
+            chunk = engine.internal.chunks.shard_view(chunk_id, "device")
             offset = engine.chunk_info(chunk_id)["slots"][slot][1]
             assert p.data_ptr() == chunk.data_ptr() + offset * p.element_size(), name
             assert p.untyped_storage().data_ptr() == chunk.data_ptr(), "one storage per chunk"
@@ -46,18 +46,18 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
         assert stats["tier_bytes"]["device"]["current"] > 0
         # offload_optim_frac=0: parameter chunks went to the device once each; the optimizer state
         # was allocated there directly (no copy, nothing of it on the host)
-        moved = sum(engine.chunks.chunk_info(c)["shard_numel"] * 4 for c in engine.chunks.group_chunk_ids("param"))
+        moved = sum(engine.internal.chunks.chunk_info(c)["shard_numel"] * 4 for c in engine.internal.chunks.group_chunk_ids("param"))
         assert stats["traffic"]["h2d_bytes"] == moved
         for g in ("state0", "state1"):  # the optimizer's state chunks: no memory until it exists
-            for c in engine.chunks.group_chunk_ids(g):
-                assert engine.chunks.chunk_info(c)["shard_tiers"] == "none", (g, c)
+            for c in engine.internal.chunks.group_chunk_ids(g):
+                assert engine.internal.chunks.chunk_info(c)["shard_tiers"] == "none", (g, c)
         engine.optimizer(torch.optim.AdamW)
         assert engine.stats()["traffic"]["h2d_bytes"] == moved
         for g in ("state0", "state1"):
-            for c in engine.chunks.group_chunk_ids(g):
-                assert engine.chunks.chunk_info(c)["shard_tiers"] == "device", (g, c)
-        for c in engine.chunks.group_chunk_ids("grad"):  # born on the device in backward
-            assert engine.chunks.chunk_info(c)["shard_tiers"] == "none", c
+            for c in engine.internal.chunks.group_chunk_ids(g):
+                assert engine.internal.chunks.chunk_info(c)["shard_tiers"] == "device", (g, c)
+        for c in engine.internal.chunks.group_chunk_ids("grad"):  # born on the device in backward
+            assert engine.internal.chunks.chunk_info(c)["shard_tiers"] == "none", c
 
 
 def test_close_restores_ordinary_parameters_on_their_original_device():
@@ -65,7 +65,7 @@ def test_close_restores_ordinary_parameters_on_their_original_device():
     engine = gx.enable(model, _cfg("sim"))
     with torch.no_grad():
         model.weight.fill_(2.0)
-    gm = engine.runtime
+    gm = engine.internal.runtime
     engine.close()
     engine.close()  # idempotent
     assert sys.getrefcount(gm) == 2, "nothing but this test holds the manager: its chunks are freed at close"
@@ -120,12 +120,12 @@ def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(
     opt.step()
     engine.synchronize()  # the CPU steps may still be running (direct reads need it)
     # bf16 training: close() gives back the fp32 masters' values
-    expected = {n: engine.runtime.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
-    on_host = [p["optim_on_host"] for p in engine.runtime.set_placements()]
+    expected = {n: engine.internal.runtime.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
+    on_host = [p["optim_on_host"] for p in engine.internal.runtime.set_placements()]
     assert any(on_host) and not all(on_host)
-    reserved_before = engine.chunks.reserved_bytes("device")["current"]
+    reserved_before = engine.internal.chunks.reserved_bytes("device")["current"]
     calls, reserved, device_bytes = [], [], []
-    restorer = gx._restore.ModelRestorer
+    restorer = gx._engine.restore.ModelRestorer
     real_drop, real_trim = restorer.drop_set_state, restorer.trim_chunk_memory
 
     def drop(self, chunks, kinds):
@@ -225,7 +225,7 @@ def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_
     """When the whole model cannot fit the device and host once the chunks are freed (a model
     sharded because nothing holds it whole), enable() warns while the values can still be saved
     and close() frees the chunks and leaves each parameter an empty tensor of its dtype and device."""
-    monkeypatch.setattr(gx._restore, "restore_room_bytes", lambda chunks, device: 1000)
+    monkeypatch.setattr(gx._engine.restore, "restore_room_bytes", lambda chunks, device: 1000)
     model = GPT(GPT_PRESETS["tiny"])
     model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
     with pytest.warns(UserWarning, match=r"larger than this rank's device and host memory.*save_checkpoint"):
@@ -235,7 +235,7 @@ def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_
     for name, p in model.named_parameters():
         assert p.numel() == 0 and p.dtype == torch.float32 and p.device.type == "cpu", name
     assert model.scale.dtype == torch.float64 and torch.equal(model.scale, torch.ones(3, dtype=torch.float64))
-    assert gx._registry.engine_of(model) is None and engine.closed
+    assert gx._engine.registry.engine_of(model) is None and engine.closed
 
 
 def test_existing_gradients_follow_their_parameters():
@@ -297,14 +297,14 @@ def test_running_out_of_memory_inside_the_block_notes_where_memory_stood():
     MemAvailable, so that a plan that missed something shows it."""
     with pytest.raises(gx.OutOfMemoryError, match="raised by the test") as err:
         with gx.enable(torch.nn.Linear(64, 64), _cfg("sim")) as engine:
-            pool = engine.chunks.pool_stats(engine.chunks.host_tier)
-            device = engine.chunks.tier_bytes("device")["current"]
+            pool = engine.internal.chunks.pool_stats(engine.internal.chunks.host_tier)
+            device = engine.internal.chunks.tier_bytes("device")["current"]
             raise gx.OutOfMemoryError("pageable_host out of memory (raised by the test)")
     note = "\n".join(err.value.__notes__)
     assert f"chunks on the device {gx.format_bytes(device)}" in note, note
     assert f"{gx.format_bytes(pool['in_use_bytes']['current'])} in use" in note, note
     assert "resident memory" in note and "MemAvailable" in note, note
-    assert engine._closed, "the engine still closed"
+    assert engine.internal.closed, "the engine still closed"
 
 
 def test_cuda_requested_without_cuda_is_refused():

@@ -103,7 +103,7 @@ def test_frozen_parameters_stay_in_chunks_without_optimizer_state(device):
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         idx = engine.parameter_index(model.tok_emb.weight)
         with pytest.raises(ValueError, match="frozen"):
-            engine.runtime.read("exp_avg", idx)
+            engine.internal.runtime.read("exp_avg", idx)
         assert model.tok_emb.weight.device.type == dev.type, "a frozen parameter lives in a chunk too"
         for step in range(6):
             train_step(model, opt, step, engine.compute_device)
@@ -184,7 +184,7 @@ def test_no_grad_and_inference_mode_evaluation_between_steps(device):
                 ref_eval = reference(ex.to(dev), ey.to(dev))
             assert eval_loss.item() == pytest.approx(ref_eval.item(), rel=1e-5)
             assert infer_loss.item() == pytest.approx(ref_eval.item(), rel=1e-5)
-            assert not engine.runtime.in_backward
+            assert not engine.internal.runtime.in_backward
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
@@ -230,18 +230,18 @@ def test_a_parameter_homed_on_the_host_is_served_from_its_host_copy_between_uses
     with gx.enable(model, config("sim", offload_param_frac=1.0)) as engine:
         p = model.blocks[0].fc1.weight
         idx = engine.parameter_index(p)
-        assert engine.runtime.param_binding(idx) == "host", "home on the host: no device copy between uses"
+        assert engine.internal.runtime.param_binding(idx) == "host", "home on the host: no device copy between uses"
         torch.testing.assert_close(p.detach().float().cpu(), engine.state_dict()["blocks.0.fc1.weight"], rtol=0, atol=0)
         x, y = batch(model.cfg, 0, "cpu")
         seen = {}
         def look(module, args):
-            seen.setdefault("binding", engine.runtime.param_binding(idx))
+            seen.setdefault("binding", engine.internal.runtime.param_binding(idx))
 
         handle = model.blocks[0].fc1.register_forward_pre_hook(look)  # runs after the engine's pre-hook
         model(x, y).backward()
         handle.remove()
         assert seen["binding"] == "device", "fetched for its forward"
-        assert engine.runtime.param_binding(idx) == "host"
+        assert engine.internal.runtime.param_binding(idx) == "host"
         assert engine.stats()["counters"]["evictions"] > 0
 
 

@@ -34,7 +34,7 @@ def _key(step: int, chunk: int) -> int:
 
 
 def _stochastic_bf16(x: torch.Tensor, key: int, first_index: int, high_half: bool = False) -> torch.Tensor:
-    """The rounding of csrc/core/stochastic_round.h, written again with torch's integer ops: the
+    """The rounding of csrc/core/kernels/stochastic_round.h, written again with torch's integer ops: the
     low (or high) 16 of each element's hashed bits are its draw."""
     index = (torch.arange(x.numel(), dtype=torch.int64) + first_index) & M32
     draw = (_mix32(index ^ key) >> (16 if high_half else 0)) & 0xFFFF
@@ -82,8 +82,8 @@ def test_bf16_state_trains_like_fp32_state_in_three_quarters_of_the_memory(devic
     elements = stats_bf16["num_param_chunks"] * stats_bf16["chunk_size"]  # of each trainable chunk kind
     assert tiers(stats_fp32) - tiers(stats_bf16) == 4 * elements, "m and v: 2 bytes less each per element"
     # what placement plans per element besides the parameter chunk: grad 2, master 4, m and v
-    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 2 + 4 + 2 + 2
-    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2) == 2 + 4 + 4 + 4
+    assert gx.placement.costs.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 2 + 4 + 2 + 2
+    assert gx.placement.costs.set_bytes_per_element(torch.bfloat16, 2) == 2 + 4 + 4 + 4
     assert losses_bf16[-1] < losses_bf16[0] - 0.3, "it trains"
     # measured on sim: the curves differ by 2e-4 at most over 30 steps, the parameters by 3e-4
     assert max(abs(a - b) for a, b in zip(losses_bf16, losses_fp32)) < 2e-3, (losses_bf16, losses_fp32)

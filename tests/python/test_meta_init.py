@@ -1,5 +1,5 @@
 """Models built on the meta device: enable() gives each module storage as it reaches it, runs the
-initialiser, and the model trains as if it had been built on the device (gemini_ext/_materialize.py)."""
+initialiser, and the model trains as if it had been built on the device (gemini_ext/_engine/materialize.py)."""
 
 import pytest
 import torch

@@ -119,7 +119,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(device, offload_optim_frac):
         opt.step()
         opt.zero_grad()
         assert engine.stats()["skipped_steps"] == 1
-        assert engine.scaler.scale == 2.0**23
+        assert engine.internal.scaler.scale == 2.0**23
         after = engine.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changes nothing"
         assert opt.state_dict()["state"] == {}, "no step counted"
@@ -202,3 +202,46 @@ def test_model_zero_grad_clears_the_gradient_chunks():
         plain(torch.ones(1, 2)).sum().backward()
         plain.zero_grad()
         assert plain.weight.grad is None
+
+
+class _CountingRuntime:
+    """Stands in for the manager where the optimizer and the engine's parts reach it (the hooks
+    keep their own reference) and records each call made through it."""
+
+    def __init__(self, runtime):
+        self._runtime, self.calls = runtime, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._runtime, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("precision, max_norm", [("fp32", 0.0), ("fp16", 1.0)])
+def test_a_step_makes_at_most_four_calls_into_the_manager(precision, max_norm):
+    model, _ = make_models()
+    with gx.enable(model, config("sim", precision=precision, max_norm=max_norm, offload_optim_frac=1.0)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        train_step(model, opt, 0, engine.compute_device)  # the first iteration records the trace
+        parts = engine.internal
+        counting = parts.runtime = _CountingRuntime(parts.runtime)
+        x, y = batch(model.cfg, 1, engine.compute_device)
+        model(x, y).backward()
+        counting.calls.clear()  # what backward's start asked for (speculation) is not the step's
+        counting._runtime.hold_optimizer_thread(True)  # the CPU steps stay pending after step()
+        opt.step()
+        assert len(counting.calls) <= 4, counting.calls
+        assert counting.calls[-1] == "optimizer_step", counting.calls
+        assert ("grad_norm_sq" in counting.calls) == (precision == "fp16" or max_norm > 0), counting.calls
+        parts.runtime = counting._runtime
+        first = next(iter(model.parameters()))
+        with pytest.raises(RuntimeError, match="being stepped by the CPU optimizer"):
+            first.detach().sum()  # the guard is part of the step: no separate call to forget
+        parts.runtime.hold_optimizer_thread(False)
+        engine.synchronize()
+        assert all(torch.isfinite(p.detach()).all() for p in model.parameters())

@@ -172,10 +172,10 @@ def test_sgd_without_momentum_allocates_no_state_and_lion_one_kind():
         model, _ = make_models()
         with gx.enable(model, config("sim")) as engine:
             engine.optimizer(opt_cls, **kw)
-            assert engine.layout.state_kinds == kinds
-            with_memory = [c for s in engine.layout.sets for c in s.state_slots
+            assert engine.internal.layout.state_kinds == kinds
+            with_memory = [c for s in engine.internal.layout.sets for c in s.state_slots
                            if engine.chunk_info(c)["shard_tiers"] != "none"]
-            assert len(with_memory) == len(kinds) * sum(s.trainable for s in engine.layout.sets), opt_cls
+            assert len(with_memory) == len(kinds) * sum(s.trainable for s in engine.internal.layout.sets), opt_cls
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum_wd", "lion", "adagrad"])

@@ -133,7 +133,7 @@ def test_step_returns_before_the_cpu_work_and_the_next_forward_settles_it():
     model, _ = make_models()
     with gx.enable(model, _config("sim", "fp32", overlap=True)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        gm = engine.runtime
+        gm = engine.internal.runtime
         host_sets = sum(1 for p in gm.set_placements() if p["trainable"] and p["optim_on_host"])
         assert host_sets >= 10, "the small GPT spans many chunk sets with the optimizer on the host"
         x, y = batch(model.cfg, 0, engine.compute_device)
@@ -164,7 +164,7 @@ def test_serial_mode_settles_before_step_returns():
         x, y = batch(model.cfg, 0, engine.compute_device)
         model(x, y).backward()
         opt.step()
-        assert engine.runtime.pending_steps() == 0
+        assert engine.internal.runtime.pending_steps() == 0
         assert opt.last_step_stats()["pending_sets"] == 0
 
 

@@ -18,10 +18,10 @@ CHUNK_BYTES = 4096 * 4
 def _host_room(monkeypatch, room):
     """The host reports memory leaving `room` bytes to plan once its reserve is kept, and the
     model's own host tensors are not counted as given back (the plan then equals `room`)."""
-    from gemini_ext import _placement, policy
+    from gemini_ext.placement import placer as _placement, policies as policy
     available = min(a for a in (room + policy.HOST_RESERVE_BYTES, -(-room * 8 // 7))
                     if a - policy.host_reserve_bytes(a) >= room)
-    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: available)
+    monkeypatch.setattr(gx.placement.host_memory, "host_available_bytes", lambda: available)
     monkeypatch.setattr(_placement.Placer, "_releasable_host_bytes", lambda self: 0)
 
 
@@ -60,7 +60,7 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
     cfg = config(device, placement_policy="const", const_gpu_budget=3 * CHUNK_BYTES, max_prefetch=0)
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        assert [p["param_chunk"] for p in engine.runtime.set_placements()] == [0, 4, 8, 12]
+        assert [p["param_chunk"] for p in engine.internal.runtime.set_placements()] == [0, 4, 8, 12]
         _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
         stats = engine.stats()
@@ -92,10 +92,10 @@ def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         _train_four_layers(model, engine, opt, 3)
         timeline = engine.memory_timeline()
-        engine.runtime.synchronize()  # every copy and compute event complete: all waits collected
-        engine.chunks.poll()
-        waits = engine.chunks.traffic()
-        fetches = engine.runtime.counters()["sync_fetch_waits"]
+        engine.internal.runtime.synchronize()  # every copy and compute event complete: all waits collected
+        engine.internal.chunks.poll()
+        waits = engine.internal.chunks.traffic()
+        fetches = engine.internal.runtime.counters()["sync_fetch_waits"]
     iterations = _iterations(timeline)
     assert iterations[0] == ["F0", "F4", "E0", "F8", "E4", "F12",                 # enable()
                              "E8", "F0", "E12", "F4", "E0", "F8", "E4", "F12",    # warm-up forward (LRU)
@@ -144,7 +144,7 @@ def test_a_changed_trace_is_re_recorded():
 def test_static_fractions_select_the_documented_chunks(frac):
     model = _four_layers()
     with gx.enable(model, config("sim", offload_param_frac=frac, offload_optim_frac=frac)) as engine:
-        placements = engine.runtime.set_placements()
+        placements = engine.internal.runtime.set_placements()
         stats = engine.stats()["placement"]
     n = round(4 * frac)
     assert [p["param_home_on_host"] for p in placements] == [True] * n + [False] * (4 - n), "params: from the front"
@@ -158,7 +158,7 @@ def test_static_plans_the_limit_for_chunks_and_activations():
     first iteration the chunk budget is the limit minus what torch needed (its peak, or what its
     allocator holds if more) minus the headroom (1/16 of that, at least 256 MiB); the memory held
     outside torch is not counted against a limit below the device."""
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     model = _four_layers()
     limit = 2 << 30
     torch.cuda.empty_cache()  # what earlier tests left cached would count as this one's (it is held from the device)
@@ -236,7 +236,7 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
     device (allocated there, it never passes through the host), the host never holds more than
     it has, later decisions keep that state on the device even when the device budget is tight
     (28 chunks: a warning, parameters are evicted instead), and training matches torch."""
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"))
     with gx.enable(make_models()[0], config("sim")) as probe:  # the layout, to size the host
@@ -249,25 +249,25 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with gx.enable(model, cfg) as engine:
-            forced = engine.placer.current.host_bound_sets
+            forced = engine.internal.placer.current.host_bound_sets
             assert 0 < forced < len(sizes)
-            placements = engine.runtime.set_placements()
+            placements = engine.internal.runtime.set_placements()
             assert [p["optim_on_host"] for p in placements] == [i >= forced for i in range(len(sizes))]
             # The front sets' parameter chunks are born on the device beside their state (the
             # host never holds a copy of them): only the others are brought there.
-            assert engine.placer.current.params_born_on_device
+            assert engine.internal.placer.current.params_born_on_device
             assert engine.stats()["traffic"]["h2d_bytes"] == sum(sizes[forced:])
             opt = engine.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
             for p in placements[:forced]:
                 for group in ("state0", "state1"):  # exp_avg, exp_avg_sq: allocated on the device directly
-                    chunk = engine.chunks.group_chunk_ids(group)[placements.index(p)]
-                    assert engine.chunks.chunk_info(chunk)["shard_tiers"] == "device"
+                    chunk = engine.internal.chunks.group_chunk_ids(group)[placements.index(p)]
+                    assert engine.internal.chunks.chunk_info(chunk)["shard_tiers"] == "device"
             for step in range(6):
                 x, y = batch_of(model, step, 16)
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
-            host_peak = engine.chunks.tier_bytes(engine.chunks.host_tier)["peak"]
+            host_peak = engine.internal.chunks.tier_bytes(engine.internal.chunks.host_tier)["peak"]
             stats = engine.stats()
     assert host_peak <= limit, (host_peak, limit)
     decision = stats["placement"]["decision"]
@@ -292,7 +292,7 @@ def test_auto_refuses_while_planning_a_model_the_host_and_device_cannot_hold_tog
     the other three quarters cannot live anywhere. enable() says so with the figures before it
     takes any memory (on cuda it used to fill the device and fail in the first forward), and the
     caller's model keeps its values and devices."""
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     sizes = _param_chunk_bytes(device)
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     _host_room(monkeypatch, params_host + optim_host // 4)
@@ -316,7 +316,7 @@ def test_auto_keeps_on_the_device_the_gradients_of_state_the_host_could_not_hold
     has no room for them); the other parameter chunks make the room, and the host never holds
     more than it has (evicting such gradients to the host would exceed its plan and run it out of
     pinned memory in the first backward). Training matches torch."""
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"))
     sizes = _param_chunk_bytes("sim")
@@ -340,7 +340,7 @@ def test_the_budget_error_names_the_gradients_kept_on_the_device_for_the_host(mo
     """With the planning check switched off, a device that holds the host-bound state and its
     gradients but no parameter chunk: the error's breakdown accounts for every byte, the kept
     gradients among them, and names the fix that applies (more ranks or host memory)."""
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     sizes = _param_chunk_bytes("sim")
     params_host, optim_host = sum(sizes), sum(sizes) * 3
     limit = params_host + int(optim_host * 0.4)
@@ -369,21 +369,21 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
     """Under the default allocator chunks never give way to torch's allocations, so the warm-up
     (activations not measured yet) plans chunks into 7/8 of the device; on sim, where activations
     live on the host, into all of it. The decision after the first step replaces it."""
-    from gemini_ext.policy import AutoPolicy
+    from gemini_ext.placement.policies import AutoPolicy
     model, _ = make_models()
     with gx.enable(model, config(device, placement_policy="auto")) as engine:
-        warm_up = engine.runtime.device_budget
+        warm_up = engine.internal.runtime.device_budget
         if device == "cuda" and gx.allocator.mode() == "default":
             total = torch.cuda.mem_get_info(engine.compute_device)[1]
             assert warm_up == int(total * (1 - AutoPolicy.WARMUP_RESERVE))
         else:
-            assert warm_up == engine.device.context.capacity_bytes
+            assert warm_up == engine.internal.device.context.capacity_bytes
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
         x, y = (t.to(engine.compute_device) for t in batch_of(model, 0, 16))
         model(x, y).backward()
         opt.step()
         decision = engine.stats()["placement"]["decision"]
-        assert engine.runtime.device_budget == decision["chunk_budget_bytes"]
+        assert engine.internal.runtime.device_budget == decision["chunk_budget_bytes"]
         if device == "cuda":  # the measured budget replaces the warm-up's
             assert decision["chunk_budget_bytes"] != warm_up
         else:  # activations live on the host: nothing to keep free
@@ -391,7 +391,7 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
 
 
 def _measured(**kw):
-    from gemini_ext.policy import Measurements
+    from gemini_ext.placement.policies import Measurements
     base = dict(device_kind="cuda", allocator_mode="default", device_capacity_bytes=100 << 30,
                 device_total_bytes=100 << 30, set_shard_bytes=(1 << 30,) * 4, trainable=(True,) * 4,
                 set_bytes_per_element=14, compute_itemsize=2, sharded=False, world_size=1)
@@ -403,7 +403,7 @@ def test_the_measured_budget_leaves_torch_what_it_needed_and_the_memory_outside_
     peak and its allocator's hold, plus 1/16 of that (at least 256 MiB); on the whole device the
     memory held outside torch is kept too, under a gpu_memory_limit it is not (the limit leaves
     the rest of the device); on sim nothing is kept (activations live on the host)."""
-    from gemini_ext.policy import measured_chunk_budget
+    from gemini_ext.placement.policies import measured_chunk_budget
     GiB = 1 << 30
     m = _measured(non_model_peak_bytes=10 * GiB, non_model_reserved_bytes=12 * GiB, device_other_bytes=GiB)
     assert measured_chunk_budget(m, "auto") == (100 * GiB - 12 * GiB - 12 * GiB // 16 - GiB, [])
@@ -423,7 +423,7 @@ def test_auto_plans_the_host_with_the_memory_the_model_gives_back():
     chunks: the host plan counts it, but what enable() allocates on the host before releasing
     anything (a host set's gradient and master, its parameter copy) must fit what is available
     before. Without the released memory the front sets' state goes to the device."""
-    from gemini_ext.policy import AutoPolicy, host_reserve_bytes
+    from gemini_ext.placement.policies import AutoPolicy, host_reserve_bytes
     GiB = 1 << 30
     policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
     state = 4 * (GiB // 2) * 14  # 4 sets of 512M elements: gradient, master, m, v
@@ -443,7 +443,7 @@ def test_auto_plans_a_15b_model_built_on_the_host_of_one_h200():
     a 15.4B GPT was built there in fp32: the plan splits the model between host and device under
     the default allocator (the warm-up keeping 1/8 of the device), with the device-stepped sets'
     parameter chunks born on the device, and holds on the host no more than it has."""
-    from gemini_ext.policy import AutoPolicy
+    from gemini_ext.placement.policies import AutoPolicy
     GiB = 1 << 30
     elements, sets, model_bytes = 209_780_736, 74, int(15_435.6e6 * 4)
     m = _measured(device_capacity_bytes=150_109_880_320, device_total_bytes=150_109_880_320,
@@ -463,13 +463,13 @@ def test_bf16_optimizer_state_makes_a_20b_model_plan_on_one_h200():
     fp32 moments (14 bytes per element besides the parameter) the host and the device cannot
     hold it and enable() refuses it while planning; with bf16 moments (10 bytes) the plan splits
     it, the front sets' state and parameter chunks born on the device."""
-    from gemini_ext.policy import AutoPolicy
+    from gemini_ext.placement.policies import AutoPolicy
     GiB = 1 << 30
     sets, elements = 90, 225_937_408
     figures = dict(device_capacity_bytes=150_109_880_320, device_total_bytes=150_109_880_320,
                    set_shard_bytes=(elements * 2,) * sets, trainable=(True,) * sets, host_available_bytes=124 * GiB)
     policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
-    assert gx._layout.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 10
+    assert gx.placement.costs.set_bytes_per_element(torch.bfloat16, 2, torch.bfloat16) == 10
     with pytest.raises(gx.OutOfMemoryError, match="does not fit this rank's host and device memory"):
         policy.initial(_measured(**figures, set_bytes_per_element=14))
     placement = policy.initial(_measured(**figures, set_bytes_per_element=10))
@@ -481,18 +481,18 @@ def test_bf16_optimizer_state_makes_a_20b_model_plan_on_one_h200():
 def test_enable_counts_the_host_memory_a_host_built_model_gives_back(monkeypatch):
     """The engine measures what the model's host tensors will give back: with it the host holds
     every optimizer state, without it (the same MemAvailable) it cannot."""
-    from gemini_ext import _placement
+    from gemini_ext.placement import placer as _placement
     sizes = _param_chunk_bytes("sim")
     model, _ = make_models()
     released = sum(p.numel() * p.element_size() for p in model.parameters())
     needed = sum(sizes) * 4  # fp32 parameter copies, gradients, exp_avg, exp_avg_sq
     available = -(-needed * 8 // 7) - released  # a reserve of 1/8 at this size
-    monkeypatch.setattr(gx._host_memory, "host_available_bytes", lambda: available)
+    monkeypatch.setattr(gx.placement.host_memory, "host_available_bytes", lambda: available)
     with gx.enable(model, config("sim", placement_policy="auto")) as engine:
-        assert engine.placer.current.host_bound_sets == 0
+        assert engine.internal.placer.current.host_bound_sets == 0
     monkeypatch.setattr(_placement.Placer, "_releasable_host_bytes", lambda self: 0)
     with gx.enable(make_models()[0], config("sim", placement_policy="auto")) as engine:
-        assert engine.placer.current.host_bound_sets > 0
+        assert engine.internal.placer.current.host_bound_sets > 0
 
 
 @pytest.mark.cuda
@@ -507,7 +507,7 @@ def test_a_model_built_on_the_gpu_whose_state_the_host_cannot_hold_trains(monkey
     model.cuda(), reference.cuda()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
     with gx.enable(model, config("cuda", placement_policy="auto")) as engine:
-        placement = engine.placer.current
+        placement = engine.internal.placer.current
         assert placement.host_bound_sets > 0 and placement.params_born_on_device
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         for step in range(4):
@@ -546,7 +546,7 @@ def test_auto_plans_room_for_the_gradients_accumulation_keeps_on_the_device(how)
 
 
 def test_auto_re_places_when_the_trace_changes(monkeypatch):
-    from gemini_ext import policy
+    from gemini_ext.placement import policies as policy
     model, _ = make_models()
     calls = []
     real = policy.AutoPolicy.after_iteration
@@ -595,26 +595,26 @@ def test_moving_optimizer_state_between_steps_keeps_parity(device):
         for phase in ("host", "half on device", "back on host"):
             if phase == "half on device":
                 for i in range(0, n, 2):
-                    engine.runtime.set_optim_on_host(i, False)
+                    engine.internal.runtime.set_optim_on_host(i, False)
                 assert engine.stats()["placement"]["optim_chunks_on_device"] == len(range(0, n, 2))
             elif phase == "back on host":
                 for i in range(n):
-                    engine.runtime.set_optim_on_host(i, True)
+                    engine.internal.runtime.set_optim_on_host(i, True)
                 assert engine.stats()["placement"]["optim_chunks_on_device"] == 0
             for _ in range(3):
                 train_step(model, opt, step, engine.compute_device)
                 train_step(reference, ref_opt, step, dev)
                 step += 1
         with pytest.raises(ValueError, match="chunk set index"):
-            engine.runtime.set_optim_on_host(n + 5, True)
+            engine.internal.runtime.set_optim_on_host(n + 5, True)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
 def test_the_predicted_exposed_optimizer_time_follows_the_backward_pass():
-    """The rate model (gemini_ext/_optimizer_split.py) on figures: two sets of 100 elements, a 1 s backward pass, a CPU at 100
+    """The rate model (gemini_ext/placement/optimizer_split.py) on figures: two sets of 100 elements, a 1 s backward pass, a CPU at 100
     elements/s. The back set's gradients are complete halfway through backward, the front set's
     at its end; each CPU step starts then or when the previous one ended."""
-    from gemini_ext._optimizer_split import predicted_exposed_optimizer_seconds as exposed
+    from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds as exposed
     assert exposed([100, 100], [True, True], 1.0, 100.0) == pytest.approx(1.5)  # 0.5 -> 1.5 -> 2.5
     assert exposed([100, 100], [False, True], 1.0, 100.0) == pytest.approx(0.5)  # the back set only
     assert exposed([100, 100], [True, False], 1.0, 100.0) == pytest.approx(1.0)  # from the end of backward
@@ -635,7 +635,7 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates(window):
     cores stepping 4.4G elements/s, 50 GB/s copies, a 0.12 s backward) a further set would save
     31 ms of CPU and cost more in fetches: nothing more moves. With a host a tenth as fast the
     fetches are worth it: more sets move, displacing parameter chunks, and the prediction falls."""
-    from gemini_ext.policy import AutoPolicy, Placement, SetPlacement
+    from gemini_ext.placement.policies import AutoPolicy, Placement, SetPlacement
     elements, sets = 134_807_552, 10
     policy = AutoPolicy(gx.GeminiConfig(placement_policy="auto"))
     current = Placement(tuple(SetPlacement(optim_on_host=True) for _ in range(sets)))
@@ -659,7 +659,7 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates(window):
 
 
 def _predicted_at_fit(elements, sets, on_device, window_seconds, rate, during_backward):
-    from gemini_ext._optimizer_split import predicted_exposed_optimizer_seconds
+    from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds
     return predicted_exposed_optimizer_seconds([elements] * sets, [i >= on_device for i in range(sets)],
                                                window_seconds, rate, during_backward)
 
@@ -672,7 +672,7 @@ def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch,
     and fetched again each iteration, and training still matches torch. Without clipping the CPU
     steps start during backward (speculation) and the backward is the window; under clipping the
     warm-up arms none (no norm yet) and the window is the next forward."""
-    from gemini_ext import _rates
+    from gemini_ext.placement import rates as _rates
     monkeypatch.setitem(_rates._cache, "cpu", cpu_rate)
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"), max_norm=max_norm)
@@ -693,7 +693,7 @@ def test_auto_moves_state_past_the_parameters_when_the_host_is_slow(monkeypatch,
 
 def test_auto_decides_without_rates_when_a_probe_cannot_run(monkeypatch):
     """A rate probe that finds no memory for its buffer leaves the decision to what fits."""
-    from gemini_ext import _rates
+    from gemini_ext.placement import rates as _rates
 
     def no_memory(device):
         raise torch.OutOfMemoryError("no memory for the probe")

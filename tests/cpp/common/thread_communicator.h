@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/communicator.h"
-#include "core/half_convert.h"
+#include "core/kernels/half_convert.h"
 
 namespace gx::testing {
 

@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "core/cpu_features.h"
+#include "core/kernels/cpu_features.h"
 
 namespace gx {
 

@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/cpu_adam.h"
+#include "core/kernels/cpu_adam.h"
 #include "core/errors.h"
-#include "core/half_convert.h"
+#include "core/kernels/half_convert.h"
 #include "simd_isas.h"
 #include "core/thread_pool.h"
 

@@ -4,11 +4,11 @@
 #include <random>
 #include <vector>
 
-#include "core/cpu_adam.h"
-#include "core/cpu_adam_bf16_moments.h"
+#include "core/kernels/cpu_adam.h"
+#include "core/kernels/cpu_adam_bf16_moments.h"
 #include "core/errors.h"
-#include "core/half_convert.h"
-#include "core/stochastic_round.h"
+#include "core/kernels/half_convert.h"
+#include "core/kernels/stochastic_round.h"
 #include "simd_isas.h"
 
 namespace gx {

@@ -1,4 +1,4 @@
-// CPU SGD, Lion and Adagrad (core/cpu_optim.h): every ISA path against a double-precision
+// CPU SGD, Lion and Adagrad (core/kernels/cpu_optim.h): every ISA path against a double-precision
 // reference, bit-identical to each other, out of place equal to in place.
 #include <gtest/gtest.h>
 
@@ -6,9 +6,9 @@
 #include <random>
 #include <vector>
 
-#include "core/cpu_optim.h"
+#include "core/kernels/cpu_optim.h"
 #include "core/errors.h"
-#include "core/half_convert.h"
+#include "core/kernels/half_convert.h"
 #include "simd_isas.h"
 
 namespace gx {

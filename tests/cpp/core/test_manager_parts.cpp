@@ -55,6 +55,30 @@ TEST(Timeline, KeepsTheNewestEventsOldestFirstOnceFull) {
   EXPECT_LE(events[0].seconds, events[2].seconds);
 }
 
+TEST(Timeline, KeepsThePeakOfTheLastIterationApartFromTheRing) {
+  Timeline t(2);  // smaller than an iteration: the ring drops events, the peak does not
+  EXPECT_EQ(t.last_iteration_peak_bytes(), 0);
+  for (int64_t b : {300, 900, 100}) t.note('F', 0, b);
+  t.note('S', -1, 5000);  // an iteration end's own bytes are not the iteration's
+  EXPECT_EQ(t.last_iteration_peak_bytes(), 900);
+  t.note('E', 1, 200);
+  t.note('S', -1, 200);
+  EXPECT_EQ(t.last_iteration_peak_bytes(), 200);
+  t.note('S', -1, 0);
+  EXPECT_EQ(t.last_iteration_peak_bytes(), 0) << "an iteration without events";
+}
+
+TEST(OptimizerPipeline, WithOverlapOffEveryLaunchIsSettledBeforeItReturns) {
+  std::vector<int> settled;
+  OptimizerPipeline pipe([&](int s) { settled.push_back(s); }, [](int s) { return "set " + std::to_string(s); });
+  pipe.set_overlap(false);
+  bool computed = false;
+  pipe.launch(4, [&] { computed = true; }, [] {}, nullptr, 0);
+  EXPECT_TRUE(computed);
+  EXPECT_FALSE(pipe.pending(4));
+  EXPECT_EQ(settled, (std::vector<int>{4}));
+}
+
 TEST(OptimizerPipeline, SettlesInLaunchOrderAndCompletesOnTheSettlingThread) {
   std::vector<int> settled;
   OptimizerPipeline pipe([&](int s) { settled.push_back(s); }, [](int s) { return "set " + std::to_string(s); });

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "core/half_convert.h"
-#include "core/stochastic_round.h"
+#include "core/kernels/half_convert.h"
+#include "core/kernels/stochastic_round.h"
 #include "simd_isas.h"
 
 namespace gx {

@@ -1,0 +1,338 @@
+#include "torch/optim/hybrid_optimizer.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include "core/errors.h"
+#include "core/kernels/stochastic_round.h"
+#include "torch/chunk_views.h"
+
+namespace gx::torch_layer {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+std::vector<HybridOptimizer::Run> HybridOptimizer::runs_of(const ChunkSet& set, size_t num_groups) const {
+  const Chunk& pc = mgr_.chunk(set.spec.param);
+  std::vector<Run> runs;
+  for (size_t k = 0; k < pc.num_slots(); ++k) {
+    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+    if (!set.has_grad[k] || group < 0) continue;
+    GX_CHECK(static_cast<size_t>(group) < num_groups, "parameter group ", group, " of parameter ", set.params[k],
+             ": only ", num_groups, " groups were passed.");
+    if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group && runs.back().step == set.step[k]) {
+      runs.back().last_slot = k;
+    } else {
+      runs.push_back(Run{k, k, group, set.step[k]});
+    }
+  }
+  return runs;
+}
+
+HybridOptimizer::ShardPart HybridOptimizer::shard_part_of(const ChunkSet& set, const Run& r) const {
+  const Chunk& pc = mgr_.chunk(set.spec.param);
+  const ShardRange shard = pc.shard_range(mgr_.rank());
+  const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
+  const int64_t end =
+      std::min(pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel, shard.end_numel) - shard.begin_numel;
+  return ShardPart{begin, end};
+}
+
+void HybridOptimizer::launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
+                                       std::function<bool()> eager) {
+  // The next forward's order decides which finished-gradient set the optimizer thread takes next.
+  const int64_t priority = order_.rank.at(static_cast<size_t>(set_index));
+  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority);
+}
+
+void HybridOptimizer::wait_grads() {
+  for (const ChunkSet& set : sets_)
+    if (set.trainable && mgr_.in_flight(set.spec.grad)) mgr_.wait(set.spec.grad);
+}
+
+double HybridOptimizer::all_reduce_sum(double local) {
+  if (!mgr_.sharded()) return local;
+  at::Tensor t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(ctx_.device_for(Tier::kDevice)));
+  mgr_.communicator()->all_reduce(t.data_ptr(), 1, DType::kFloat64, ReduceOp::kSum, StreamKind::kCompute);
+  return t.item<double>();
+}
+
+void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host) {
+  if (!mgr.chunk(p).shard_tiers().contains(Tier::kDevice)) return;
+  if (home_on_host) {
+    mgr.discard_copy(p, Tier::kDevice);
+  } else {
+    mgr.transfer(p, host, Tier::kDevice, /*async=*/true);
+  }
+}
+
+HybridOptimizer::HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
+                                 const std::vector<ParamSpec>& params, Residency& residency,
+                                 OptimizerPipeline& pipeline, const ForwardOrder& order,
+                                 std::unique_ptr<OptimizerRule> rule)
+    : ctx_(ctx),
+      mgr_(mgr),
+      sets_(sets),
+      params_(params),
+      residency_(residency),
+      pipeline_(pipeline),
+      order_(order),
+      rule_(std::move(rule)) {
+  for (const ChunkSet& set : sets_) {
+    if (!set.trainable) continue;
+    GX_CHECK(set.spec.states.size() == rule_->state_kinds().size(), "optimizer: chunk set of parameter chunk ",
+             set.spec.param, " carries ", set.spec.states.size(), " state chunks, the rule needs ",
+             rule_->state_kinds().size(), ".");
+    for (size_t k = 0; k < set.spec.states.size(); ++k)
+      GX_CHECK(set.spec.states[k].first == rule_->state_kinds()[k], "optimizer: chunk set of parameter chunk ",
+               set.spec.param, " carries state '", state_kind_name(set.spec.states[k].first), "' where the rule needs '",
+               state_kind_name(rule_->state_kinds()[k]), "'.");
+  }
+}
+
+HybridOptimizer::~HybridOptimizer() {
+  try {
+    release_spares();  // settles this optimizer's speculative steps first
+  } catch (...) {
+  }
+}
+
+StepStats HybridOptimizer::last_step() const {
+  StepStats out = stats_;
+  out.host_seconds = pipeline_.host_step_seconds();
+  out.pending_sets = static_cast<int64_t>(pipeline_.pending_count());
+  return out;
+}
+
+void HybridOptimizer::set_param_groups(std::vector<int> group_of_param) {
+  GX_CHECK(group_of_param.size() == params_.size(), "set_param_groups: expected ", params_.size(),
+           " entries (one per parameter), got ", group_of_param.size(), ".");
+  for (size_t i = 0; i < group_of_param.size(); ++i)
+    GX_CHECK(group_of_param[i] < 0 || params_[i].trainable, "parameter ", i,
+             " is frozen (requires_grad=False) and cannot be in an optimizer's param_groups.");
+  group_of_param_ = std::move(group_of_param);
+}
+
+double HybridOptimizer::grad_norm_sq() {
+  DeviceContext& ctx = ctx_;
+  ChunkManager& mgr = mgr_;
+  // No settling: pending CPU steps (speculative ones included) only read the gradients too.
+  ctx.sync_compute_stream();
+  wait_grads();
+  at::Tensor device_total, host_total;
+  for (const ChunkSet& set : sets_) {
+    if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
+    const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr.host_tier();
+    at::Tensor sq;
+    bool on_device = tier == Tier::kDevice;
+    if (set.grad_place == GradPlace::kHost && set.grad_sq.defined()) {
+      sq = set.grad_sq;  // taken on the device when G left for the host
+      on_device = true;
+    } else {
+      sq = at::linalg_vector_norm(shard_view(ctx, mgr, set.spec.grad, tier), 2, std::nullopt, false, at::kFloat).square();
+    }
+    at::Tensor& total = on_device ? device_total : host_total;
+    total = total.defined() ? total + sq : sq;
+  }
+  double sum = 0.0;
+  if (device_total.defined()) sum += device_total.item<double>();
+  if (host_total.defined()) sum += host_total.item<double>();
+  return all_reduce_sum(sum);  // sharded: every rank's shards (padding and gaps hold zeros)
+}
+
+RunViews HybridOptimizer::set_views(const ChunkSet& set, Tier tier, bool with_param16) const {
+  DeviceContext& ctx = ctx_;
+  ChunkManager& mgr = mgr_;
+  const bool has_master = set.spec.master >= 0;
+  RunViews v;
+  v.master = shard_view(ctx, mgr, has_master ? set.spec.master : set.spec.param, tier);
+  for (const auto& [kind, id] : set.spec.states) v.states.push_back(shard_view(ctx, mgr, id, tier));
+  v.grad = shard_view(ctx, mgr, set.spec.grad, tier);
+  if (has_master && with_param16) v.param16 = shard_view(ctx, mgr, set.spec.param, tier);
+  return v;
+}
+
+RunViews HybridOptimizer::run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n,
+                                    int64_t step) const {
+  RunViews v = narrow_run(whole, begin, n);
+  const ShardRange shard = mgr_.chunk(set.spec.param).shard_range(mgr_.rank());
+  v.random_key = stochastic_key(step, set.spec.param);
+  v.first_index = static_cast<uint32_t>(shard.begin_numel + begin);
+  return v;
+}
+
+RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n) {
+  RunViews v;
+  v.master = set.master.narrow(0, begin, n);
+  for (const at::Tensor& t : set.states) v.states.push_back(t.narrow(0, begin, n));
+  v.grad = set.grad.narrow(0, begin, n);
+  if (set.param16.defined()) v.param16 = set.param16.narrow(0, begin, n);
+  return v;
+}
+
+void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_multiplier) {
+  GX_CHECK(!group_of_param_.empty() || params_.empty(), "optimizer step before set_param_groups.");
+  DeviceContext& ctx = ctx_;
+  // Speculative steps started during backward: confirmed when they used what this step uses,
+  // else settled (waited for) and dropped, and those sets are stepped below like the others.
+  stats_ = StepStats{};
+  const std::set<int> confirmed = judge_speculations(groups, grad_multiplier);
+  // Steps of an earlier call still pending (an unusual loop: normally forward settled them).
+  for (int s : std::vector<int>(pipeline_.pending_sets().begin(), pipeline_.pending_sets().end()))
+    if (confirmed.count(s) == 0) pipeline_.settle(s);
+  ctx.sync_compute_stream();
+  wait_grads();
+  // The CPU kernel writes P's host copies: every H2D copy still reading them must be done.
+  ctx.backend().synchronize(StreamKind::kHostToDevice);
+  pipeline_.reset_host_step_seconds();
+  residency_.unpin_all();
+  residency_.ungather_all_kept();  // a gathered parameter buffer would go stale
+  for (const int set_index : order_.sets) {
+    const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+    if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
+    if (confirmed.count(set_index) != 0) continue;  // stepped speculatively during backward, confirmed above
+    step_set(set_index, groups, grad_multiplier);
+  }
+}
+
+void HybridOptimizer::prepare_device_set(ChunkSet& set) {
+  ChunkManager& mgr = mgr_;
+  residency_.pin(set.spec.grad);
+  if (mgr_.sharded()) {
+    residency_.ensure_shard_on_device(set.spec.param);
+  } else {
+    residency_.ensure_on_device(set.spec.param);
+  }
+  residency_.pin(set.spec.param);
+  if (set.grad_place == GradPlace::kHost) {  // gradients waited on the host (evicted, or a second backward)
+    residency_.allocate_on_device(set.spec.grad);
+    mgr.transfer(set.spec.grad, mgr.host_tier(), Tier::kDevice);
+    set.grad_place = GradPlace::kDevice;
+  }
+}
+
+void HybridOptimizer::ready_set(ChunkSet& set) {
+  if (set.spec.optim_on_host) {
+    GX_INTERNAL_ASSERT(set.grad_place == GradPlace::kHost, "chunk ", set.spec.param,
+                       ": gradients not on the host for a host optimizer step");
+  } else {
+    prepare_device_set(set);
+  }
+}
+
+void HybridOptimizer::finish_device_set(ChunkSet& set) {
+  ChunkManager& mgr = mgr_;
+  for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
+    if (mgr.chunk(set.spec.param).shard_tiers().contains(t)) mgr.discard_copy(set.spec.param, t);
+  residency_.unpin_all();
+}
+
+void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier) {
+  ChunkManager& mgr = mgr_;
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  const std::vector<Run> runs = runs_of(set, groups.size());
+  if (runs.empty()) return;
+  if (rule_->steps_whole_sets()) {
+    step_whole_set(set_index, runs, grad_multiplier);
+    return;
+  }
+  const bool on_host = set.spec.optim_on_host;
+  const bool has_master = set.spec.master >= 0;
+  const Tier host = mgr.host_tier();
+  const auto t0 = std::chrono::steady_clock::now();
+  ready_set(set);
+  const Tier tier = on_host ? host : Tier::kDevice;
+  const RunViews whole = set_views(set, tier, /*with_param16=*/true);  // this rank's shards, once per set
+  std::vector<std::function<void()>> host_work;  // on_host: the runs, checked here, run on the optimizer thread
+  for (const Run& r : runs) {
+    // The run's elements that lie in this rank's shard, as offsets into the shard.
+    const auto [begin, end] = shard_part_of(set, r);
+    const int64_t n = end - begin;
+    const int64_t step = r.step + 1;
+    if (n > 0) {  // else the run lies in other ranks' shards: only the step count advances
+      const HyperValues& h = groups[static_cast<size_t>(r.group)];
+      const RunViews views = run_views(whole, set, begin, n, step);
+      if (on_host) {
+        host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
+        stats_.host_params += n;
+      } else {
+        const bool wrote_param16 = rule_->device_run(views, step, h, grad_multiplier);
+        if (has_master && !wrote_param16) views.param16.copy_(views.master);  // the rounded copy for compute
+        stats_.device_params += n;
+      }
+    }
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) set.step[k] = step;
+  }
+  // Coherence of P's other copy.
+  const ChunkId p = set.spec.param;
+  if (!on_host) {
+    finish_device_set(set);
+    stats_.device_seconds += seconds_since(t0);
+    return;
+  }
+  // [Note: the overlapped CPU step]
+  // The update runs on the optimizer thread while the caller goes on; the step is exact
+  // because everything it depends on is final here: the gradients are complete and on the
+  // host, the clipping coefficient and the fp16 overflow decision were taken from the global
+  // norm before this call, and the hyperparameters are read now. Only P's device copy is
+  // stale until the set is settled (see torch/manager/manager.h: the next forward waits for this
+  // set only when it reaches its chunk, prefetch refreshes it as soon as it is done). So the
+  // result equals the serial step bit for bit; what overlaps is the CPU work with whatever
+  // the caller does next (zero_grad, data loading, the next forward up to this chunk).
+  ChunkManager* chunks = &mgr;
+  const bool home_on_host = set.spec.param_home_on_host;
+  auto complete = [chunks, p, host, home_on_host] { refresh_device_param_copy(*chunks, p, host, home_on_host); };
+  if (host_work.empty()) {
+    complete();
+  } else {
+    launch_host_step(set_index, [work = std::move(host_work)] {
+      for (const auto& run : work) run();
+    }, std::move(complete));
+  }
+  stats_.launch_seconds += seconds_since(t0);
+}
+
+void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier) {
+  ChunkManager& mgr = mgr_;
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  const bool on_host = set.spec.optim_on_host;
+  const Tier host = mgr.host_tier();
+  const auto t0 = std::chrono::steady_clock::now();
+  ready_set(set);
+  const RunViews whole = set_views(set, on_host ? host : Tier::kDevice, /*with_param16=*/true);
+  std::vector<int> params;
+  int64_t stepped = 0;
+  for (const Run& r : runs) {
+    const auto [begin, end] = shard_part_of(set, r);
+    stepped += std::max<int64_t>(end - begin, 0);
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) params.push_back(set.params[k]);
+  }
+  rule_->step_whole_set(set_index, whole, params, grad_multiplier);
+  if (whole.param16.defined()) whole.param16.copy_(whole.master);  // the rounded copy for compute
+  for (const Run& r : runs)
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) set.step[k] = r.step + 1;
+  const ChunkId p = set.spec.param;
+  if (on_host) {
+    refresh_device_param_copy(mgr, p, host, set.spec.param_home_on_host);
+    stats_.host_params += stepped;
+    stats_.launch_seconds += seconds_since(t0);
+  } else {
+    finish_device_set(set);
+    stats_.device_params += stepped;
+    stats_.device_seconds += seconds_since(t0);
+  }
+}
+
+}  // namespace gx::torch_layer

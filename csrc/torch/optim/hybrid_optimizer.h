@@ -1,0 +1,148 @@
+// HybridOptimizer: the optimizer step over chunk sets, a rule's CPU kernel where the state is on
+// the host and its device kernel where it is on the device (optimizer_rule.h; Adam is one rule).
+//
+// A component of the GeminiManager: it receives what it works on (the chunk manager, the chunk
+// sets and parameters, residency, the optimizer pipeline, the forward order and the device
+// context) as Residency does, has no lock of its own, and is reached only under the manager's
+// lock (GeminiManager::optimizer_step, grad_norm_sq and with_optimizer).
+//
+// Design note.
+//  * Units of work. Within a chunk set, consecutive slots that have a gradient, belong to the
+//    same parameter group and have taken the same number of steps form one run; a run is one
+//    kernel call over its element range (alignment padding between slots included: it is zero in
+//    every companion and stays zero). Slots without a gradient are skipped, exactly as
+//    torch.optim skips a parameter whose grad is None, and keep their own step count.
+//  * Host sets: the rule's CPU kernel reads the fp32 master, its states and the 16-bit (or fp32)
+//    gradient from the pinned host copies and writes master, states and the 16-bit parameter
+//    into P's host copy in one pass. P's device copy is then refreshed by one H2D copy (home on
+//    the device) or dropped (home on the host).
+//  * Device sets: the rule's device kernel on the device copies, then the master is rounded into
+//    P's device copy; a stale host copy of P is dropped.
+//  * Host sets run on the manager's optimizer thread, in forward order, and step() returns
+//    before they finish (torch/manager/manager_optimizer.cpp; the Note in step() says why this is exact).
+//    GeminiConfig.overlap_optimizer=False settles each one before step() returns.
+//  * `grad_multiplier` folds 1/loss_scale and the clipping coefficient into one factor applied
+//    to every gradient, so clipping costs no extra pass.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "core/chunk_manager.h"
+#include "core/optimizer_pipeline.h"
+#include "torch/chunk_set.h"
+#include "torch/manager/residency.h"
+#include "torch/optim/optimizer_rule.h"
+
+namespace gx::torch_layer {
+
+RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n);  // one run's elements of a set's views
+
+// After a host step wrote P's host copy: P's device copy, if any, is refreshed from it (home on
+// the device) or dropped (home on the host).
+void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool home_on_host);
+
+struct StepStats {
+  int64_t host_params = 0;    // elements stepped by the CPU kernel in the last step
+  int64_t device_params = 0;  // elements stepped by the device kernel
+  double host_seconds = 0.0;  // CPU kernel time on the optimizer thread of the sets settled so far
+  double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
+  double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
+  int64_t pending_sets = 0;     // host sets whose step has not been settled yet
+};
+
+class HybridOptimizer {
+ public:
+  HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
+                  const std::vector<ParamSpec>& params, Residency& residency, OptimizerPipeline& pipeline,
+                  const ForwardOrder& order, std::unique_ptr<OptimizerRule> rule);
+  ~HybridOptimizer();
+  // Parameter group of each parameter (-1: not in the optimizer; never stepped).
+  void set_param_groups(std::vector<int> group_of_param);
+  // Sum of squares of every gradient held in G chunks, in fp32 (waits for gradient moves), over
+  // every rank when sharded.
+  double grad_norm_sq();
+  // One set of hyperparameters per parameter group (steps are counted per parameter, and
+  // `grad_multiplier` applies to every gradient).
+  void step(const std::vector<HyperValues>& groups, double grad_multiplier);
+  StepStats last_step() const;  // settles nothing: host_seconds covers the sets settled so far
+
+  // Speculation (hybrid_optimizer_speculation.cpp). Armed at the start of a backward pass with the
+  // hyperparameters of that moment: each host set's step then starts as soon as its gradients
+  // leave for the host, out of place into spare slots. step() confirms it (the spares take the
+  // copies' place when the set is settled) or drops it and steps the set again from the
+  // untouched originals. Spares (master, m, v and P's host copy per speculated set) stay
+  // allocated between steps: a double buffer of the host optimizer state.
+  // Arms unless the spares it would still need exceed `spare_limit_bytes`; true when armed.
+  bool arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes);
+  bool armed() const { return armed_.has_value(); }
+  size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
+  size_t spare_bytes() const;
+  void release_spares();
+  int64_t speculations_confirmed() const { return confirmed_total_; }
+  int64_t speculations_dropped() const { return dropped_total_; }
+  // A host set's gradients left for the host (the manager calls it): its step may start now.
+  void speculate(int set_index);
+
+ private:
+  struct Run {
+    size_t first_slot;
+    size_t last_slot;
+    int group;
+    int64_t step;
+  };
+  struct ShardPart {
+    int64_t begin;  // offsets into this rank's shard
+    int64_t end;
+  };
+  struct Speculation {
+    std::vector<uint8_t> has_grad;                        // as launched: verified by step()
+    std::vector<int64_t> steps_before;                    // per slot
+    std::vector<std::pair<size_t, int64_t>> new_steps;    // slot -> step count once confirmed
+    std::vector<ChunkId> outputs;                         // chunks whose host copy a spare replaces
+    int64_t host_params = 0;
+    bool confirmed = false;
+    bool settled = false;
+  };
+  std::vector<Run> runs_of(const ChunkSet& set, size_t num_groups) const;
+  ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
+  // One run's views (narrow_run) stamped with its stochastic-rounding stream: the key of
+  // `step` for the set's parameter chunk and the chunk-wide index of its first element.
+  RunViews run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n, int64_t step) const;
+  // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.
+  RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
+  void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier);
+  // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
+  void step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier);
+  void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
+  void ready_set(ChunkSet& set);           // a host set's gradients are on the host; a device set prepared
+  void finish_device_set(ChunkSet& set);   // P's stale host copies dropped, pins released
+  void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
+  std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
+  // Hands a host set's step to the pipeline with its forward position as priority.
+  void launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
+                        std::function<bool()> eager = nullptr);
+  void wait_grads();                    // gradient moves still in flight finish
+  double all_reduce_sum(double local);  // over the ranks (sharded; itself otherwise)
+
+  DeviceContext& ctx_;
+  ChunkManager& mgr_;
+  std::vector<ChunkSet>& sets_;
+  const std::vector<ParamSpec>& params_;
+  Residency& residency_;
+  OptimizerPipeline& pipeline_;
+  const ForwardOrder& order_;
+  std::unique_ptr<OptimizerRule> rule_;
+  std::optional<std::vector<HyperValues>> armed_;
+  std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
+  std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
+  int64_t confirmed_total_ = 0;
+  int64_t dropped_total_ = 0;
+  std::vector<int> group_of_param_;
+  StepStats stats_;
+};
+
+}  // namespace gx::torch_layer

@@ -1,0 +1,208 @@
+// HybridOptimizer, part 2: the optimizer step started during backward (speculation).
+//
+// [Note: speculative CPU steps]
+// A host set's CPU step needs its gradients (final once the set's chunk is reduced and sent to
+// the host during backward) and what optimizer.step() decides: the hyperparameters, the
+// clipping coefficient and the fp16 overflow skip, known only after backward. Waiting for them
+// leaves the CPU idle through backward; this file guesses them instead, at the start of the
+// backward pass: the hyperparameters of that moment and a multiplier of exactly 1 (no clipping,
+// no loss scale). Python arms the guess only where it can hold: no fp16 loss scaler, and
+// clipping off or the previous step's norm within max_norm.
+// Each set's step then runs as soon as its gradients are on the host, out of place: it reads
+// the master, m and v and writes their new values (and the new 16-bit parameters) into spare
+// slots of the same pools, so the originals are untouched until step() judges the guess:
+//   * right (the same hyperparameters for every group, a multiplier of exactly 1, the same
+//     gradients and step counts as at launch): confirmed. When the set is settled (normally
+//     by the next forward reaching it) the spares take the copies' place (a pointer exchange,
+//     no copy) and the old slots become the next spares.
+//   * wrong, or overtaken (another backward added gradients, a read or a placement change
+//     settled the set before step(), zero_grad cleared them): the set is settled, its results
+//     dropped, and step() steps it from the originals like any other set.
+// Either way the parameters, moments and step counts equal the serial step's bit for bit. The
+// price is host memory: one spare per speculated chunk (14 bytes per parameter with bf16 and an
+// fp32 master), which Python only spends where the host has room.
+#include <cstring>
+
+#include "core/errors.h"
+#include "torch/chunk_views.h"
+#include "torch/optim/hybrid_optimizer.h"
+
+namespace gx::torch_layer {
+
+namespace {
+struct CopyRange {
+  const uint8_t* from;
+  uint8_t* to;
+  size_t bytes;
+};
+
+// The byte ranges of each output chunk's host shard that no run writes (`stepped`: ascending,
+// disjoint element ranges), paired with the same ranges of its spare.
+std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std::map<ChunkId, void*>& spares,
+                                        const std::vector<ChunkId>& outputs,
+                                        const std::vector<std::pair<int64_t, int64_t>>& stepped) {
+  std::vector<CopyRange> carry;
+  for (ChunkId id : outputs) {
+    const Chunk& c = mgr.chunk(id);
+    const size_t item = element_size_bytes(c.dtype());
+    const auto* from = static_cast<const uint8_t*>(c.shard_ptr(host));
+    auto* to = static_cast<uint8_t*>(spares.at(id));
+    int64_t at = 0;
+    auto add = [&](int64_t b, int64_t e) {
+      if (e > b) carry.push_back({from + b * item, to + b * item, static_cast<size_t>(e - b) * item});
+    };
+    for (const auto& [b, e] : stepped) {
+      add(at, b);
+      at = e;
+    }
+    add(at, c.shard_numel());
+  }
+  return carry;
+}
+}  // namespace
+
+bool HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
+  if (rule_->steps_whole_sets()) return false;  // no host kernel to start early
+  if (spare_bytes_needed() > spare_limit_bytes) return false;  // the host has no room for the spares
+  armed_ = groups;
+  return true;
+}
+
+size_t HybridOptimizer::spare_bytes_needed() const {
+  ChunkManager& mgr = mgr_;
+  size_t bytes = 0;
+  if (rule_->steps_whole_sets()) return 0;  // never speculates
+  for (const ChunkSet& set : sets_) {
+    if (!set.trainable || !set.spec.optim_on_host) continue;
+    std::vector<ChunkId> ids = set.spec.optimizer_chunks();
+    ids.push_back(set.spec.param);
+    for (ChunkId id : ids)
+      if (id >= 0 && spares_.count(id) == 0) bytes += mgr.chunk(id).shard_bytes();
+  }
+  return bytes;
+}
+
+size_t HybridOptimizer::spare_bytes() const {
+  size_t bytes = 0;
+  for (const auto& [id, ptr] : spares_) bytes += mgr_.chunk(id).shard_bytes();
+  return bytes;
+}
+
+void HybridOptimizer::release_spares() {
+  for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) pipeline_.settle(s);
+  for (const auto& [id, ptr] : spares_) mgr_.release_spare(id, mgr_.host_tier(), ptr);
+  spares_.clear();
+}
+
+void HybridOptimizer::speculate(int set_index) {
+  if (!armed_ || set_index < 0) return;
+  ChunkManager& mgr = mgr_;
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  if (!set.trainable || !set.spec.optim_on_host || set.grad_place != GradPlace::kHost) return;
+  if (pipeline_.pending(set_index) || speculations_.count(set_index) != 0) return;
+  for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: no guess
+    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+    if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
+  }
+  const std::vector<Run> runs = runs_of(set, armed_->size());
+  if (runs.empty()) return;
+  const Tier host = mgr.host_tier();
+  const bool has_master = set.spec.master >= 0;
+  const ChunkId master_id = has_master ? set.spec.master : set.spec.param;
+  std::vector<ChunkId> outputs{master_id};
+  for (const auto& [kind, id] : set.spec.states) outputs.push_back(id);
+  if (has_master) outputs.push_back(set.spec.param);  // the new 16-bit parameters
+  for (ChunkId id : outputs) {
+    if (spares_.count(id) != 0) continue;
+    try {
+      spares_[id] = mgr.allocate_spare(id, host);
+    } catch (const OutOfMemoryError&) {
+      return;  // no room for a double buffer: this set steps after backward
+    }
+  }
+  auto spare = [&](ChunkId id) { return static_cast<uint8_t*>(spares_.at(id)); };
+  auto spec = std::make_shared<Speculation>();
+  spec->has_grad = set.has_grad;
+  spec->steps_before = set.step;
+  spec->outputs = outputs;
+  const RunViews originals = set_views(set, host, /*with_param16=*/false);  // read only: outputs go to spares
+  std::vector<std::function<void()>> work;
+  std::vector<std::pair<int64_t, int64_t>> stepped;  // element ranges of the shard the runs write
+  for (const Run& r : runs) {
+    const int64_t step = r.step + 1;
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) spec->new_steps.emplace_back(k, step);
+    const auto [begin, end] = shard_part_of(set, r);
+    const int64_t n = end - begin;
+    if (n <= 0) continue;  // in other ranks' shards: only the step count advances
+    RunSpares out;
+    out.master = reinterpret_cast<float*>(spare(master_id)) + begin;
+    for (const auto& [kind, id] : set.spec.states)
+      out.states.push_back(spare(id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(id).dtype()));
+    if (has_master) {
+      const DType p_dtype = mgr.chunk(set.spec.param).dtype();
+      out.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
+      out.param16_dtype = p_dtype;
+    }
+    const RunViews views = run_views(originals, set, begin, n, step);
+    work.push_back(rule_->prepare_host_run(views, &out, step, (*armed_)[static_cast<size_t>(r.group)], 1.0));
+    spec->host_params += n;
+    stepped.emplace_back(begin, end);
+  }
+  // Elements no run writes (slots without a gradient, padding) are carried over into the spares
+  // as they are: after the exchange the chunk holds exactly what an in-place step leaves.
+  std::vector<CopyRange> carry = unwritten_ranges(mgr, host, spares_, outputs, stepped);
+  std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
+  speculations_[set_index] = spec;
+  launch_host_step(
+      set_index,
+      [grads_landed, work = std::move(work), carry = std::move(carry)] {
+        for (const CopyRange& c : carry) std::memcpy(c.to, c.from, c.bytes);
+        if (grads_landed) grads_landed->synchronize();
+        for (const auto& run : work) run();
+      },
+      [this, set_index, spec] { finish_speculation(set_index, spec); },
+      [spec] { return spec->confirmed; });
+}
+
+void HybridOptimizer::finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec) {
+  spec->settled = true;
+  auto it = speculations_.find(set_index);
+  if (it != speculations_.end() && it->second == spec) speculations_.erase(it);
+  if (!spec->confirmed) {
+    dropped_total_ += 1;
+    return;  // the originals are untouched; step() steps the set from them
+  }
+  ChunkManager& mgr = mgr_;
+  const Tier host = mgr.host_tier();
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  for (ChunkId id : spec->outputs) {
+    if (mgr.in_flight(id)) mgr.wait(id);  // a fetch may still read P's old host copy
+    spares_[id] = mgr.exchange_copy(id, host, spares_.at(id));
+  }
+  refresh_device_param_copy(mgr, set.spec.param, host, set.spec.param_home_on_host);
+  confirmed_total_ += 1;
+}
+
+std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier) {
+  std::set<int> confirmed;
+  const bool guess_holds = armed_.has_value() && grad_multiplier == 1.0 && *armed_ == groups;
+  armed_.reset();
+  for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) {
+    const ChunkSet& set = sets_[static_cast<size_t>(s)];
+    const bool same_inputs = set.grad_place == GradPlace::kHost && set.spec.optim_on_host &&
+                             set.has_grad == spec->has_grad && set.step == spec->steps_before;
+    if (guess_holds && same_inputs && !spec->settled) {
+      spec->confirmed = true;  // committed when settled
+      ChunkSet& mutable_set = sets_[static_cast<size_t>(s)];
+      for (const auto& [k, step] : spec->new_steps) mutable_set.step[k] = step;
+      stats_.host_params += spec->host_params;
+      confirmed.insert(s);
+    } else {
+      pipeline_.settle(s);  // waits for it; unconfirmed, its results are dropped
+    }
+  }
+  return confirmed;
+}
+
+}  // namespace gx::torch_layer

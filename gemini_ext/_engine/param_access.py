@@ -1,0 +1,241 @@
+"""Parameters touched from outside the hooks: gathered(), writes absorbed, the model's own state dicts.
+
+[Note: what a user may do to a managed parameter between steps]
+- Read it. Its storage follows the chunk (csrc/torch/manager/param_storage.h): the device copy, or
+  unsharded a host copy the device reads; where neither holds the whole value (sharded, not
+  gathered) any access raises a RuntimeError naming the parameter and `engine.gathered`.
+- Write it in place (`with torch.no_grad(): p.mul_(0.5)`, `p.copy_(x)`). The write lands in the
+  16-bit copy the storage points at; torch bumps the parameter's version counter. Before anything
+  could overwrite or drop that copy (the next forward, the optimizer step, a state read, a
+  gather, close) `absorb_writes` moves every written value into the fp32 master and every other
+  copy: an element that still equals its master rounded to the compute dtype keeps the master's
+  full precision, any other element takes the written value. Writes through `p.data` bypass the
+  version counter; inside `gathered(writable=True)` they are caught by comparing values.
+- `engine.gathered(params, writable)`: inside, each listed parameter is an fp32 tensor on the
+  compute device holding its master value, whole on every rank (read one chunk at a time:
+  collective when sharded, and only the listed parameters stay on the device). They are the
+  values a plain fp32 model would have, so an edit is exact; on exit with writable=True every
+  parameter whose value changed is written into its master and 16-bit copies (sharded: each
+  rank writes its shard of what it holds, so every rank makes the same edits, as with FSDP's
+  summon_full_params), and the parameters become chunk views again. It is for reading and
+  editing values between iterations, not for training steps.
+- `model.state_dict()`: each managed parameter's entry is a CPU tensor of the parameter's
+  original dtype holding its current value (from the fp32 master, as close() would restore it),
+  tied parameters sharing one tensor; with keep_vars=True the Parameter objects themselves.
+  Collective when sharded: every rank calls it. `model.load_state_dict()` writes each value
+  into the master and the 16-bit copies (torch's own copy into the parameter is then a no-op;
+  inside `gathered()` it also lands in the gathered tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+
+class ParamAccess:
+    """The engine's parameters as seen from outside the hooks (see the note above)."""
+
+    def __init__(self, engine, model: torch.nn.Module, params: list, orig: list, compute_dtype: torch.dtype):
+        self._engine = engine
+        self._model = model
+        self._gm = engine.internal.runtime
+        self._params = params
+        self._orig = orig  # (dtype, device) per parameter, as close() restores it
+        self._dtype = compute_dtype
+        self._gathered_depth = 0
+        self._sd_cache = (None, {})  # (weakref to the state dict being built, {index: value})
+        self._handles = []
+        self._gm.watch_params(list(params))
+        for module in model.modules():
+            own = [(name, i) for name, p in module._parameters.items()
+                   if p is not None and (i := engine.find_parameter(p)) is not None]
+            if not own:
+                continue
+            self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(own)))
+            self._handles.append(module.register_load_state_dict_pre_hook(self._load_hook(own)))
+        # (closures: torch marks public hooks with an attribute, which bound methods cannot take)
+        self._handles.append(model.register_state_dict_post_hook(lambda *a: self._state_dict_done(*a)))
+        self._handles.append(model.register_load_state_dict_post_hook(lambda *a: self._load_done(*a)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._gm.watch_params([])  # the manager lets go of the parameters
+        self._gm = None  # and this object of the manager (the engine is closing)
+
+    # --- writes ------------------------------------------------------------------------------
+    def absorb_writes(self) -> None:
+        """Moves values written to parameters in place since the last call into the masters."""
+        written = self._gm.written_params()
+        if not written:
+            return
+        with torch.no_grad():
+            for i in written:
+                try:
+                    # a copy: on sim an fp32 parameter's .cpu() would be the chunk memory itself
+                    value = self._params[i].detach().to(device="cpu", dtype=torch.float32, copy=True)
+                except RuntimeError:
+                    continue  # not readable here (sharded): the write itself raised
+                self._write_back(i, value)
+        self._gm.note_param_versions()
+
+    def _write_back(self, i: int, value: torch.Tensor, only_if_changed: bool = False) -> None:
+        master = self._gm.read("param", i)
+        rounded = master.to(self._dtype).float()
+        kept = value == rounded
+        if only_if_changed and bool(kept.all()):
+            return
+        self._gm.write("param", i, torch.where(kept, master, value))
+
+    # --- gathered ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params=None, writable: bool = False):
+        indices = self._indices(params)
+        if self._gathered_depth:
+            raise RuntimeError("engine.gathered(): already inside a gathered block; list every parameter you need in "
+                               "one call instead of nesting.")
+        if self._gm.in_backward:
+            raise RuntimeError("engine.gathered(): called during backward, where the hooks own the chunks; use it "
+                               "between iterations (after optimizer.step() or before the forward).")
+        self.absorb_writes()
+        device = self._engine.compute_device
+        views = {}
+        self._gathered_depth += 1
+        failed = True
+        try:
+            # One chunk gathered at a time (sharded), released before the block runs: what stays on
+            # the device is the listed parameters' fp32 values, nothing else.
+            with torch.no_grad():
+                for i in indices:
+                    value = self._gm.read_to("param", i, device, torch.float32)
+                    views[i] = self._params[i].data
+                    self._params[i].data = value
+            self._gm.release_read_cache()
+            yield
+            failed = False
+        finally:
+            self._gathered_depth -= 1
+            try:
+                if writable and not failed:
+                    with torch.no_grad():
+                        for i in indices:
+                            value = self._params[i].detach().to(device="cpu", dtype=torch.float32, copy=True)
+                            if not torch.equal(value, self._gm.read("param", i)):
+                                self._gm.write("param", i, value)
+            finally:
+                for i, view in views.items():
+                    self._params[i].data = view
+                self._gm.release_read_cache()
+                self._gm.note_param_versions()
+
+    def _indices(self, params) -> list[int]:
+        if params is None:
+            return list(range(len(self._params)))
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        out = []
+        for p in params:
+            i = self._engine.find_parameter(p)
+            if i is None:
+                raise ValueError("engine.gathered(params): every entry must be a parameter of the model given to "
+                                 f"gx.enable; got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} "
+                                 "that is not one.")
+            if i not in out:
+                out.append(i)
+        return sorted(out)
+
+    # --- the engine's full state dicts ------------------------------------------------------
+    def full_state_dict(self) -> dict:
+        """engine.state_dict(): fp32 CPU tensors under the model's keys, parameters from their masters."""
+        self.absorb_writes()
+        out = {}
+        for key, value in self._model.state_dict(keep_vars=True).items():
+            idx = self._engine.find_parameter(value)
+            if idx is not None:
+                out[key] = self._gm.read("param", idx)
+            else:
+                v = value.detach()
+                out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()
+        self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
+        return out
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool) -> object:
+        """engine.load_state_dict(): masters, their 16-bit copies and buffers from a full state dict."""
+        self.absorb_writes()
+        own = self._model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"engine.load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''},"
+                               f" unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; pass "
+                               "strict=False to load the matching subset.")
+        with torch.no_grad():
+            for key, target in own.items():
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"engine.load_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
+                                     f"expects {tuple(target.shape)}.")
+                idx = self._engine.find_parameter(target)
+                if idx is not None:
+                    self._gm.write("param", idx, value.detach().float().cpu())
+                else:
+                    target.copy_(value)
+        self._gm.synchronize()
+        self._gm.note_param_versions()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+    # --- the model's own state dicts ----------------------------------------------------------
+    def _state_dict_hook(self, own: list[tuple[str, int]]):
+        def hook(module, state_dict, prefix, local_metadata):
+            if self._engine.closed:
+                return
+            cached_for, cache = self._sd_cache
+            if cached_for is None or cached_for() is not state_dict:
+                self.absorb_writes()
+                cache = {}
+                self._sd_cache = (weakref.ref(state_dict), cache)
+            for name, i in own:
+                key = prefix + name
+                if key not in state_dict or state_dict[key] is self._params[i]:
+                    continue  # keep_vars=True: the Parameter itself
+                if i not in cache:
+                    dtype, _ = self._orig[i]
+                    cache[i] = self._gm.read("param", i).to(dtype)
+                state_dict[key] = cache[i]
+        return hook
+
+    def _state_dict_done(self, module, state_dict, prefix, local_metadata) -> None:
+        if self._engine.closed:
+            return
+        self._sd_cache = (None, {})
+        self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
+
+    def _load_hook(self, own: list[tuple[str, int]]):
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            if self._engine.closed:
+                return
+            self.absorb_writes()
+            for name, i in own:
+                key = prefix + name
+                value = state_dict.get(key)
+                param = self._params[i]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+                    continue  # torch reports the mismatch itself
+                with torch.no_grad():
+                    self._gm.write("param", i, value.detach().to(device="cpu", dtype=torch.float32))
+                if not self._gathered_depth:
+                    state_dict[key] = param  # torch's copy of the parameter into itself does nothing
+                # Inside engine.gathered() the parameter is a whole fp32 tensor: torch copies the value
+                # into it too, so that the block sees it and a writable exit finds nothing to write back.
+        return hook
+
+    def _load_done(self, module, incompatible_keys) -> None:
+        if not self._engine.closed:
+            self._gm.note_param_versions()

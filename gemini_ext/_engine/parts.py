@@ -1,0 +1,57 @@
+"""EngineParts: the parts one engine is made of, as its rooms see them (contract.EngineInternals).
+
+enable() (gemini_ext/engine.py) builds the parts in order and assigns them here; the facade keeps
+the user's API and delegates. The iteration boundary lives here because the optimizer's step
+calls it: the manager closes its access trace and reports once, the tracer records the
+iteration from that report and the placer decides again from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TrainingCounters:
+    optimizer_steps: int = 0  # fp16 steps skipped for overflow: the loss scaler counts them
+
+
+class EngineParts:
+    """Set by enable() as each part is built; see contract.EngineInternals for what each is."""
+
+    def __init__(self, config, compute_dtype):
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.counters = TrainingCounters()
+        self.optimizer = None
+        self.closed = False
+        self.groups = self.device = self.layout = self.chunks = self.runtime = None
+        self.placer = self.tracer = self.access = self.clipper = self.scaler = self.hooks = None
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"engine.{what}(): the engine is closed (its `with` block has ended); call "
+                               "gx.enable(model, config) again.")
+
+    def attach_optimizer(self, opt) -> None:
+        if self.optimizer is not None:
+            raise RuntimeError("engine.optimizer(): this engine already has an optimizer; the optimizer state lives "
+                               "in the engine's chunks, so there can be only one. Reuse the first one.")
+        self.optimizer = opt
+
+    def detach_optimizer(self, opt) -> None:
+        if self.optimizer is opt:
+            self.optimizer = None
+
+    def check_no_stray_grads(self) -> None:
+        for name, p in zip(self.layout.names, self.layout.params):
+            if p.grad is not None:
+                raise RuntimeError(f"gemini_ext: parameter {name!r} has a .grad that did not go into its chunk (was "
+                                   "requires_grad changed after gx.enable, or .grad assigned by hand?). Set "
+                                   "requires_grad before gx.enable; gradients must come from backward.")
+
+    def end_iteration(self) -> dict:
+        report = self.runtime.end_iteration()
+        self.tracer.end_iteration(report, self.hooks.last_pass_seconds())
+        self.placer.after_iteration(self.runtime, self.tracer, report)
+        return report

@@ -1,0 +1,320 @@
+"""GeminiOptimizer: a torch optimizer over the engine's fp32 master chunks (HybridOptimizer in C++).
+
+The optimizer family's math (hyperparameters, state kinds, kernels) is a rule (rules.py); what
+follows is common to every rule.
+
+[Note: what a step does]
+1. Gradients still on the device (accumulated under no_sync) go to their optimizer's tier.
+2. When clipping (`max_norm` > 0) or fp16 loss scaling needs it, the global gradient norm is
+   computed over the gradient chunks: one host synchronisation per step, none per chunk.
+3. fp16: a non-finite norm means overflow: the step is skipped (parameters, moments and step
+   counts untouched) and the loss scaler backs off.
+4. One factor, 1/loss_scale times the clipping coefficient max_norm / (norm + 1e-6) when that
+   is below 1 (torch.nn.utils.clip_grad_norm_'s rule), is folded into every gradient read.
+5. HybridOptimizer steps every chunk where its state lives with the rule's kernels (Adam: our
+   fused CPU Adam on the host, our device Adam kernel, which computes the same bits, on the
+   device); the 16-bit parameters are rewritten from the masters. With
+   `overlap_optimizer` (the default) host chunks are stepped on a background thread and step()
+   returns; the next forward waits per chunk.
+6. Speculation: when a backward pass begins, `backward_started` hands C++ the hyperparameters
+   of that moment, so that each host chunk's step can start as soon as its gradients reach the
+   host, out of place into spare buffers; step() confirms or drops each one (the Note in
+   csrc/torch/optim/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
+   can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
+   host has room for the spares (at most half of MemAvailable).
+`param_groups` hold the same Parameter objects the model uses, so LR schedulers edit `lr` as
+usual; hyperparameters are read from the groups at every step. Gradients live in chunks, not on
+`p.grad` (which stays None), and `zero_grad()` clears them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._engine import registry
+from ..placement.host_memory import mem_available_bytes
+from .generic import GenericStepper
+from .lion import Lion  # noqa: F401  (gx.optim.Lion)
+from .rules import ADAM, MAX_STATE_KINDS, rule_for
+
+
+def _as_groups(params) -> list[dict]:
+    """torch.optim's `params` argument (tensors, or dicts of options with "params") as group dicts."""
+    params = list(params)
+    if not params:
+        raise ValueError("gemini_ext optimizer: got an empty parameter list.")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    out = []
+    for g in params:
+        entry = dict(g)
+        entry["params"] = [entry["params"]] if isinstance(entry["params"], torch.Tensor) else list(entry["params"])
+        out.append(entry)
+    return out
+
+
+class GeminiOptimizer(torch.optim.Optimizer):
+    """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
+
+    def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
+        shared_groups = None
+        self._wrapped = None
+        if isinstance(optimizer_or_engine, torch.optim.Optimizer):
+            # Seed-compatible form: GeminiOptimizer(torch.optim.AdamW(model.parameters(), ...), model)
+            torch_opt = optimizer_or_engine
+            engine = registry.engine_of(model_or_cls)
+            if engine is None:
+                raise ValueError("GeminiOptimizer(optimizer, model): `model` must be a module managed by gemini_ext "
+                                 "(wrap it with gx.GeminiDDP(model) or gx.enable(model) first).")
+            opt_cls = type(torch_opt)
+            params = [dict(g) for g in torch_opt.param_groups]
+            kwargs = {}
+            shared_groups = torch_opt.param_groups
+            self._wrapped = torch_opt
+        elif registry.is_open_engine(optimizer_or_engine):
+            engine, opt_cls = optimizer_or_engine, model_or_cls
+        else:
+            raise TypeError("GeminiOptimizer: expected (engine, optimizer class) or (torch optimizer, model), got "
+                            f"{type(optimizer_or_engine).__name__}.")
+        if isinstance(opt_cls, type) and issubclass(opt_cls, GeminiOptimizer):
+            raise TypeError("gemini_ext optimizer: GeminiOptimizer wraps an optimizer class; pass the class itself, "
+                            "e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4).")
+        rule = rule_for(opt_cls)
+        state_dtype = engine.config.optimizer_state_dtype
+        if state_dtype != "fp32" and rule is not ADAM:
+            raise ValueError(f"gemini_ext optimizer: optimizer_state_dtype={state_dtype!r} keeps Adam's moments in "
+                             f"{state_dtype}; {getattr(opt_cls, '__name__', opt_cls)} has no such kernel. Use "
+                             "torch.optim.Adam or AdamW, or optimizer_state_dtype='fp32'.")
+        if params is None:
+            params = [p for p in engine.parameters() if p.requires_grad]
+        self.engine = engine
+        self.opt_class = opt_cls
+        self.rule = rule
+        self._generic = None
+        if rule.native:
+            defaults = self._native_defaults(rule, opt_cls, params, kwargs)
+        else:
+            groups = _as_groups(params)
+            if self._wrapped is not None:
+                kwargs = dict(self._wrapped.defaults)
+            self._generic = GenericStepper(engine, opt_cls, groups, kwargs)
+            params, defaults = groups, dict(self._generic.defaults)
+        super().__init__(params, defaults)
+        if shared_groups is not None:
+            # The wrapped optimizer's group dicts themselves: an LR scheduler built on it edits ours.
+            self.param_groups = shared_groups
+        for i, g in enumerate(self.param_groups):
+            if rule.native:
+                rule.check_group(g, f"param_groups[{i}]")
+                if shared_groups is None:
+                    for flag in rule.refused_flags + rule.ignored_flags:
+                        g.pop(flag, None)
+        group_of = [-1] * engine.num_parameters
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                idx = engine.parameter_index(p)
+                if not p.requires_grad:
+                    raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
+                                     "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
+                group_of[idx] = gi
+        kinds = rule.kinds_for(self.param_groups)
+        engine.internal.attach_optimizer(self)  # raises if the engine has one already
+        try:
+            engine.internal.runtime.attach_optimizer(rule.name, list(kinds), group_of, engine.internal.layout.state_chunks_for(kinds),
+                                            self._generic.step_set if self._generic is not None else None)
+        except BaseException:
+            engine.internal.detach_optimizer(self)
+            raise
+        # Placement plans for the kinds that now exist; a generic optimizer's state is torch's and
+        # does not move, so the placement stays as it is.
+        engine.internal.layout.bind_states(kinds, len(kinds) if rule.native else MAX_STATE_KINDS)
+        if not rule.native:
+            engine.internal.placer.freeze()
+        self.last_grad_norm = None
+
+    @staticmethod
+    def _native_defaults(rule, opt_cls, params, kwargs) -> dict:
+        for flag in rule.refused_flags:
+            if kwargs.get(flag, False) or any(g.get(flag, False) for g in (params or []) if isinstance(g, dict)):
+                raise ValueError(f"gemini_ext optimizer: {flag}=True is not supported (the engine's step has no such "
+                                 f"mode); pass {flag}=False or leave it out.")
+        defaults = rule.defaults(opt_cls)
+        for key, value in kwargs.items():
+            if key in defaults:
+                defaults[key] = value
+            elif key not in rule.ignored_flags + rule.refused_flags:
+                accepted = ", ".join(k for k in defaults if k != "decoupled_weight_decay")
+                raise TypeError(f"gemini_ext optimizer: unexpected argument {key!r} for {opt_cls.__name__}; "
+                                f"accepted: {accepted}.")
+        rule.check_group(defaults, "defaults")
+        return defaults
+
+    def _hyper(self) -> list[dict]:
+        if self._generic is not None:
+            return [{} for _ in self.param_groups]  # the optimizer reads its own groups
+        return [self.rule.kernel_hyper(g, self.opt_class) for g in self.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # [Note: the manager calls of a step] At most four: the parameters written outside the
+        # hooks (absorb_writes), the iteration end (one report for the tracer, the placer and the
+        # clipping check), the global norm when clipping or fp16 needs it, and the step itself
+        # (which flushes gradients still on the device first and guards the parameters of CPU
+        # steps still running). The placer calls the manager again only when it re-places.
+        parts = self.engine.internal
+        parts.check_open("optimizer.step")
+        parts.check_no_stray_grads()
+        parts.access.absorb_writes()  # in-place writes to parameters reach the masters before the step
+        report = parts.end_iteration()  # the access trace of forward + backward is complete
+        multiplier = self._grad_multiplier(report["counters"]["backward_passes"])
+        if multiplier is None:  # fp16 overflow: the step is skipped (the loss scaler counts it)
+            return loss
+        if self._generic is not None:
+            self._generic.sync_hyperparameters(self.param_groups)
+        parts.runtime.optimizer_step(self._hyper(), multiplier)
+        parts.counters.optimizer_steps += 1
+        if self._wrapped is not None:
+            self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
+        return loss
+
+    def _grad_multiplier(self, backward_passes: int) -> float | None:
+        """The one factor folded into every gradient read: 1/loss_scale times the clipping
+        coefficients (engine.clip_grad_norm_ since the last step, then `max_norm`); None when the
+        fp16 loss scaler found an overflow. `backward_passes`: the manager's count at this step."""
+        parts = self.engine.internal
+        scaler = parts.scaler
+        scale = scaler.scale if scaler is not None else 1.0
+        clipped = parts.clipper.take(backward_passes)  # engine.clip_grad_norm_ since the last step (1.0: none)
+        multiplier = clipped / scale
+        max_norm = parts.config.max_norm
+        if max_norm > 0 or scaler is not None:
+            norm = math.sqrt(parts.runtime.grad_norm_sq()) / scale * clipped
+            self.last_grad_norm = norm
+            if scaler is not None:
+                found_inf = not math.isfinite(norm)
+                scaler.update(found_inf)
+                if found_inf:
+                    return None
+            if max_norm > 0:
+                coef = max_norm / (norm + 1e-6)
+                if coef < 1.0:
+                    multiplier *= coef
+        return multiplier
+
+    # --- what the engine calls ----------------------------------------------------------------
+    def backward_started(self) -> None:
+        """A backward pass began: arm speculative CPU steps where their guess can hold (and tell
+        the placement whether the CPU steps will overlap this backward)."""
+        parts = self.engine.internal
+        cfg = parts.config
+        parts.placer.note_optimizer_overlap(False)
+        if not cfg.overlap_optimizer or parts.scaler is not None or not self.rule.native:
+            return
+        if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
+            return
+        if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
+            return
+        # The spares may take at most half of MemAvailable (unreadable: no speculation).
+        if parts.runtime.arm_speculation(self._hyper(), (mem_available_bytes() or 0) // 2):
+            parts.placer.note_optimizer_overlap(True)
+
+    def grad_norm_sq(self) -> float:
+        """The sum of squares of every gradient in the chunks (over every rank when sharded)."""
+        return self.engine.internal.runtime.grad_norm_sq()
+
+    def release_spares(self) -> None:
+        self.engine.internal.runtime.release_spares()
+
+    def speculation_stats(self) -> dict:
+        """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
+        runtime = self.engine.internal.runtime
+        return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.internal.check_open("optimizer.zero_grad")
+        self.engine.zero_grad()
+
+    def last_step_stats(self) -> dict:
+        return self.engine.internal.runtime.last_step()
+
+    # --- state ------------------------------------------------------------------------------
+    def _ordered_params(self):
+        """(global position, engine index) in the order torch.optim numbers parameters."""
+        pos = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                yield pos, self.engine.parameter_index(p)
+                pos += 1
+
+    def state_dict(self) -> dict:
+        """The torch optimizer's format: per parameter each state kind of the rule (fp32, CPU) and
+        its step where torch's own optimizer keeps one; a generic optimizer's own state_dict()."""
+        if self._generic is not None:
+            self._generic.sync_hyperparameters(self.param_groups)
+            return self._generic.state_dict()
+        gm = self.engine.internal.runtime
+        kinds = self.engine.internal.layout.state_kinds
+        state = {}
+        for pos, idx in self._ordered_params():
+            step = gm.step_of(idx)
+            if step == 0 or not (kinds or self.rule.state_has_step):
+                continue  # never stepped (or stateless, as plain SGD): torch has no state for it either
+            entry = {"step": torch.tensor(float(step))} if self.rule.state_has_step else {}
+            state[pos] = {**entry, **{kind: gm.read(kind, idx) for kind in kinds}}
+        gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
+        groups = []
+        pos = 0
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry.update(self.rule.state_dict_extras())
+            entry["params"] = list(range(pos, pos + len(g["params"])))
+            pos += len(g["params"])
+            groups.append(entry)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer.load_state_dict: {len(groups)} param groups in the state dict, this "
+                             f"optimizer has {len(self.param_groups)}; build the optimizer with the same groups.")
+        for i, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"optimizer.load_state_dict: param group {i} has {len(saved['params'])} parameters "
+                                 f"in the state dict and {len(mine['params'])} here.")
+        if self._generic is not None:
+            self._generic.load_state_dict(state_dict)
+        else:
+            self._load_native_state(groups, state_dict["state"])
+        skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
+        for saved, mine in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k not in skipped:
+                    mine[k] = v
+
+    def _load_native_state(self, groups: list, state: dict) -> None:
+        gm = self.engine.internal.runtime
+        kinds = self.engine.internal.layout.state_kinds
+        saved_ids = [pid for g in groups for pid in g["params"]]
+        for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
+            entry = state.get(saved_id)
+            if entry is None:
+                gm.set_step(idx, 0)
+                zero = torch.zeros(self.engine.parameter_numel(idx))
+                for kind in kinds:
+                    gm.write(kind, idx, zero)
+                continue
+            missing = [kind for kind in kinds if kind not in entry]
+            if missing:
+                raise ValueError(f"optimizer.load_state_dict: the state of parameter "
+                                 f"{self.engine.parameter_name(idx)!r} has {sorted(entry)}, {self.opt_class.__name__} "
+                                 f"needs {list(kinds)}; load a state dict saved from the same optimizer class.")
+            step = entry.get("step", 1)  # torch's SGD and our Lion keep no step: the state exists, so >= 1
+            gm.set_step(idx, int(step.item() if isinstance(step, torch.Tensor) else step))
+            for kind in kinds:
+                gm.write(kind, idx, entry[kind].detach().float().cpu())

@@ -1,0 +1,22 @@
+"""What a chunk costs and where it can be: the tiers a chunk's copies live on and the bytes per
+element of a trainable chunk set's optimizer side. Placement plans with these figures; the
+layout and the tracer name tiers with them."""
+
+from __future__ import annotations
+
+import torch
+
+STATE_DTYPE = torch.float32  # masters and optimizer state
+HOST_TIERS = ("pinned_host", "pageable_host")
+TIERS = ("device", *HOST_TIERS)  # where a chunk's copies may be
+
+
+def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int,
+                          state_dtype: torch.dtype = STATE_DTYPE) -> int:
+    """Bytes per element of a trainable chunk set's optimizer side, wherever it lives: its
+    gradient (compute dtype), the fp32 master (16-bit precisions only) and each optimizer state
+    kind (fp32, or bf16 under optimizer_state_dtype="bf16"). The parameter chunk itself is not
+    counted. Every plan that sizes optimizer state (host room, device room, moves) uses this one
+    figure."""
+    master = STATE_DTYPE.itemsize if compute_dtype != STATE_DTYPE else 0
+    return compute_dtype.itemsize + master + state_dtype.itemsize * num_state_kinds

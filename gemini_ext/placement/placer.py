@@ -1,0 +1,179 @@
+"""Carrying a placement policy's decisions out: the engine's side of gemini_ext/placement/policies.py.
+
+`Placer` gathers the measurements a policy decides from (host memory, the last iteration's
+non-model peak from the MemoryTracer, the access trace's re-recordings), reducing the figures
+that differ between ranks so that every rank takes the same decision; calls the policy; and
+applies the difference through the C++ GeminiManager: optimizer state leaving the device first
+(it frees device bytes), then the budget, then state joining the device. It warns with what the
+policy found and logs each decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+from .. import _C, allocator
+from . import host_memory, rates
+from .._env import logger
+from .costs import set_bytes_per_element
+from .policies import Measurements, Placement, SetPlacement
+
+
+class Placer:
+    def __init__(self, policy, layout, device, groups):
+        self.policy = policy
+        self._layout = layout
+        self._device = device  # ComputeDevice
+        self._groups = groups  # DataParallelGroups
+        self.current: Placement | None = None
+        self._frozen = False
+        self._accumulating = False  # no_sync() was entered in the iteration under way
+        self._steps_during_backward = False  # the optimizer armed CPU steps during this backward
+
+    def note_accumulation(self) -> None:
+        """Gradients of this iteration accumulate on the device (engine.no_sync)."""
+        self._accumulating = True
+
+    def note_optimizer_overlap(self, during_backward: bool) -> None:
+        """Whether the host sets' CPU steps of this iteration start during backward (speculation
+        armed) or only at step(), overlapping the next forward (optim/wrapper.py backward_started)."""
+        self._steps_during_backward = during_backward
+
+    def freeze(self) -> None:
+        """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
+        state is torch's own)."""
+        self._frozen = True
+
+    def _measure(self, **iteration) -> Measurements:
+        layout = self._layout
+        available = None
+        if self.policy.reads_host_memory:
+            available = host_memory.host_available_bytes()
+            if available is not None:
+                available = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
+        return Measurements(
+            device_kind=self._device.kind, allocator_mode=allocator.mode(),
+            device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
+            trainable=tuple(s.trainable for s in layout.sets),
+            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
+                                                        layout.state_dtype),
+            compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
+            world_size=self._groups.world_size, host_available_bytes=available,
+            device_total_bytes=self._device.total_bytes(), **iteration)
+
+    def _releasable_host_bytes(self) -> int:
+        """The model's host tensors enable() releases as their values land in chunks: every
+        parameter it manages, read before the fill."""
+        return sum(p.numel() * p.element_size() for p in self._layout.params if p.device.type == "cpu")
+
+    def initial(self) -> Placement:
+        """The policy's placement before any memory is taken."""
+        releasable = 0
+        if self.policy.reads_host_memory:
+            releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
+        self.current = self.policy.initial(self._measure(host_releasable_bytes=releasable))
+        self._report(self.current)
+        return self.current
+
+    def set_specs(self) -> list[dict]:
+        """Per chunk set: its chunks and placement, as the GeminiManager takes them (the state
+        chunks come with the optimizer)."""
+        return [{"param": chunks.param, "grad": chunks.grad, "master": chunks.master, "states": [],
+                 **dataclasses.asdict(place)} for chunks, place in zip(self._layout.sets, self.current.sets)]
+
+    def device_first_chunks(self) -> tuple[list[int], list[int]]:
+        """(chunks allocated on the device directly, gradient chunks without a copy yet). The
+        optimizer state of the sets whose state starts on the device is allocated there, never
+        on the host, and their gradients are born on the device. Where the plan says so, their
+        parameter chunks are allocated on the device too (no host copy: the fill writes them there)."""
+        first, grads = [], []
+        for chunks, place in zip(self._layout.sets, self.current.sets):
+            if chunks.trainable and not place.optim_on_host:
+                first += [c for k, c in chunks.optimizer_side().items() if k != "grad"]
+                grads.append(chunks.grad)
+                if self.current.params_born_on_device:
+                    first.append(chunks.param)
+        return first, grads
+
+    def after_iteration(self, runtime, tracer, report: dict) -> None:
+        """Decides again after the first iteration and whenever the access trace was re-recorded
+        (other control flow, sequence length, eval vs train), from the iteration just measured
+        (`report`: GeminiManager.end_iteration's)."""
+        accumulating = self._accumulating or self.policy.config.enable_gradient_accumulation
+        self._accumulating = False
+        if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
+            return
+        rerecordings = report["trace_rerecordings"]
+        if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
+            return
+        figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
+        if self.policy.reads_rates:
+            figures.update(self._rates(tracer))
+        measured = self._measure(trace_rerecordings=rerecordings, gradients_accumulate_on_device=accumulating,
+                                 **figures)
+        current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
+                                               p["grad_stays_on_device"]) for p in runtime.set_placements()),
+                            self.current.device_budget_bytes, self.current.decision)
+        chosen = self.policy.after_iteration(measured, current)
+        self._apply(runtime, current, chosen)
+        self.current = chosen
+        self._report(chosen)
+
+    def _rates(self, tracer) -> dict:
+        """What optimizer_split.py weighs, reduced so that every rank decides alike: the last
+        forward and backward passes' durations, whether the CPU steps overlapped the backward, and
+        the machine's measured rates. A probe that cannot run (no memory left for its buffers)
+        reports 0: the policy then decides without rates."""
+        try:
+            cpu, h2d = rates.cpu_optimizer_elements_per_s(), rates.h2d_bytes_per_s(self._device)
+        except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
+            logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
+                        self.policy.name, e)
+            cpu = h2d = 0.0
+        passes = tracer.last_pass_seconds()
+        return {"forward_seconds": self._groups.reduce(passes["forward_seconds"], "max"),
+                "backward_seconds": self._groups.reduce(passes["backward_seconds"], "max"),
+                "optimizer_steps_during_backward": bool(self._groups.all_agree(self._steps_during_backward)),
+                "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
+                "h2d_bytes_per_s": self._groups.reduce(h2d, "min")}
+
+    def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
+            if dataclasses.replace(was, optim_on_host=now.optim_on_host) != now:
+                raise _C.InternalError(f"gemini_ext internal error (this is a bug, please report it): policy "
+                                       f"{self.policy.name!r} changed more than the optimizer state's tier of chunk "
+                                       f"set {k} between iterations: {was} -> {now}")
+        started = time.perf_counter()
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):  # shrink first: frees device bytes
+            if now.optim_on_host and not was.optim_on_host:
+                runtime.set_optim_on_host(k, True)
+        runtime.set_device_budget(chosen.device_budget_bytes)
+        for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
+            if was.optim_on_host and not now.optim_on_host:
+                runtime.set_optim_on_host(k, False)
+        if "move_seconds" in chosen.decision:
+            chosen.decision["move_seconds"] = time.perf_counter() - started  # the state moved to its tiers
+
+    def _report(self, placement: Placement) -> None:
+        for message in placement.warnings:
+            warnings.warn(message, stacklevel=5)
+        if placement.decision:
+            logger.info("%s placement (decision %d): %s", self.policy.name, placement.decision["decisions"],
+                        ", ".join(f"{k} {v}" for k, v in placement.decision.items() if k != "decisions"))
+        elif placement.host_bound_sets:
+            logger.info("%s placement: the host cannot hold every optimizer state; that of the first %d of %d chunk "
+                        "sets starts on the device", self.policy.name, placement.host_bound_sets,
+                        len(placement.sets))
+
+    def summary(self, runtime) -> dict:
+        """stats()["placement"]."""
+        placements = runtime.set_placements()
+        return {
+            "policy": self.policy.name,
+            "decision": dict(self.current.decision),
+            "param_chunks_home_host": sum(p["param_home_on_host"] for p in placements),
+            "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
+            "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),
+        }
