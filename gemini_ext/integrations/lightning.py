@@ -19,6 +19,8 @@ group); the strategy gives the engine what concerns the parameters:
   (masters, optimizer state, RNG), so training resumes bit-exactly;
 - `teardown` closes the engine: after `fit` the module holds the trained values as ordinary
   parameters.
+Importing this module registers the strategy under names in Lightning's StrategyRegistry, so that
+`Trainer(strategy="gemini")` works: STRATEGY_NAMES lists each name with the config it stands for.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import shutil
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..config import GeminiConfig
@@ -38,6 +40,14 @@ from ..optim import GeminiOptimizer
 from ._precision import agreed_precision
 
 ENGINE_SUFFIX = ".gemini"  # the engine's checkpoint beside Lightning's checkpoint file
+# The names `Trainer(strategy=...)` accepts, with the config each stands for and its description.
+STRATEGY_NAMES = {
+    "gemini": ({}, "gemini_ext: the default GeminiConfig (static placement, optimizer state on the host)"),
+    "gemini_auto": ({"placement_policy": "auto"},
+                    "gemini_ext: auto placement (measured; as much as fits stays on the device)"),
+    "gemini_offload": ({"offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+                       "gemini_ext: parameters and optimizer state homed on the host"),
+}
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
               "16-true": "fp16"}
 
@@ -54,6 +64,13 @@ def engine_precision(lightning_precision: str, config: GeminiConfig) -> str:
 
 class GeminiStrategy(DDPStrategy):
     strategy_name = "gemini"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Registers STRATEGY_NAMES (DDPStrategy's own names stay DDP's)."""
+        for name, (fields, description) in STRATEGY_NAMES.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, config=GeminiConfig(**fields))
 
     def __init__(self, config: GeminiConfig | None = None, **ddp_kwargs):
         super().__init__(**ddp_kwargs)
@@ -120,3 +137,6 @@ class GeminiStrategy(DDPStrategy):
         if self.engine is not None and not self.engine.closed:
             self.engine.close()  # the module holds the trained values as ordinary parameters
         super().teardown()
+
+
+GeminiStrategy.register_strategies(StrategyRegistry)

@@ -1,10 +1,18 @@
-"""`GeminiTrainer`: HuggingFace's `transformers.Trainer` with the model under a gemini_ext engine.
+"""`GeminiTrainerMixin`: any `transformers.Trainer` (or subclass: TRL's trainers) with the model under a
+gemini_ext engine; `GeminiTrainer` is the mixin over `transformers.Trainer`.
+
+`class MyTrainer(GeminiTrainerMixin, trl.SFTTrainer)` puts the mixin first in the bases; it takes
+`gemini_config=` beside the trainer's own arguments.
 
 [Note: what the Trainer hands to the engine]
 The Trainer keeps its loop, data loading, scheduler, evaluation, callbacks and logging; the engine
 takes what concerns the parameters:
 - the model is enabled before the Trainer sees it, so it never lands on the device whole, and is
-  never wrapped in DistributedDataParallel (the engine shards and reduces itself);
+  never wrapped in DistributedDataParallel (the engine shards and reduces itself); `deepspeed=`
+  and `fsdp=` in the arguments are refused (they would shard the same parameters a second way);
+- `gradient_checkpointing=True` checkpoints non-reentrantly (`use_reentrant=False`, transformers
+  5's default; the engine refuses the reentrant form at backward); asking for it reentrant is an
+  error; `torch_compile=True` compiles the model with the arguments' backend and mode;
 - precision: `bf16` / `fp16` in the TrainingArguments choose the engine's `precision` (the Trainer's
   own autocast is turned off); a GeminiConfig asking for another precision is an error;
 - the optimizer is the engine's AdamW with the arguments' lr, betas, eps and weight decay, in the
@@ -50,35 +58,73 @@ DTYPE_NAME = "dtype" if isinstance(getattr(transformers.PretrainedConfig, "torch
     else "torch_dtype"
 
 
+# TrainingArguments' activation checkpointing switch and options: `activation_checkpointing*` in the
+# transformers releases that renamed them (the `gradient_checkpointing*` names remain as aliases).
+CHECKPOINTING = (("activation_checkpointing", "activation_checkpointing_kwargs")
+                 if "activation_checkpointing_kwargs" in transformers.TrainingArguments.__dataclass_fields__
+                 else ("gradient_checkpointing", "gradient_checkpointing_kwargs"))
+
+
 def _optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
-class GeminiTrainer(transformers.Trainer):
-    """`transformers.Trainer(model=..., args=..., ...)` plus `gemini_config=gx.GeminiConfig(...)`."""
+def _checked_args(args, who: str):
+    """The arguments with what the engine replaces turned off (the Trainer's autocast) and
+    gradient checkpointing made non-reentrant; ValueError for what conflicts with the engine."""
+    if _optim_name(args) not in ADAMW_NAMES + tuple(OTHER_OPTIMIZERS):
+        raise ValueError(f"{who}: optim={_optim_name(args)!r}; the engine steps "
+                         f"{', '.join(ADAMW_NAMES + tuple(OTHER_OPTIMIZERS))} with its own kernels (another "
+                         "torch optimizer: pass optimizer_cls_and_kwargs is not supported, subclass and override "
+                         "create_optimizer with self.engine.optimizer(cls, ...)).")
+    for field in ("deepspeed", "fsdp"):
+        if getattr(args, field, None):
+            raise ValueError(f"{who}: {field}={getattr(args, field)!r} in the TrainingArguments; the engine shards, "
+                             f"offloads and reduces the parameters itself, so {field} cannot manage them too. Leave "
+                             f"{field} out (unset it) when training with gemini_ext.")
+    replaced = {"bf16": False, "fp16": False}  # the engine computes in its precision: no autocast on top
+    if getattr(args, CHECKPOINTING[0], False) or args.gradient_checkpointing:
+        kwargs = dict(getattr(args, CHECKPOINTING[1], None) or args.gradient_checkpointing_kwargs or {})
+        if kwargs.get("use_reentrant", False):
+            raise ValueError(f"{who}: {CHECKPOINTING[1]}={kwargs}; the engine's hooks need non-reentrant "
+                             "activation checkpointing (the reentrant form runs backward outside autograd's "
+                             "graph). Pass use_reentrant=False or leave it out.")
+        replaced[CHECKPOINTING[1]] = {**kwargs, "use_reentrant": False}
+    return dataclasses.replace(args, **replaced)
 
-    def __init__(self, model=None, args=None, gemini_config: GeminiConfig | None = None, **kwargs):
-        if model is None:
-            raise ValueError("GeminiTrainer: pass the model (model_init is not supported: the engine owns one model).")
-        if kwargs.get("optimizers", (None, None))[0] is not None:
-            raise ValueError("GeminiTrainer: the optimizer comes from the engine (AdamW with the arguments' "
+
+class GeminiTrainerMixin:
+    """Put first in the bases of a `transformers.Trainer` subclass; takes `gemini_config=gx.GeminiConfig(...)`
+    beside the trainer's own arguments (the model and the arguments by name or in the Trainer's order)."""
+
+    def __init__(self, *args, gemini_config: GeminiConfig | None = None, **kwargs):
+        who = type(self).__name__
+        if not isinstance(self, transformers.Trainer):
+            raise TypeError(f"{who}: GeminiTrainerMixin goes first in the bases of a transformers.Trainer subclass, "
+                            f"e.g. class {who}(GeminiTrainerMixin, transformers.Trainer).")
+        names = ("model", "args")
+        for name, value in zip(names, args[:2]):
+            if name in kwargs:
+                raise TypeError(f"{who}: got {name} twice (positionally and by name).")
+            kwargs[name] = value
+        args = args[2:]
+        model = kwargs.get("model")
+        if model is None or isinstance(model, str):
+            raise ValueError(f"{who}: pass the model as a torch.nn.Module (model_init and model names are not "
+                             "supported: the engine owns one model, built before the trainer).")
+        if (kwargs.get("optimizers") or (None, None))[0] is not None:
+            raise ValueError(f"{who}: the optimizer comes from the engine (AdamW with the arguments' "
                              "hyperparameters); leave `optimizers` out.")
-        args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
-        if _optim_name(args) not in ADAMW_NAMES + tuple(OTHER_OPTIMIZERS):
-            raise ValueError(f"GeminiTrainer: optim={_optim_name(args)!r}; the engine steps "
-                             f"{', '.join(ADAMW_NAMES + tuple(OTHER_OPTIMIZERS))} with its own kernels (another "
-                             "torch optimizer: pass optimizer_cls_and_kwargs is not supported, subclass and override "
-                             "create_optimizer with self.engine.optimizer(cls, ...)).")
+        train_args = kwargs.get("args") or transformers.TrainingArguments(output_dir="trainer_output")
         config = gemini_config if gemini_config is not None else GeminiConfig()
-        wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
-        config = dataclasses.replace(config, precision=agreed_precision(config, wanted, "GeminiTrainer",
-                                                                        "TrainingArguments"))
-        # The engine computes in its precision: the Trainer's own autocast stays off.
-        args = dataclasses.replace(args, bf16=False, fp16=False)
-        _ = args.device  # under torchrun the Trainer's process group exists before the engine shards over it
+        wanted = "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else None
+        train_args = _checked_args(train_args, who)
+        config = dataclasses.replace(config, precision=agreed_precision(config, wanted, who, "TrainingArguments"))
+        _ = train_args.device  # under torchrun the Trainer's process group exists before the engine shards over it
+        kwargs["args"] = train_args
         self.engine = enable(model, config)
         try:
-            super().__init__(model=model, args=args, **kwargs)
+            super().__init__(*args, **kwargs)
         except BaseException:
             self.engine.close()
             raise
@@ -101,8 +147,11 @@ class GeminiTrainer(transformers.Trainer):
         # while it is open (it checks that the parameters are the model's, then clips in the chunks).
         self.accelerator.clip_grad_norm_ = self._clip_grad_norm_in_chunks
 
-    @staticmethod
-    def _model_as_is(model, device_placement=None, evaluation_mode=False):
+    def _model_as_is(self, model, device_placement=None, evaluation_mode=False):
+        if self.args.torch_compile and not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # what accelerate's prepare_model would do with the arguments' dynamo settings
+            return torch.compile(model, backend=self.args.torch_compile_backend or "inductor",
+                                 mode=self.args.torch_compile_mode)
         return model
 
     @staticmethod
@@ -159,7 +208,7 @@ class GeminiTrainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # The masters come with the engine's checkpoint (_load_optimizer_and_scheduler), exactly.
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
-            raise ValueError(f"GeminiTrainer: {resume_from_checkpoint} has no {ENGINE_CHECKPOINT}/ engine checkpoint; "
+            raise ValueError(f"{type(self).__name__}: {resume_from_checkpoint} has no {ENGINE_CHECKPOINT}/ engine checkpoint; "
                              "resume from a checkpoint a GeminiTrainer saved.")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -187,3 +236,7 @@ class GeminiTrainer(transformers.Trainer):
     def close(self) -> None:
         """Closes the engine: the model holds the trained values as ordinary parameters."""
         self.engine.close()
+
+
+class GeminiTrainer(GeminiTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer(model=..., args=..., ...)` plus `gemini_config=gx.GeminiConfig(...)`."""

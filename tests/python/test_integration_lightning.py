@@ -130,3 +130,16 @@ def test_conflicting_precision_is_refused(tmp_path):
                          default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match="bf16.*precision='fp32'"):
         trainer.fit(GPTModule(), torch.utils.data.DataLoader(Batches(2), batch_size=1))
+
+
+@pytest.mark.parametrize("name, policy, param_frac", [("gemini", "static", 0.0), ("gemini_auto", "auto", 0.0),
+                                                      ("gemini_offload", "static", 1.0)])
+def test_strategy_names_select_the_strategy_from_lightnings_registry(tmp_path, name, policy, param_frac):
+    from lightning.pytorch.strategies import StrategyRegistry
+    assert name in StrategyRegistry, sorted(StrategyRegistry)
+    module = GPTModule()
+    trainer = _fit(module, name, tmp_path, max_steps=2, batches=2 * ACCUM)
+    strategy = trainer.strategy
+    assert isinstance(strategy, GeminiStrategy)
+    assert (strategy.config.placement_policy, strategy.config.offload_param_frac) == (policy, param_frac)
+    assert strategy.engine.closed and strategy.engine.stats()["optimizer_steps"] == 2

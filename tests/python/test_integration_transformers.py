@@ -11,7 +11,7 @@ from dist_utils import run_torchrun
 from parity_utils import chunk_cap
 
 transformers = pytest.importorskip("transformers")
-from gemini_ext.integrations.transformers import GeminiTrainer  # noqa: E402
+from gemini_ext.integrations.transformers import CHECKPOINTING, GeminiTrainer, GeminiTrainerMixin  # noqa: E402
 
 STEPS, ACCUM, BATCH, SEQ = 20, 2, 4, 16
 
@@ -123,6 +123,65 @@ def test_arguments_that_conflict_with_the_engine_are_refused(tmp_path):
     with pytest.raises(ValueError, match="optim='adafactor'"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path, optim="adafactor"), train_dataset=Tokens(),
                       gemini_config=_gemini_config())
+    with pytest.raises(ValueError, match="fsdp=.*cannot manage them too"):
+        GeminiTrainer(model=_llama(), args=_args(tmp_path, fsdp="full_shard"), train_dataset=Tokens(),
+                      gemini_config=_gemini_config())
+    args = _args(tmp_path)
+    object.__setattr__(args, "deepspeed", "ds_config.json")  # as if given: building it needs deepspeed installed
+    with pytest.raises(ValueError, match="deepspeed='ds_config.json'.*cannot manage them too"):
+        GeminiTrainer(model=_llama(), args=args, train_dataset=Tokens(), gemini_config=_gemini_config())
+    with pytest.raises(ValueError, match="checkpointing_kwargs=.*non-reentrant"):
+        GeminiTrainer(model=_llama(), args=_args(tmp_path, **{CHECKPOINTING[0]: True,
+                                                             CHECKPOINTING[1]: {"use_reentrant": True}}),
+                      train_dataset=Tokens(), gemini_config=_gemini_config())
+    with pytest.raises(TypeError, match="goes first in the bases"):
+        type("NotATrainer", (GeminiTrainerMixin, object), {})(model=_llama(), gemini_config=_gemini_config())
+
+
+class CountingTrainer(GeminiTrainerMixin, transformers.Trainer):
+    """A user's Trainer subclass (as TRL's are): its own compute_loss, the mixin first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses_computed = 0
+
+    def compute_loss(self, model, inputs, **kwargs):
+        self.losses_computed += 1
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+def _losses(trainer):
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    trainer.close()
+    return losses
+
+
+def test_the_mixin_over_a_trainer_subclass_with_checkpointing_and_compile_trains_as_gemini_trainer(tmp_path):
+    """A subclass with its own compute_loss (positional model and arguments), gradient checkpointing
+    (non-reentrant by default) and torch_compile (honoured: the model is compiled) give the losses
+    GeminiTrainer gives without them."""
+    steps = 6
+    reference = _losses(GeminiTrainer(model=_llama(), args=_args(tmp_path / "a", max_steps=steps, logging_steps=1),
+                                      train_dataset=Tokens(), gemini_config=_gemini_config()))
+    counting = CountingTrainer(_llama(), _args(tmp_path / "b", max_steps=steps, logging_steps=1), train_dataset=Tokens(),
+                               gemini_config=_gemini_config())
+    assert _losses(counting) == reference and counting.losses_computed == steps * ACCUM
+    model = _llama()
+    checkpointed = GeminiTrainer(model=model, args=_args(tmp_path / "c", max_steps=steps, logging_steps=1,
+                                                         **{CHECKPOINTING[0]: True}),
+                                 train_dataset=Tokens(), gemini_config=_gemini_config())
+    assert getattr(checkpointed.args, CHECKPOINTING[1]) == {"use_reentrant": False}
+    assert _losses(checkpointed) == pytest.approx(reference, rel=1e-6)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()), "the model checkpoints"
+    compiled = GeminiTrainer(model=_llama(), args=_args(tmp_path / "d", max_steps=steps, logging_steps=1,
+                                                        torch_compile=True, torch_compile_backend="aot_eager"),
+                             train_dataset=Tokens(), gemini_config=_gemini_config())
+    compiled.train()
+    assert isinstance(compiled.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), type(compiled.model_wrapped)
+    losses = [h["loss"] for h in compiled.state.log_history if "loss" in h]
+    compiled.close()
+    assert losses == pytest.approx(reference, rel=1e-5)
 
 
 def _two_ranks_body(rank, world_size, out):
