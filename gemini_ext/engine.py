@@ -384,6 +384,7 @@ class GeminiEngine:
             "num_param_chunks": len(parts.layout.sets),
             "chunk_size": self.chunk_size,
             "wasted_bytes": parts.layout.param_wasted_bytes,  # padding of the parameter chunks
+            "parameters": parts.layout.parameter_costs(),  # elements and bytes, trainable and frozen
             **parts.tracer.stats(),
             "optimizer_steps": parts.counters.optimizer_steps,
             "skipped_steps": parts.scaler.skipped_steps if parts.scaler is not None else 0,

@@ -21,7 +21,7 @@ import torch
 
 from .. import _C
 from .._units import format_bytes
-from ..placement.costs import STATE_DTYPE
+from ..placement.costs import STATE_DTYPE, set_bytes_per_element
 from ..search import ALIGNMENT_NUMEL, search_chunk_configuration, wider_search
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -138,6 +138,7 @@ class ChunkLayout:
             self._placement_in_chunk.append((offset, numel, infos[chunk]["shard_numel"]))
         self.param_wasted_bytes = sum((infos[s.param]["padded_numel"] - infos[s.param]["payload_numel"])
                                       * compute_dtype.itemsize for s in self.sets)  # padding of parameter chunks
+        self._set_numels = [(infos[s.param]["padded_numel"], infos[s.param]["payload_numel"]) for s in self.sets]
 
     def _chunk_sets(self, chunks) -> list[SetChunks]:
         """Trainable sets first (chunk order), then frozen ones."""
@@ -226,6 +227,23 @@ class ChunkLayout:
             lo, hi = max(offset, r * shard), min(offset + numel, (r + 1) * shard)
             if lo < hi:
                 out.append([r, lo - offset, hi - offset])
+        return out
+
+    def parameter_costs(self) -> dict:
+        """What the parameters cost, trainable and frozen apart: their elements and the bytes of
+        their chunk sets, each chunk counted once whatever its tier and over every rank together
+        (padding included): a parameter chunk in the compute dtype; a trainable set adds its
+        gradient, fp32 master and the optimizer's state kinds (the planned ones before an
+        optimizer is attached). A frozen parameter costs its compute-dtype bytes only."""
+        kinds = len(self.state_kinds) if self.state_kinds else self.planned_state_kinds
+        per_element = set_bytes_per_element(self.compute_dtype, kinds, self.state_dtype)
+        out = {"trainable": {"parameters": 0, "bytes": 0}, "frozen": {"parameters": 0, "bytes": 0}}
+        for chunks, (padded, payload) in zip(self.sets, self._set_numels):
+            entry = out["trainable" if chunks.trainable else "frozen"]
+            entry["parameters"] += payload
+            entry["bytes"] += padded * (self.compute_dtype.itemsize + (per_element if chunks.trainable else 0))
+        for entry in out.values():
+            entry["bytes_per_parameter"] = entry["bytes"] / entry["parameters"] if entry["parameters"] else 0.0
         return out
 
     def whole_model_bytes(self) -> int:

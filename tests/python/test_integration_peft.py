@@ -1,0 +1,91 @@
+"""PEFT / LoRA under the engine: a LoRA adapter on a frozen tiny Llama (built from a config, no
+weights) trains as plain PEFT does, its frozen base costs its compute-dtype bytes only, and
+save_pretrained inside the block writes the adapter PEFT writes."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import chunk_cap
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+STEPS = 6
+
+
+def _lora_models():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    plain = peft.get_peft_model(copy.deepcopy(base), lora)
+    torch.manual_seed(1)
+    for name, p in plain.named_parameters():  # lora_B starts at zero: give it values, so that lora_A trains too
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    mine = peft.get_peft_model(copy.deepcopy(base), lora)
+    mine.load_state_dict(plain.state_dict())
+    return plain, mine
+
+
+def _batches(device):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 128, (4, 16), generator=g).to(device) for _ in range(STEPS)]
+
+
+def _train(model, opt, device):
+    for x in _batches(device):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_trains_as_plain_peft_and_saves_the_adapter_peft_saves(tmp_path, device):
+    plain, mine = _lora_models()
+    frozen_before = {n: p.detach().clone() for n, p in mine.named_parameters() if not p.requires_grad}
+    torch_device = torch.device("cuda" if device == "cuda" else "cpu")
+    plain.to(torch_device)
+    _train(plain, torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2), torch_device)
+    plain.save_pretrained(tmp_path / "plain")
+    config = gx.GeminiConfig(device=device, precision="fp32", chunk_config_dict={"chunk_size": 4096},
+                             **chunk_cap(device, 6 * 4096 * 4))
+    with gx.enable(mine, config) as engine:
+        _train(mine, engine.optimizer(torch.optim.AdamW, lr=1e-2), engine.compute_device)
+        assert engine.stats()["counters"]["evictions"] > 0, "the budget evicts"
+        mine.save_pretrained(tmp_path / "gx")
+    for (name, a), (_, b) in zip(plain.named_parameters(), mine.named_parameters()):
+        if a.requires_grad:
+            assert (a.detach().cpu() - b.detach().cpu()).abs().max() <= 1e-5 * a.abs().max(), name
+        else:
+            assert torch.equal(b.detach().cpu(), frozen_before[name]), f"{name}: a frozen parameter changed"
+    assert sorted(os.listdir(tmp_path / "gx")) == sorted(os.listdir(tmp_path / "plain"))
+    ours = safetensors_torch.load_file(tmp_path / "gx" / "adapter_model.safetensors")
+    theirs = safetensors_torch.load_file(tmp_path / "plain" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and len(ours) == 8  # lora_A and lora_B of q and v in 2 layers
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and (ours[key] - value.cpu()).abs().max() <= 1e-5 * value.abs().max()
+
+
+def test_a_frozen_base_costs_its_compute_dtype_bytes_only():
+    _, mine = _lora_models()
+    frozen = sum(p.numel() for p in mine.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in mine.parameters() if p.requires_grad)
+    with gx.enable(mine, gx.GeminiConfig(device="sim", precision="bf16", search_range_m=0.01,
+                                         min_chunk_size_m=0.001)) as engine:
+        engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        costs = engine.stats()["parameters"]
+        assert costs["frozen"]["parameters"] == frozen and costs["trainable"]["parameters"] == trainable
+        padding = engine.stats()["wasted_bytes_all_groups"]
+        # bf16: 2 bytes per frozen parameter (padding aside); 2 + 2 (gradient) + 4 (master) + 8 (Adam) trainable
+        assert 2.0 <= costs["frozen"]["bytes_per_parameter"] <= 2.0 + padding / frozen
+        assert costs["trainable"]["bytes_per_parameter"] >= 16.0
+        frozen_sets = [s for s in engine.internal.layout.sets if not s.trainable]
+        assert frozen_sets and all(s.optimizer_side() == {} for s in frozen_sets), "no gradient, master or state"
