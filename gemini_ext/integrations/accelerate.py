@@ -1,0 +1,44 @@
+"""Accelerate: a user's own `accelerate` loop with the model under a gemini_ext engine.
+
+[Note: what the Accelerator keeps and what the engine takes]
+`prepare(accelerator, engine)` is the one line to add after `gx.enable`: the Accelerator keeps
+the data loader, the scheduler, gradient accumulation (`accelerator.accumulate`), `backward` and
+its process state; the engine keeps the parameters, so
+- `accelerator.prepare(model)` hands the engine's model back unchanged (no device move, no
+  DistributedDataParallel: the engine places, shards and reduces itself);
+- `accelerator.clip_grad_norm_` clips in the gradient chunks (accelerate reads `p.grad`, which is
+  None for managed parameters: without this it would report 0 and clip nothing);
+- the optimizer is the engine's (`engine.optimizer(...)`), prepared as any optimizer.
+Saving: `accelerator.save_state(dir)` stores the optimizer's torch-format state and the
+scheduler, but not the engine's masters as the engine keeps them; `engine.save_checkpoint(dir)`
+(beside it, on every rank) and `engine.load_checkpoint(dir)` after `accelerator.load_state(dir)`
+resume bit-exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._engine import registry
+
+
+def prepare(accelerator, engine) -> None:
+    """Makes `accelerator` leave `engine`'s model to the engine (see the Note above)."""
+    if not registry.is_open_engine(engine):
+        raise ValueError("gemini_ext.integrations.accelerate.prepare(accelerator, engine): `engine` must be an open "
+                         "engine (the result of gx.enable(model, config), inside its block).")
+    model = engine.model
+    original_prepare_model = accelerator.prepare_model
+
+    def prepare_model(m, device_placement=None, evaluation_mode=False):
+        if m is model:
+            return m  # placed, sharded and reduced by the engine
+        return original_prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        # torch's clip_grad_norm_ is the engine's while it is open: it checks that the parameters
+        # are the model's, then clips in the chunks.
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    accelerator.prepare_model = prepare_model
+    accelerator.clip_grad_norm_ = clip_grad_norm_

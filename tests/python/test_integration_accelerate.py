@@ -1,0 +1,58 @@
+"""A user's own Accelerate loop under the engine (gemini_ext.integrations.accelerate.prepare):
+the optimizer, data loader and scheduler prepared by the Accelerator, gradient accumulation and
+clipping through it, against the same loop without gemini_ext."""
+
+import copy
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from parity_utils import SMALL, batch, max_relative_difference
+from gemini_ext.models import GPT
+
+accelerate = pytest.importorskip("accelerate")
+from gemini_ext.integrations.accelerate import prepare  # noqa: E402
+
+STEPS, ACCUM = 4, 2
+
+
+def _loop(accelerator, model, opt, sched):
+    data = [batch(SMALL, k, torch.device("cpu")) for k in range(STEPS * ACCUM)]
+    model, opt, loader, sched = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=None),
+                                                    sched)
+    norms = []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x, y))
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return norms
+
+
+def test_an_accelerate_loop_trains_as_without_gemini_ext():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+    plain_norms = _loop(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM), reference, ref_opt,
+                        torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5))
+    config = gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096},
+                             sim_capacity=8 * 4096 * 4)
+    with gx.enable(model, config) as engine:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        prepare(accelerator, engine)
+        opt = engine.optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+        norms = _loop(accelerator, model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        assert engine.stats()["optimizer_steps"] == STEPS
+        assert engine.stats()["counters"]["evictions"] > 0, "the budget evicts"
+    assert norms == pytest.approx(plain_norms, rel=1e-4) and min(plain_norms) > 0.05, "clipped, in the chunks"
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_prepare_refuses_what_is_not_an_open_engine():
+    with pytest.raises(ValueError, match="must be an open engine"):
+        prepare(accelerate.Accelerator(cpu=True), object())
