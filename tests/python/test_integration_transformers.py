@@ -208,3 +208,38 @@ def _two_ranks_body(rank, world_size, out):
 
 def test_two_ranks_under_torchrun(tmp_path):
     run_torchrun(2, _two_ranks_body, str(tmp_path), tmp_dir=str(tmp_path))
+
+
+def test_the_mixin_over_trls_sft_trainer_trains_as_sft_trainer(tmp_path):
+    """TRL's SFTTrainer with GeminiTrainerMixin first in the bases against SFTTrainer itself: the
+    same losses and gradient norms on pre-tokenized data, and the same trained weights."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+
+    vocab = {str(i): i for i in range(128)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")), pad_token="0", eos_token="1")
+    train = datasets.Dataset.from_dict({"input_ids": [t.tolist() for t in Tokens(n=6 * BATCH).ids]})
+
+    def sft_args(out):
+        return trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=6, learning_rate=3e-3,
+                             logging_steps=1, max_grad_norm=0.5, bf16=False, use_cpu=True, save_strategy="no",
+                             report_to=[], seed=0, disable_tqdm=True)
+
+    class GeminiSFTTrainer(GeminiTrainerMixin, trl.SFTTrainer):
+        pass
+
+    plain_model, model = _llama(), _llama()  # each from its own config: SFTTrainer sets the pad token in it
+    plain = trl.SFTTrainer(model=plain_model, args=sft_args(tmp_path / "plain"), train_dataset=train,
+                           processing_class=tokenizer)
+    plain.train()
+    ours = GeminiSFTTrainer(model=model, args=sft_args(tmp_path / "gx"), train_dataset=train,
+                            processing_class=tokenizer, gemini_config=_gemini_config())
+    ours.train()
+    logs = [[h[k] for h in t.state.log_history if "loss" in h] for t in (plain, ours) for k in ("loss", "grad_norm")]
+    assert logs[2] == pytest.approx(logs[0], rel=1e-5) and logs[3] == pytest.approx(logs[1], rel=1e-4)
+    assert ours.engine.stats()["optimizer_steps"] == 6
+    ours.close()
+    for (name, a), (_, b) in zip(plain_model.named_parameters(), model.named_parameters()):
+        assert (a.detach() - b.detach()).abs().max() <= 1e-5 * a.abs().max(), name
