@@ -22,6 +22,13 @@ import torch
 from .._engine import registry
 
 
+def clip_grad_norm_in_chunks(parameters, max_norm, norm_type=2):
+    """accelerate's clip_grad_norm_ for managed parameters: torch's clip_grad_norm_, which is the
+    engine's while it is open (it checks that the parameters are the model's, then clips in the
+    chunks)."""
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+
 def prepare(accelerator, engine) -> None:
     """Makes `accelerator` leave `engine`'s model to the engine (see the Note above)."""
     if not registry.is_open_engine(engine):
@@ -35,10 +42,5 @@ def prepare(accelerator, engine) -> None:
             return m  # placed, sharded and reduced by the engine
         return original_prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
-    def clip_grad_norm_(parameters, max_norm, norm_type=2):
-        # torch's clip_grad_norm_ is the engine's while it is open: it checks that the parameters
-        # are the model's, then clips in the chunks.
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
     accelerator.prepare_model = prepare_model
-    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator.clip_grad_norm_ = clip_grad_norm_in_chunks

@@ -32,7 +32,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from ..config import GeminiConfig
 from ..engine import enable
 from ..optim import GeminiOptimizer
-from .lightning import ENGINE_SUFFIX, STRATEGY_NAMES, engine_precision
+from .lightning import ENGINE_SUFFIX, engine_precision, register_strategy_names
 
 
 class _EngineNoSync(_BackwardSyncControl):
@@ -58,9 +58,7 @@ class GeminiFabricStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Registers the names of gemini_ext.integrations.lightning.STRATEGY_NAMES for Fabric."""
-        for name, (fields, description) in STRATEGY_NAMES.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, config=GeminiConfig(**fields))
+        register_strategy_names(strategy_registry, cls)
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)

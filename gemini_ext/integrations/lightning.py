@@ -52,6 +52,14 @@ PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true"
               "16-true": "fp16"}
 
 
+def register_strategy_names(strategy_registry, strategy_cls) -> None:
+    """STRATEGY_NAMES in a Lightning or Fabric strategy registry, each building `strategy_cls` with
+    its config; names already there are left as they are."""
+    for name, (fields, description) in STRATEGY_NAMES.items():
+        if name not in strategy_registry:
+            strategy_registry.register(name, strategy_cls, description=description, config=GeminiConfig(**fields))
+
+
 def engine_precision(lightning_precision: str, config: GeminiConfig) -> str:
     """The engine precision for the Trainer's `precision`; a config whose precision is not the
     default and differs is a conflict."""
@@ -68,9 +76,7 @@ class GeminiStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Registers STRATEGY_NAMES (DDPStrategy's own names stay DDP's)."""
-        for name, (fields, description) in STRATEGY_NAMES.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, config=GeminiConfig(**fields))
+        register_strategy_names(strategy_registry, cls)
 
     def __init__(self, config: GeminiConfig | None = None, **ddp_kwargs):
         super().__init__(**ddp_kwargs)

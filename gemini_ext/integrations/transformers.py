@@ -46,6 +46,7 @@ import transformers
 from ..config import GeminiConfig
 from ..engine import enable
 from ._precision import agreed_precision
+from .accelerate import clip_grad_norm_in_chunks
 
 ENGINE_CHECKPOINT = "gemini"  # the engine's checkpoint inside a Trainer checkpoint folder
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -145,7 +146,7 @@ class GeminiTrainerMixin:
         # accelerate (from 1.x) takes the norm from p.grad itself, which is None for managed
         # parameters: it would report 0 and clip nothing. torch's clip_grad_norm_ is the engine's
         # while it is open (it checks that the parameters are the model's, then clips in the chunks).
-        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_in_chunks
+        self.accelerator.clip_grad_norm_ = clip_grad_norm_in_chunks
 
     def _model_as_is(self, model, device_placement=None, evaluation_mode=False):
         if self.args.torch_compile and not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -153,10 +154,6 @@ class GeminiTrainerMixin:
             return torch.compile(model, backend=self.args.torch_compile_backend or "inductor",
                                  mode=self.args.torch_compile_mode)
         return model
-
-    @staticmethod
-    def _clip_grad_norm_in_chunks(parameters, max_norm, norm_type=2):
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
