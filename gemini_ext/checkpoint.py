@@ -11,6 +11,8 @@ Resuming restores the masters (the 16-bit parameters are their round-to-nearest 
 after a step), the optimizer state, per-parameter step counts, the loss scale and the RNG states, so that
 training continues bit-exactly. A save never leaves a half-written checkpoint under `path`:
 files go to `path.tmp-<pid>` first, and the old checkpoint (if any) is replaced by renames.
+`load(..., model_only=True)` (either version) restores the masters and buffers alone, for an
+engine without an optimizer (evaluation).
 
 Format version 2 (sharded engines: a process group; every rank calls save and load). Each rank
 writes only what it holds, so no rank gathers the model:
@@ -205,7 +207,7 @@ def _save_zero_group(engine, path: str) -> None:
     dist.barrier(group)
 
 
-def load(engine, path: str) -> None:
+def load(engine, path: str, model_only: bool = False) -> None:
     path = os.fspath(path)
     index_path = os.path.join(path, "index.json")
     if not os.path.isfile(index_path):
@@ -217,10 +219,12 @@ def load(engine, path: str) -> None:
         raise ValueError(f"load_checkpoint: {path} has format {index.get('format')!r} version {index.get('version')!r};"
                          f" expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
     if index["version"] == VERSION_SHARDED:
-        _load_sharded(engine, path, index)
+        _load_sharded(engine, path, index, model_only)
         return
     payload = torch.load(os.path.join(path, SHARD), map_location="cpu", weights_only=False)
     engine.load_state_dict(payload["model"])
+    if model_only:
+        return
     opt = engine.attached_optimizer
     if payload["optimizer"] is not None:
         if opt is None:
@@ -249,7 +253,7 @@ def _restore_counters(engine, saved: dict) -> None:
     engine.internal.counters.optimizer_steps = saved["optimizer_steps"]  # skipped steps: the scaler's state
 
 
-def _load_sharded(engine, path: str, index: dict) -> None:
+def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
     files = {}
 
     def payload(rank):
@@ -265,8 +269,8 @@ def _load_sharded(engine, path: str, index: dict) -> None:
         raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
     common = payload(0)["common"]
-    opt = engine.attached_optimizer
-    if common["optimizer"] is not None and opt is None:
+    opt = None if model_only else engine.attached_optimizer
+    if common["optimizer"] is not None and engine.attached_optimizer is None and not model_only:
         raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                            "engine.optimizer(...) before loading it.")
     if opt is not None and common["optimizer"] is not None:
@@ -278,7 +282,7 @@ def _load_sharded(engine, path: str, index: dict) -> None:
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
                              f"the model has {tuple(engine.internal.layout.params[idx].shape)}.")
         lo, hi = _my_range(engine, idx)
-        for kind in _kinds(engine, idx):
+        for kind in engine.internal.layout.value_kinds(idx, with_state=opt is not None):
             full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
             for rank, begin, end in entry["pieces"]:
                 a, b = max(begin, lo), min(end, hi)
@@ -303,6 +307,9 @@ def _load_sharded(engine, path: str, index: dict) -> None:
         for key, value in common["buffers"].items():
             if key in own:
                 own[key].copy_(value)
+    if model_only:
+        gm.synchronize()
+        return
     if common["scaler"] is not None and engine.internal.scaler is not None:
         engine.internal.scaler.load_state_dict(common["scaler"])
     _restore_counters(engine, common["engine"])

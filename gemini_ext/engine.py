@@ -357,10 +357,12 @@ class GeminiEngine:
         self.internal.access.absorb_writes()
         checkpoint.save(self, path)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, model_only: bool = False) -> None:
+        """Everything save_checkpoint wrote; with model_only=True the model alone (masters and
+        buffers: for evaluation, without an optimizer), leaving optimizer, scaler, counters and RNG."""
         self.internal.check_open("load_checkpoint")
         self.internal.access.absorb_writes()
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, model_only=model_only)
         self.internal.runtime.note_param_versions()
 
     # --- observing ---------------------------------------------------------------------------

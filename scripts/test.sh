@@ -18,10 +18,11 @@ cpp_stage() {  # the GoogleTest suites: needs neither torch nor the extension
   local generator=() src
   command -v ninja >/dev/null && generator=(-G Ninja)
   src="$(gtest_source_dir || true)"
-  # Optimised without debug information: the suite needs none, and on two cores the build takes
-  # about 50 s instead of 69 s (a debugger session configures its own build directory).
+  # -O1 without debug information: the suite needs none, its tests run in about a second either
+  # way, and on two cores -O1 compiles in 84 s of CPU against 98 s at -O2 (a debugger session
+  # configures its own build directory).
   cmake -S csrc -B build/cpp "${generator[@]}" ${src:+-DGX_GTEST_SOURCE="$src"} \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g0 -DNDEBUG" >/dev/null
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g0 -DNDEBUG" >/dev/null
   cmake --build build/cpp -j "$MAX_JOBS"
   echo "== C++: run"
   ./build/cpp/gx_core_tests --gtest_brief=1

@@ -46,9 +46,8 @@ void def_layout_and_moves(py::class_<PyChunkManager>& cls) {
            py::arg("context"), py::arg("world_size") = 1, py::arg("rank") = 0, py::arg("alignment_bytes") = 64,
            py::arg("pin_memory") = true)
       .def("create_group",
-           [](PyChunkManager& p, const std::string& group, py::object dtype, int64_t chunk_size_numel,
+           [](PyChunkManager& p, const std::string& group, at::ScalarType scalar_type, int64_t chunk_size_numel,
               const std::string& home_tier, int64_t alignment_numel) {
-             const auto scalar_type = torch::python::detail::py_object_to_dtype(dtype);
              p.mgr->create_group(group, torch_layer::to_gx_dtype(scalar_type), chunk_size_numel, parse_tier(home_tier),
                                  alignment_numel);
            },

@@ -143,9 +143,7 @@ void def_gradients_and_values(py::class_<GeminiManager>& cls) {
       .def("read", [](GeminiManager& g, const std::string& kind, int param) { return g.read(kind_of(kind), param); },
            nogil())
       .def("read_to",
-           [](GeminiManager& g, const std::string& kind, int param, py::object device, py::object dtype) {
-             const at::Device target = torch::python::detail::py_object_to_device(device);
-             const at::ScalarType scalar_type = torch::python::detail::py_object_to_dtype(dtype);
+           [](GeminiManager& g, const std::string& kind, int param, at::Device target, at::ScalarType scalar_type) {
              const StateKind k = kind_of(kind);
              py::gil_scoped_release release;
              return g.read_to(k, param, target, scalar_type);

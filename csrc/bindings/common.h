@@ -2,7 +2,7 @@
 // Python-side ChunkManager, and the one conversion helper for plain structs (fields listed once).
 #pragma once
 
-#include <torch/python.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the casters of at::Tensor, dtype and device
 
 #include <memory>
 #include <string>

@@ -14,9 +14,17 @@ group); the strategy gives the engine what concerns the parameters:
 - `gradient_clip_val` (by norm) clips through the engine (torch's clip_grad_norm_ over every
   parameter is routed there); `accumulate_grad_batches` runs the micro-batches before the last
   under `no_sync()` when sharded (in one process gradients accumulate through their host copies);
-- checkpoints: beside Lightning's file (model state from the masters, loops, callbacks), the
-  engine's own checkpoint in `<file>.gemini/`; `ckpt_path=` restores from it after set-up
-  (masters, optimizer state, RNG), so training resumes bit-exactly;
+- modules built in `configure_model` (or under `Trainer.init_module()`) are built on the meta
+  device: shapes only, and `setup` gives each module storage as the engine reaches it, running
+  `param_init_fn(module)` (default: the module's own `reset_parameters()`), so the model is never
+  whole in memory before its chunks exist (docs/USAGE.md, "Models larger than the host");
+- checkpoints: the engine's shards are the state. Lightning's file keeps the loops, callbacks,
+  schedulers and a pointer (`checkpoint["gemini_ext"]`), with an empty `state_dict` and empty
+  optimizer states; the model and optimizer are in the engine's own checkpoint in
+  `<file>.gemini/`, each rank writing its shard. `ckpt_path=` restores from it after set-up
+  (masters, optimizer state, RNG), so training resumes bit-exactly; `validate`/`test`/`predict`
+  with `ckpt_path=` load the model only. `gemini-ext export <file>.gemini OUT` gives a plain
+  model;
 - `teardown` closes the engine: after `fit` the module holds the trained values as ordinary
   parameters.
 Importing this module registers the strategy under names in Lightning's StrategyRegistry, so that
@@ -30,6 +38,8 @@ import dataclasses
 import os
 import shutil
 
+import torch
+
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,6 +50,7 @@ from ..optim import GeminiOptimizer
 from ._precision import agreed_precision
 
 ENGINE_SUFFIX = ".gemini"  # the engine's checkpoint beside Lightning's checkpoint file
+CHECKPOINT_KEY = "gemini_ext"  # in Lightning's checkpoint: where the engine's checkpoint is
 # The names `Trainer(strategy=...)` accepts, with the config each stands for and its description.
 STRATEGY_NAMES = {
     "gemini": ({}, "gemini_ext: the default GeminiConfig (static placement, optimizer state on the host)"),
@@ -78,11 +89,13 @@ class GeminiStrategy(DDPStrategy):
         """Registers STRATEGY_NAMES (DDPStrategy's own names stay DDP's)."""
         register_strategy_names(strategy_registry, cls)
 
-    def __init__(self, config: GeminiConfig | None = None, **ddp_kwargs):
+    def __init__(self, config: GeminiConfig | None = None, param_init_fn=None, **ddp_kwargs):
         super().__init__(**ddp_kwargs)
         self.config = config if config is not None else GeminiConfig()
+        self.param_init_fn = param_init_fn  # for modules built on meta (configure_model)
         self.engine = None
         self._restore_from = None
+        self._restored = False
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -94,7 +107,8 @@ class GeminiStrategy(DDPStrategy):
         precision = engine_precision(trainer.precision, self.config)
         self.precision_plugin = Precision()  # the engine computes in its precision: no autocast on top
         if self.engine is None or self.engine.closed:
-            self.engine = enable(module, dataclasses.replace(self.config, precision=precision))
+            self.engine = enable(module, dataclasses.replace(self.config, precision=precision),
+                                 param_init_fn=self.param_init_fn)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
@@ -108,6 +122,14 @@ class GeminiStrategy(DDPStrategy):
         pass  # the engine placed the parameters (in chunks) and the buffers
 
     @contextlib.contextmanager
+    def tensor_init_context(self, empty_init=None):
+        """configure_model and Trainer.init_module build on the meta device: the engine gives
+        each module storage at set-up (the Note above); Lightning's precision plugin is left out,
+        since the masters stay fp32 whatever the compute precision."""
+        with torch.device("meta"):
+            yield
+
+    @contextlib.contextmanager
     def block_backward_sync(self):
         if self.engine is not None and not self.engine.closed and self.engine.world_size > 1:
             with self.engine.no_sync():
@@ -117,10 +139,16 @@ class GeminiStrategy(DDPStrategy):
 
     # --- checkpoints ---------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict:
-        return self.engine.state_dict()  # collective when sharded: every rank calls it
+        return {}  # the model is in the engine's checkpoint (save_checkpoint): no second copy
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # likewise the optimizer's state
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        self.engine.save_checkpoint(os.fspath(filepath) + ENGINE_SUFFIX)
+        engine_dir = os.fspath(filepath) + ENGINE_SUFFIX
+        self.engine.save_checkpoint(engine_dir)  # collective when sharded: every rank writes its shard
+        checkpoint[CHECKPOINT_KEY] = {"engine_checkpoint": os.path.basename(engine_dir),
+                                      "world_size": self.engine.world_size}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
@@ -131,13 +159,23 @@ class GeminiStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         self._restore_from = os.fspath(checkpoint_path) + ENGINE_SUFFIX
+        self._restored = False
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Lightning restores the model first: the engine's checkpoint is loaded here, with the
+        optimizer's state when fitting (the optimizer exists from setup() on)."""
+        if self._restore_from is None or not os.path.isfile(os.path.join(self._restore_from, "index.json")):
+            raise ValueError(f"GeminiStrategy: no engine checkpoint at {self._restore_from}; load a checkpoint a "
+                             "GeminiStrategy saved (its model and optimizer are in the directory beside the file).")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self.engine.load_checkpoint(self._restore_from, model_only=not fitting)  # masters, optimizer, steps, RNG
+        self._restored = True
+
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._restore_from is None or not os.path.isdir(self._restore_from):
-            raise ValueError(f"GeminiStrategy: no engine checkpoint at {self._restore_from}; resume from a checkpoint "
-                             "a GeminiStrategy saved.")
-        self.engine.load_checkpoint(self._restore_from)  # masters, optimizer state, steps, RNG
+        if not self._restored:
+            raise RuntimeError("GeminiStrategy: the optimizer's state is restored with the model's from the engine's "
+                               "checkpoint, and the model was not restored first; this is a bug in gemini_ext.")
 
     def teardown(self) -> None:
         if self.engine is not None and not self.engine.closed:

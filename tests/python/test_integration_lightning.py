@@ -101,9 +101,61 @@ def _fit_then_resume(strategy_factory, root, devices=1, device="sim"):
 def test_resume_from_ckpt_path_continues_as_the_default_strategy_does(tmp_path, device):
     """Lightning's own resume semantics (where a resumed epoch's batches start) apply to both sides."""
     _, reference, _ = _fit_then_resume(lambda: "auto", tmp_path / "plain", device=device)
-    _, resumed, ckpt = _fit_then_resume(lambda: GeminiStrategy(_config(device)), tmp_path / "gx", device=device)
+    first, resumed, ckpt = _fit_then_resume(lambda: GeminiStrategy(_config(device)), tmp_path / "gx", device=device)
     assert (ckpt.parent / (ckpt.name + ".gemini") / "index.json").is_file(), "the engine's checkpoint beside"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    # no second copy of the model or optimizer in Lightning's file: the engine's shards are the state
+    assert saved["state_dict"] == {} and saved["optimizer_states"] == [{}], (saved["state_dict"].keys(),)
+    assert saved["gemini_ext"]["engine_checkpoint"] == ckpt.name + ".gemini"
+    model_bytes = 4 * sum(p.numel() for p in resumed.parameters())
+    assert ckpt.stat().st_size < model_bytes / 4, (ckpt.stat().st_size, model_bytes)
     assert max(max_relative_difference(resumed, reference).values()) <= 1e-5
+    # validation from the checkpoint loads the model alone (no optimizer exists outside fit)
+    evaluated = GPTModule()
+    evaluated.validation_step = lambda data, *_: evaluated.log("val_loss", evaluated.training_step(data, 0))
+    trainer = pl.Trainer(strategy=GeminiStrategy(_config(device)), accelerator="gpu" if device == "cuda" else "cpu",
+                         devices=1, precision="32-true", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path / "eval"))
+    trainer.validate(evaluated, torch.utils.data.DataLoader(Batches(2), batch_size=1), ckpt_path=str(ckpt))
+    assert max(max_relative_difference(evaluated, first).values()) == 0.0, "the values the checkpoint saved"
+
+
+class ConfiguredGPTModule(GPTModule):
+    """The GPT built in configure_model (as for a model too large to build whole), optionally
+    starting from given values."""
+
+    def __init__(self, initial=None):
+        pl.LightningModule.__init__(self)
+        self.initial, self.built_on = initial, None
+
+    def configure_model(self):
+        if hasattr(self, "gpt"):
+            return
+        self.gpt = GPT(SMALL)
+        self.built_on = next(self.gpt.parameters()).device.type
+        if self.initial is not None:
+            self.gpt.load_state_dict(self.initial)
+
+
+class InitialValues(pl.Callback):
+    def on_train_start(self, trainer, module):
+        self.values = {k.removeprefix("gpt."): v.clone() for k, v in trainer.strategy.engine.state_dict().items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_configure_model_builds_on_meta_and_trains_as_the_default_strategy(tmp_path, device):
+    """configure_model runs on the meta device under GeminiStrategy; the engine gives each module
+    storage and its initial values at set-up; from those values training matches Lightning's
+    default strategy with the model built on the CPU."""
+    module, initial = ConfiguredGPTModule(), InitialValues()
+    _fit(module, GeminiStrategy(_config(device)), tmp_path / "gx", max_steps=6, batches=6 * ACCUM,
+         callbacks=[initial], device=device)
+    assert module.built_on == "meta"
+    assert all(v.abs().sum() > 0 for k, v in initial.values.items() if k.endswith("weight")), "initialised"
+    reference = ConfiguredGPTModule(initial.values)
+    _fit(reference, "auto", tmp_path / "plain", max_steps=6, batches=6 * ACCUM, device=device)
+    assert reference.built_on == ("cuda" if device == "cuda" else "cpu")
+    assert max(max_relative_difference(module, reference).values()) <= 1e-5
 
 
 def test_two_processes_through_lightnings_launcher(tmp_path):
