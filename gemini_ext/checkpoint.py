@@ -102,8 +102,12 @@ def _replace_dir(tmp: str, path: str) -> None:
         shutil.rmtree(old)
 
 
-def _kinds(engine, idx: int) -> list[str]:
-    return engine.internal.layout.value_kinds(idx, with_state=engine.attached_optimizer is not None)
+def _kinds(engine, idx: int, with_state: bool | None = None) -> list[str]:
+    """The value kinds of parameter idx a checkpoint carries: with the optimizer's state when the
+    engine has an optimizer (unless with_state says otherwise)."""
+    if with_state is None:
+        with_state = engine.attached_optimizer is not None
+    return engine.internal.layout.value_kinds(idx, with_state=with_state)
 
 
 def _optimizer_common(engine):
@@ -270,7 +274,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
     common = payload(0)["common"]
     opt = None if model_only else engine.attached_optimizer
-    if common["optimizer"] is not None and engine.attached_optimizer is None and not model_only:
+    if common["optimizer"] is not None and opt is None and not model_only:
         raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                            "engine.optimizer(...) before loading it.")
     if opt is not None and common["optimizer"] is not None:
@@ -282,7 +286,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
                              f"the model has {tuple(engine.internal.layout.params[idx].shape)}.")
         lo, hi = _my_range(engine, idx)
-        for kind in engine.internal.layout.value_kinds(idx, with_state=opt is not None):
+        for kind in _kinds(engine, idx, with_state=opt is not None):
             full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
             for rank, begin, end in entry["pieces"]:
                 a, b = max(begin, lo), min(end, hi)
