@@ -6,7 +6,9 @@
 #   gemini_ext   pip install --no-build-isolation -e ".[EXTRA]" when the extension is missing, its
 #                sources changed since the last build or the extra was not installed with it (a
 #                stamp in build/ records what was built and installed); the extras of pyproject.toml
-#                are the one list of Python packages (tqdm comes with the package itself)
+#                are the one list of Python packages (tqdm comes with the package itself). With an
+#                extra, the compile and the extra's downloads run side by side (the package with
+#                --no-deps, the requirements scripts/extra_requirements.py reads beside it)
 # Honours PYTHON (default python3) and MAX_JOBS (default: all cores).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -76,7 +78,26 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
   fi
   [ -n "$extras" ] && spec=".[$extras]"
   log "building and installing gemini_ext$([ -n "$extras" ] && echo " with [$extras]") (MAX_JOBS=$MAX_JOBS)"
-  (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec") || return 1
+  if [ -n "$extras" ]; then
+    # The extension compiles while pip downloads and installs the extras' packages (the compile
+    # needs only torch and setuptools, which are in place): the package without dependencies in
+    # the background, the requirements pyproject.toml lists for the extras beside it.
+    local build_log="$REPO/build/pip-install-gemini_ext.log" build_pid reqs
+    mkdir -p "$REPO/build"
+    mapfile -t reqs < <("$PYTHON" "$REPO/scripts/extra_requirements.py" "$extras") || return 1
+    (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .) > "$build_log" 2>&1 &
+    build_pid=$!
+    if ! "$PYTHON" -m pip install -q "${reqs[@]}"; then
+      kill "$build_pid" 2>/dev/null || true
+      return 1
+    fi
+    if ! wait "$build_pid"; then
+      cat "$build_log" >&2
+      return 1
+    fi
+  else
+    (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec") || return 1
+  fi
   mkdir -p "$REPO/build"
   printf '%s\n%s\n' "$want" "$extras" > "$stamp"
 }

@@ -150,3 +150,15 @@ def test_the_test_extra_is_installed_at_allowed_versions():
         if not req.specifier.contains(version, prereleases=True):
             problems.append(f"{req.name} {version} does not satisfy {req}")
     assert problems == [], "; ".join(problems) + " (run ./scripts/test.sh, which installs the test extra)"
+
+
+def test_the_install_scripts_read_the_same_requirements_as_pip():
+    """scripts/extra_requirements.py (the list setup_env.sh installs while the extension
+    compiles) expands the `test` extra as pip does from the package's metadata."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("extra_requirements", os.path.join(REPO, "scripts", "extra_requirements.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = [Requirement(t) for t in importlib.metadata.requires("gemini_ext") or [] if "extra ==" not in t]
+    expected = {str(Requirement(str(r).split(";")[0])) for r in base + _requirements("test")}
+    assert {str(Requirement(t)) for t in module.requirements(["test"])} == expected
