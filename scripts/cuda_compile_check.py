@@ -2,7 +2,7 @@
 
 On machines with nvcc and CUDA headers but a CPU build of torch (CI), the extension is built
 CPU-only, so `#ifdef GX_WITH_CUDA` code in csrc/torch and csrc/bindings would never be compiled.
-This compiles each of those files with GX_WITH_CUDA=1 against torch's headers (the CPU wheel
+This compiles those files (one unit per folder) with GX_WITH_CUDA=1 against torch's headers (the CPU wheel
 ships c10/cuda) and the CUDA toolkit's headers, with -fsyntax-only: it catches rot between GPU
 runs. Only files whose own text or project headers mention GX_WITH_CUDA are checked (the rest
 compile identically in the CPU build); csrc/cuda's .cpp files are compiled and linked by the
@@ -77,8 +77,22 @@ def main() -> int:
                                glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp")))
              if mentions_cuda(f, set())]
 
+    names = {}
     nvcc = shutil.which("nvcc")
     kernels = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) if nvcc else []
+
+    # As the extension's unity build does: one translation unit per folder, so torch's headers
+    # are parsed once per folder (the report names the folder's files).
+    units = {}
+    for f in files:
+        units.setdefault(os.path.dirname(f), []).append(f)
+    files = []
+    for folder, members in sorted(units.items()):
+        unit = os.path.join(shim, os.path.basename(folder) + "_unity.cpp")
+        with open(unit, "w") as f:
+            f.write("".join(f'#include "{m}"\n' for m in members))
+        files.append(unit)
+        names[unit] = ", ".join(os.path.relpath(m, ROOT) for m in members)
 
     def check(path):
         if path.endswith(".cu"):
@@ -91,7 +105,7 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         for path, result in pool.map(check, files + kernels):
             status = "ok" if result.returncode == 0 else "FAILED"
-            print(f"cuda_compile_check: {os.path.relpath(path, ROOT)}: {status}")
+            print(f"cuda_compile_check: {names.get(path) or os.path.relpath(path, ROOT)}: {status}")
             if result.returncode != 0:
                 failed += 1
                 print(result.stderr)

@@ -52,7 +52,7 @@ ensure_cpp_toolchain() {
 
 source_hash() {
   (cd "$REPO" && find csrc setup.py pyproject.toml MANIFEST.in -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.inc' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' -o -name MANIFEST.in \) -print0 \
-    | sort -z | xargs -0 sha256sum; "$PYTHON" -c "import sys, torch; print(sys.version, torch.__version__)"; echo "${GEMINI_EXT_CUDA:-}") | sha256sum | cut -d' ' -f1
+    | sort -z | xargs -0 sha256sum; "$PYTHON" -c "import sys, torch; print(sys.version, torch.__version__)"; echo "${GEMINI_EXT_CUDA:-} ${GEMINI_EXT_UNITY:-}") | sha256sum | cut -d' ' -f1
 }
 
 ensure_build_tools() {  # what `pip install --no-build-isolation` needs from the environment

@@ -56,3 +56,27 @@ def test_an_accelerate_loop_trains_as_without_gemini_ext():
 def test_prepare_refuses_what_is_not_an_open_engine():
     with pytest.raises(ValueError, match="must be an open engine"):
         prepare(accelerate.Accelerator(cpu=True), object())
+
+
+def test_two_processes_under_accelerate_launch_train_save_and_resume_as_without_gemini_ext(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` with Accelerator(cpu=True): the loop above
+    at two gloo ranks, plain
+    (DistributedDataParallel) against the engine sharded over the same group, which stops half
+    way, saves (accelerator.save_state and engine.save_checkpoint) and resumes in a fresh engine."""
+    import json
+    import os
+    from conftest import run_python
+    from dist_utils import free_port
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_worker.py")
+    out = run_python("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                     "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                     worker, str(tmp_path), env={"OMP_NUM_THREADS": "1", "ACCELERATE_CONFIG_FILE": None},
+                     timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    r = json.loads((tmp_path / "report.json").read_text())
+    assert r["num_processes"] == 2 and r["world_size"] == 2 and r["distributed_type"].endswith("MULTI_CPU"), r
+    assert (r["steps_before"], r["steps_after"]) == (STEPS // 2, STEPS), "the step count resumes from the checkpoint"
+    assert len(r["norms"]) == len(r["plain_norms"]) == STEPS and r["norms"] == pytest.approx(r["plain_norms"], rel=1e-4)
+    assert r["last_lr"] == r["plain_lr"] < 3e-3, "the scheduler resumed from save_state"
+    assert r["difference"] <= 5e-5, r  # a per-rank mean of means: another summation order (test_distributed)
+    assert len(list((tmp_path / "state" / "gemini_ext").iterdir())) >= 2, "each rank wrote its shard"

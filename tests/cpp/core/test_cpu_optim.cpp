@@ -15,7 +15,7 @@ namespace gx {
 namespace {
 
 // The published update rules in double precision, one element at a time.
-struct Ref {
+struct OptimRef {
   double p, s;  // parameter, the one state (momentum buffer, exp_avg or sum)
   void step(double g, const CpuOptimHyper& h) {
     g *= h.grad_scale;
@@ -45,7 +45,7 @@ struct Ref {
   }
 };
 
-struct Case {
+struct OptimCase {
   CpuOptimHyper hyper;
   DType grad_dtype;
   int64_t numel;
@@ -82,10 +82,10 @@ CpuOptimHyper adagrad(double lr_decay, double wd, double initial, bool maximize)
   return h;
 }
 
-class CpuOptim : public ::testing::TestWithParam<Case> {};
+class CpuOptim : public ::testing::TestWithParam<OptimCase> {};
 
 TEST_P(CpuOptim, EveryIsaMatchesTheDoubleReferenceAndEachOther) {
-  const Case k = GetParam();
+  const OptimCase k = GetParam();
   const int64_t n = k.numel;
   std::mt19937 rng(static_cast<unsigned>(n));
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -111,8 +111,8 @@ TEST_P(CpuOptim, EveryIsaMatchesTheDoubleReferenceAndEachOther) {
   for (SimdIsa isa : available_isas()) {
     std::vector<float> p = p0, s(n, 0.0f);
     std::vector<uint16_t> out(n, 0);
-    std::vector<Ref> ref(n);
-    for (int64_t i = 0; i < n; ++i) ref[i] = Ref{p0[i], 0.0};
+    std::vector<OptimRef> ref(n);
+    for (int64_t i = 0; i < n; ++i) ref[i] = OptimRef{p0[i], 0.0};
     CpuOptimHyper h = k.hyper;
     h.grad_scale = 0.5;
     for (int64_t t = 1; t <= 5; ++t) {
@@ -147,15 +147,15 @@ TEST_P(CpuOptim, EveryIsaMatchesTheDoubleReferenceAndEachOther) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, CpuOptim,
-    ::testing::Values(Case{sgd(0.0, 0.0, false, 0.0, false), DType::kFloat32, 1},
-                      Case{sgd(0.9, 0.0, false, 0.01, false), DType::kBFloat16, 4099},
-                      Case{sgd(0.9, 0.0, true, 0.0, true), DType::kFloat32, 1000},
-                      Case{sgd(0.5, 0.3, false, 0.1, false), DType::kFloat16, 200003},
-                      Case{lion(0.0), DType::kFloat32, 17}, Case{lion(0.1), DType::kBFloat16, 100003},
-                      Case{lion(1.0), DType::kFloat16, 31},
-                      Case{adagrad(0.0, 0.0, 0.0, false), DType::kFloat32, 1000},
-                      Case{adagrad(0.01, 0.1, 0.1, false), DType::kBFloat16, 4101},
-                      Case{adagrad(0.0, 0.0, 0.5, true), DType::kFloat16, 200003}));
+    ::testing::Values(OptimCase{sgd(0.0, 0.0, false, 0.0, false), DType::kFloat32, 1},
+                      OptimCase{sgd(0.9, 0.0, false, 0.01, false), DType::kBFloat16, 4099},
+                      OptimCase{sgd(0.9, 0.0, true, 0.0, true), DType::kFloat32, 1000},
+                      OptimCase{sgd(0.5, 0.3, false, 0.1, false), DType::kFloat16, 200003},
+                      OptimCase{lion(0.0), DType::kFloat32, 17}, OptimCase{lion(0.1), DType::kBFloat16, 100003},
+                      OptimCase{lion(1.0), DType::kFloat16, 31},
+                      OptimCase{adagrad(0.0, 0.0, 0.0, false), DType::kFloat32, 1000},
+                      OptimCase{adagrad(0.01, 0.1, 0.1, false), DType::kBFloat16, 4101},
+                      OptimCase{adagrad(0.0, 0.0, 0.5, true), DType::kFloat16, 200003}));
 
 TEST(CpuOptim, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
   const int64_t n = 1037;  // not a multiple of any vector width: the scalar tail runs too
