@@ -54,6 +54,8 @@ def parse_args(argv=None):
                    help="search_range_m of the chunk search (default: 128, or a quarter of a small model)")
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R (peft) on every block's linear layers; the base is frozen")
     p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where the model is built before enable() takes it into chunks (cuda: a model larger "
                         "than host memory can hold twice, e.g. 13B; meta: no whole copy anywhere, enable() "
@@ -130,6 +132,18 @@ def step_figures(losses: list[float], step_seconds: list[float], tokens_per_step
             "step_seconds": step_seconds}  # every step, the first included
 
 
+def add_lora(model, rank: int) -> None:
+    """LoRA adapters of `rank` on the blocks' linear layers (peft, in place); everything else frozen."""
+    try:
+        import peft
+    except ImportError:
+        sys.exit('train_gpt.py --lora needs peft: pip install "gemini_ext[peft]"')
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["qkv", "proj", "fc1", "fc2"])
+    peft.inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device_kind = gx.resolve_device(gx.GeminiConfig(device=args.device))
@@ -161,10 +175,14 @@ def main(argv=None) -> dict:
     else:
         with torch.device(args.init_device):
             model = GPT(model_cfg)
+    if args.lora:
+        with torch.device(args.init_device):  # the adapters where the base is (meta: the engine initialises them)
+            add_lora(model, args.lora)
     init_seconds = time.perf_counter() - init_started
     if args.checkpoint:
         checkpoint_blocks(model)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     losses, step_seconds, exposed_optimizer = [], [], []
     init_fn = model.init_weights if args.init_device == "meta" else None
@@ -219,7 +237,8 @@ def main(argv=None) -> dict:
     device_peak = stats["tier_bytes"]["device"]["peak"] + (torch_peak or 0)
     worst, total = peaks_over_ranks([device_peak, rss], world, dev)
     summary = {
-        "preset": preset, "parameters": n_params, "device": device_kind, "precision": args.precision,
+        "preset": preset, "parameters": n_params, "trainable_parameters": n_trainable, "lora_rank": args.lora,
+        "device": device_kind, "precision": args.precision,
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         **step_figures(losses, step_seconds, world * args.batch * seq),
         "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],
@@ -245,7 +264,8 @@ def main(argv=None) -> dict:
     }
     if rank == 0:
         t = summary["chunk_traffic"]
-        print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params) on {device_kind}, {args.precision}, "
+        lora = f", LoRA r={args.lora}: {n_trainable / 1e6:.1f}M trainable" if args.lora else ""
+        print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params{lora}) on {device_kind}, {args.precision}, "
               f"{args.steps} steps of {args.batch} x {seq} tokens" + (f" on each of {world} ranks" if world > 1 else ""))
         print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
         print(f"   throughput      {summary['tokens_per_s']:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")

@@ -2,7 +2,8 @@
 
 Format version 1 (one unsharded process). A checkpoint is a directory holding
 - `index.json`: {"format": "gemini_ext.checkpoint", "version": 1, "world_size": 1, "files": [...],
-  "precision": ..., "optimizer_steps": ..., "parameters": number of parameters}
+  "precision": ..., "optimizer_steps": ..., "parameters": number of parameters,
+  "frozen": whether the frozen parameters are in it}
 - `rank00000.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
   parameters), "optimizer": GeminiOptimizer.state_dict() (the torch optimizer's format) or None,
   "optimizer_class": its class name or None, "scaler": loss-scaler state or None, "engine": {"optimizer_steps"},
@@ -29,7 +30,12 @@ writes only what it holds, so no rank gathers the model:
   (counters)}.
 - `index.json`: {"format", "version": 2, "world_size", "files", "precision", "optimizer_steps",
   "parameters": [{"name", "shape", "numel", "trainable", "pieces": [[rank, begin, end], ...]}],
-  "state_dict_keys": [[key, parameter name or None for a buffer], ...] in the model's order}.
+  "state_dict_keys": [[key, parameter name or None for a buffer], ...] in the model's order,
+  "frozen"}.
+`save(..., frozen=False)` (either version) leaves the frozen parameters out (a LoRA run saves its
+adapter and the adapter's optimizer state, not the base): "frozen" is false in the index, the
+model dict or "parameters" lists the trainable ones, and loading requires every trainable
+parameter and leaves the frozen ones as the model holds them. A missing "frozen" means true.
 Rank 0 creates `path.tmp-<rank 0's pid>`, every rank writes its file there, and once all report
 success rank 0 writes the index and renames the directory into place. Loading at any world size
 (resharding), sharded or not: each rank computes the elements it holds, opens the files whose
@@ -58,14 +64,19 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-def save(engine, path: str) -> None:
+def _saved(engine, idx: int, frozen: bool) -> bool:
+    """Whether a checkpoint written with `frozen` holds parameter idx."""
+    return frozen or bool(engine.internal.layout.params[idx].requires_grad)
+
+
+def save(engine, path: str, frozen: bool = True) -> None:
     if engine.process_group is not None:
-        _save_sharded(engine, path)
+        _save_sharded(engine, path, frozen)
         return
     path = os.path.abspath(os.fspath(path))
     opt = engine.attached_optimizer
     payload = {
-        "model": engine.state_dict(),
+        "model": engine.internal.access.full_state_dict(frozen=frozen),
         "optimizer": opt.state_dict() if opt is not None else None,
         "optimizer_class": opt.opt_class.__name__ if opt is not None else None,
         "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
@@ -75,7 +86,7 @@ def save(engine, path: str) -> None:
     }
     index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [SHARD],
              "precision": engine.config.precision, "optimizer_steps": engine.internal.counters.optimizer_steps,
-             "parameters": engine.num_parameters}
+             "parameters": engine.num_parameters, "frozen": frozen}
     tmp = f"{path}.tmp-{os.getpid()}"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -141,16 +152,16 @@ def _check_optimizer_class(saved: str | None, opt, path: str) -> None:
                          f"{opt.opt_class.__name__}; create the same optimizer class before loading.")
 
 
-def _save_sharded(engine, path: str) -> None:
+def _save_sharded(engine, path: str, frozen: bool) -> None:
     if engine.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
         engine.internal.groups.barrier()
         return
-    _save_zero_group(engine, path)
+    _save_zero_group(engine, path, frozen)
     if engine.replica_group is not None:
         engine.internal.groups.barrier()
 
 
-def _save_zero_group(engine, path: str) -> None:
+def _save_zero_group(engine, path: str, frozen: bool) -> None:
     path = os.path.abspath(os.fspath(path))
     group, rank, world = engine.process_group, engine.rank, engine.world_size
     token = [os.getpid()]
@@ -165,6 +176,8 @@ def _save_zero_group(engine, path: str) -> None:
     try:
         tensors = {}
         for idx, name in enumerate(engine.internal.layout.names):
+            if not _saved(engine, idx, frozen):
+                continue
             tensors[name] = {}
             for kind in _kinds(engine, idx):
                 begin, end, value = engine.internal.runtime.read_local(kind, idx)
@@ -201,8 +214,8 @@ def _save_zero_group(engine, path: str) -> None:
                                  "numel": engine.internal.layout.numels[i],
                                  "trainable": bool(engine.internal.layout.params[i].requires_grad),
                                  "pieces": engine.internal.layout.pieces(i, world)}
-                                for i, name in enumerate(engine.internal.layout.names)],
-                 "state_dict_keys": _state_dict_keys(engine)}
+                                for i, name in enumerate(engine.internal.layout.names) if _saved(engine, i, frozen)],
+                 "frozen": frozen, "state_dict_keys": _state_dict_keys(engine)}
         with open(os.path.join(tmp, "index.json"), "w") as f:
             json.dump(index, f, indent=1)
             f.flush()
@@ -226,7 +239,11 @@ def load(engine, path: str, model_only: bool = False) -> None:
         _load_sharded(engine, path, index, model_only)
         return
     payload = torch.load(os.path.join(path, SHARD), map_location="cpu", weights_only=False)
-    engine.load_state_dict(payload["model"])
+    if index.get("frozen", True):
+        engine.load_state_dict(payload["model"])
+    else:  # the trainable parameters and buffers: the frozen ones stay as the model has them
+        result = engine.load_state_dict(payload["model"], strict=False)
+        _check_without_frozen(engine, path, result.missing_keys, result.unexpected_keys)
     if model_only:
         return
     opt = engine.attached_optimizer
@@ -242,6 +259,20 @@ def load(engine, path: str, model_only: bool = False) -> None:
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] is not None and engine.device_kind == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"])
+
+
+def _check_without_frozen(engine, path: str, missing: list, unexpected: list, by_name: bool = False) -> None:
+    """A checkpoint saved with frozen=False may lack the frozen parameters only."""
+    layout = engine.internal.layout
+    if by_name:
+        trainable_missing = [n for n in missing if layout.params[layout.names.index(n)].requires_grad]
+    else:
+        own = engine.model.state_dict(keep_vars=True)
+        trainable_missing = [k for k in missing if own[k].requires_grad]
+    if trainable_missing or unexpected:
+        raise ValueError(f"load_checkpoint: {path} holds the trainable parameters only (saved with frozen=False), and "
+                         f"they do not match this model: trainable parameters missing {trainable_missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
 
 
 def _my_range(engine, idx: int) -> tuple[int, int]:
@@ -269,6 +300,9 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
     saved = {p["name"]: p for p in index["parameters"]}
     names = engine.internal.layout.names
     missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
+    if not index.get("frozen", True):
+        _check_without_frozen(engine, path, missing, unexpected, by_name=True)
+        missing, unexpected = [], []
     if missing or unexpected:
         raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
@@ -281,6 +315,8 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
         _check_optimizer_class(common["optimizer"].get("class"), opt, path)
     gm = engine.internal.runtime
     for idx, name in enumerate(names):
+        if name not in saved:
+            continue  # a frozen parameter of a checkpoint saved without them (checked above)
         entry = saved[name]
         if tuple(entry["shape"]) != tuple(engine.internal.layout.params[idx].shape):
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "

@@ -351,11 +351,14 @@ class GeminiEngine:
         self.internal.check_open("load_state_dict")
         return self.internal.access.load_full_state_dict(state_dict, strict)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Model masters, optimizer, loss scaler, step counts and RNG states (see checkpoint.py)."""
+    def save_checkpoint(self, path: str, *, frozen: bool = True) -> None:
+        """Model masters, optimizer, loss scaler, step counts and RNG states (see checkpoint.py).
+        frozen=False leaves out the frozen parameters (a LoRA run's base model: the checkpoint is
+        the adapter and its optimizer state); loading it leaves the model's frozen parameters as
+        they are, so load the base first (e.g. from_pretrained)."""
         self.internal.check_open("save_checkpoint")
         self.internal.access.absorb_writes()
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, frozen=frozen)
 
     def load_checkpoint(self, path: str, *, model_only: bool = False) -> None:
         """Everything save_checkpoint wrote; with model_only=True the model alone (masters and

@@ -59,6 +59,10 @@ class _Source:
         if self.index.get("format") != FORMAT or self.index.get("version") not in (VERSION, VERSION_SHARDED):
             raise ValueError(f"export: {path} has format {self.index.get('format')!r} version "
                              f"{self.index.get('version')!r}; expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
+        if not self.index.get("frozen", True):
+            raise ValueError(f"export: {path} holds the trainable parameters only (saved with frozen=False, e.g. a "
+                             "LoRA adapter without its base); export a checkpoint saved with frozen=True, or save "
+                             "the adapter with the PEFT model's save_pretrained().")
         self.path = path
         self._files = {}
         if self.index["version"] == VERSION:

@@ -149,14 +149,16 @@ class ParamAccess:
         return sorted(out)
 
     # --- the engine's full state dicts ------------------------------------------------------
-    def full_state_dict(self) -> dict:
-        """engine.state_dict(): fp32 CPU tensors under the model's keys, parameters from their masters."""
+    def full_state_dict(self, frozen: bool = True) -> dict:
+        """engine.state_dict(): fp32 CPU tensors under the model's keys, parameters from their
+        masters; with frozen=False without the frozen parameters (buffers stay)."""
         self.absorb_writes()
         out = {}
         for key, value in self._model.state_dict(keep_vars=True).items():
             idx = self._engine.find_parameter(value)
             if idx is not None:
-                out[key] = self._gm.read("param", idx)
+                if frozen or value.requires_grad:
+                    out[key] = self._gm.read("param", idx)
             else:
                 v = value.detach()
                 out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()

@@ -296,7 +296,7 @@ def test_gradient_accumulation_across_ranks(use_no_sync):
     run_ranks(2, _accumulation_body, use_no_sync)
 
 
-def _frozen_and_grad_body(rank, world_size):
+def _frozen_and_grad_body(rank, world_size, path):
     model, reference = make_models()
     for m in (model, reference):
         m.blocks[0].qkv.weight.requires_grad_(False)
@@ -321,12 +321,24 @@ def _frozen_and_grad_body(rank, world_size):
             opt.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
+        engine.save_checkpoint(os.path.join(path, "no-base"), frozen=False)  # the trainable shards only
     diffs = max_relative_difference(model, reference)
     assert max(diffs.values()) <= PARAM_TOLERANCE, diffs
+    with open(os.path.join(path, "no-base", "index.json")) as f:
+        index = json.load(f)
+    assert index["frozen"] is False and "blocks.0.qkv.weight" not in {p["name"] for p in index["parameters"]}
+    fresh, _ = make_models(seed=1)  # other values everywhere: the frozen one is not in the checkpoint
+    fresh.blocks[0].qkv.weight.requires_grad_(False)
+    frozen_before = fresh.blocks[0].qkv.weight.detach().clone()
+    with gx.enable(fresh, config("sim"), process_group=dist.group.WORLD) as engine:
+        engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        engine.load_checkpoint(os.path.join(path, "no-base"))
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(b, frozen_before if name == "blocks.0.qkv.weight" else a), name
 
 
-def test_frozen_parameters_and_gradients_across_ranks():
-    run_ranks(2, _frozen_and_grad_body)
+def test_frozen_parameters_and_gradients_across_ranks(tmp_path):
+    run_ranks(2, _frozen_and_grad_body, str(tmp_path))
 
 
 def _load_plain_body(rank, world_size, path):

@@ -89,3 +89,41 @@ def test_a_frozen_base_costs_its_compute_dtype_bytes_only():
         assert costs["trainable"]["bytes_per_parameter"] >= 16.0
         frozen_sets = [s for s in engine.internal.layout.sets if not s.trainable]
         assert frozen_sets and all(s.optimizer_side() == {} for s in frozen_sets), "no gradient, master or state"
+
+
+def test_a_checkpoint_without_the_base_holds_the_adapter_and_resumes_onto_the_base(tmp_path):
+    """save_checkpoint(frozen=False): the adapter's masters and optimizer state, not the base;
+    a fresh PEFT model over the same base resumes from it as if never stopped."""
+    def run(model, steps, load=None, save=None):
+        config = gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096})
+        with gx.enable(model, config) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+            if load:
+                engine.load_checkpoint(load)
+            for x in _batches(torch.device("cpu"))[STEPS - steps if load else 0:][:steps]:
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if save:
+                engine.save_checkpoint(save, frozen=False)
+                engine.save_checkpoint(str(save) + "-full")
+
+    _, whole = _lora_models()
+    run(whole, STEPS)
+    _, first = _lora_models()
+    run(first, STEPS // 2, save=tmp_path / "adapter")
+    trainable = sum(p.numel() for p in first.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in first.parameters() if not p.requires_grad)
+    size = sum(f.stat().st_size for f in (tmp_path / "adapter").iterdir())
+    full = sum(f.stat().st_size for f in (tmp_path / "adapter-full").iterdir())
+    # fp32 master + two Adam moments of the adapter, and the buffers; the full one adds the base
+    assert size < 12 * trainable + 100_000 < full and full - size >= 4 * frozen, (size, full, trainable, frozen)
+    payload = torch.load(tmp_path / "adapter" / "rank00000.pt", weights_only=False)
+    assert not any("lora" not in k and k in dict(first.named_parameters()) for k in payload["model"])
+    _, resumed = _lora_models()  # the same base (its initial values), the adapter's initial values
+    run(resumed, STEPS - STEPS // 2, load=tmp_path / "adapter")
+    for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), f"{name} differs from the uninterrupted run"
+    from gemini_ext.export import export
+    with pytest.raises(ValueError, match="trainable parameters only"):  # an exporter needs the base
+        export(str(tmp_path / "adapter"), str(tmp_path / "out"))
