@@ -1,4 +1,4 @@
-"""Capacity: the largest GPT preset each system trains (full AdamW, 3 steps) on this machine.
+"""Capacity: the largest GPT preset each system trains (full AdamW, or LoRA; 3 steps) on this machine.
 
     python bench/capacity.py                                  # on a GPU: 1.3b .. 15b
     python bench/capacity.py --presets 15b --only gemini-auto --init-device cpu   # built on the host
@@ -6,6 +6,7 @@
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
     python bench/capacity.py --smoke                          # gemini_ext on tiny and small (two ranks: tiny), sim (tests)
+    python bench/capacity.py --lora 16 --presets 30b,40b,80b --init-device meta   # LoRA on a frozen base
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
 activation checkpointing in every system, presets in ascending size; a system stops at its first
@@ -76,6 +77,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json-out", default=None)
     p.add_argument("--search-range-m", type=float, default=None,
                    help="gemini_ext's search_range_m (examples/train_gpt.py's default otherwise)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA of rank R on a frozen base (examples/train_gpt.py --lora): gemini_ext systems only")
     p.add_argument("--smoke", action="store_true", help="tiny and small on the CPU (sim): the harness only")
     args = p.parse_args(argv)
     names = list(systems())
@@ -96,12 +99,19 @@ def main(argv=None) -> list[dict]:
             p.error(f"--only: unknown systems {sorted(unknown)}; choose from {list(systems())}")
         if args.gpus > 1 and "plain" in names:
             p.error("--only plain with --gpus > 1: plain PyTorch runs on one GPU; leave it out or use --gpus 1")
+    if args.lora:
+        peers = [n for n in names if systems()[n][0] != GEMINI]
+        if args.only and peers:
+            p.error(f"--lora: {peers} have no LoRA runner; choose gemini_ext systems")
+        names = [n for n in names if n not in peers]
     cores = os.cpu_count() or 1
     rows = []
     for name in names:
         script, extra = systems(init)[name]
         if args.search_range_m and script == GEMINI:
             extra = extra + ["--search-range-m", str(args.search_range_m)]
+        if args.lora:
+            extra = extra + ["--lora", str(args.lora)]
         if init == "cpu" and script == GEMINI:
             extra = extra + ["--host-init-threads", str(cores)]
         if args.smoke:  # a CPU machine: the model is built on the CPU, gemini_ext runs on sim
@@ -123,8 +133,9 @@ def main(argv=None) -> list[dict]:
                 break
             row["largest"] = {"preset": preset, **s}
         rows.append(row)
+    lora = f", LoRA r={args.lora} on a frozen base" if args.lora else ", full AdamW"
     print(f"\nlargest preset trained for {args.steps} steps on {args.gpus} GPU(s), batch {args.batch} per GPU, "
-          "activation checkpointing\n")
+          f"activation checkpointing{lora}\n")
     print("| system | largest | parameters | step s | setup s | first step s | peak device GiB (worst rank) "
           "| peak host GiB (all ranks) | first failure |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -137,7 +148,8 @@ def main(argv=None) -> list[dict]:
             continue
         # setup: enable() for gemini_ext, building + sharding + initialising for the peers; the
         # first step includes the warm-up (and auto's placement decision)
-        print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B | {big['step_s_median']:.2f} | "
+        trainable = f" ({big['trainable_parameters'] / 1e6:.0f}M trainable)" if args.lora else ""
+        print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B{trainable} | {big['step_s_median']:.2f} | "
               f"{big['setup_seconds']['total']:.1f} | {big['step_seconds'][0]:.2f} | "
               f"{big['peak_device_bytes_max_rank'] / 2**30:.1f} | {big['peak_host_rss_bytes_all_ranks'] / 2**30:.1f} | "
               f"{fail_text} |")

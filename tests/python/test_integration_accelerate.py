@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import gemini_ext as gx
-from parity_utils import SMALL, batch, max_relative_difference
+from conftest import DEVICES
+from parity_utils import SMALL, batch, chunk_cap, max_relative_difference
 from gemini_ext.models import GPT
 
 accelerate = pytest.importorskip("accelerate")
@@ -33,17 +34,19 @@ def _loop(accelerator, model, opt, sched):
     return norms
 
 
-def test_an_accelerate_loop_trains_as_without_gemini_ext():
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_accelerate_loop_trains_as_without_gemini_ext(device):
     torch.manual_seed(0)
     model = GPT(SMALL)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
-    plain_norms = _loop(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM), reference, ref_opt,
+    cpu = device != "cuda"
+    plain_norms = _loop(accelerate.Accelerator(cpu=cpu, gradient_accumulation_steps=ACCUM), reference, ref_opt,
                         torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5))
-    config = gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096},
-                             sim_capacity=8 * 4096 * 4)
+    config = gx.GeminiConfig(device=device, precision="fp32", chunk_config_dict={"chunk_size": 4096},
+                             **chunk_cap(device, 8 * 4096 * 4))
     with gx.enable(model, config) as engine:
-        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        accelerator = accelerate.Accelerator(cpu=cpu, gradient_accumulation_steps=ACCUM)
         prepare(accelerator, engine)
         opt = engine.optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
         norms = _loop(accelerator, model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
