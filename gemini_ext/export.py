@@ -1,4 +1,4 @@
-"""`python -m gemini_ext export CKPT OUT`: one safetensors file from a checkpoint of any format.
+"""`python -m gemini_ext export CKPT OUT`: safetensors from a checkpoint of any format.
 
 [Note: streaming the export]
 A checkpoint of a model larger than the machine's memory must still export on it. The output is
@@ -13,7 +13,10 @@ header written here, in its documented format; reading back uses safetensors its
 - Format 2 (sharded, any world size): each parameter from its pieces in the ranks' files (the
   index says which), tied parameters under every key of the model, buffers from rank 0's file.
 With `config` the output is a HuggingFace-style directory: `model.safetensors` beside a copy of
-`config.json` (and the metadata `format: pt` that `from_pretrained` expects).
+`config.json` (and the metadata `format: pt` that `from_pretrained` expects). With
+`max_shard_size` the tensors, in the model's order, are cut into shards of at most that many
+bytes (`model-00001-of-0000N.safetensors`, ...) and `model.safetensors.index.json` maps every key
+to its shard, as transformers writes them; the peak memory stays one tensor, whatever the shard size.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import struct
 import torch
 from tqdm import tqdm
 
+from ._units import parse_bytes
 from .checkpoint import FORMAT, VERSION, VERSION_SHARDED
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -100,43 +104,40 @@ class _Source:
         return full.view(entry["shape"])
 
 
-def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = None,
-           progress: bool = True) -> dict:
-    """Writes the model of `checkpoint` as safetensors (see the note above); returns
-    {"path", "tensors", "bytes", "peak_anon_bytes" (the most anonymous memory seen after each
-    tensor, this process's), "largest_tensor_bytes"}."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export: dtype {dtype!r}; expected one of {sorted(EXPORT_DTYPES)}.")
-    target = EXPORT_DTYPES[dtype]
-    src = _Source(checkpoint)
-    if config is not None:
-        if not os.path.isfile(config):
-            raise FileNotFoundError(f"export: config {config!r} does not exist; pass the model's config.json.")
-        os.makedirs(out, exist_ok=True)
-        shutil.copyfile(config, os.path.join(out, "config.json"))
-        path = os.path.join(out, "model.safetensors")
-    else:
-        path = out
-    header, offset, plan = {"__metadata__": {"format": "pt"}}, 0, []
-    for key, shape, src_dtype in src.entries:
-        out_dtype = target if src_dtype.is_floating_point else src_dtype
-        if out_dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"export: {key!r} has dtype {out_dtype}, which safetensors cannot hold.")
-        nbytes = out_dtype.itemsize * int(torch.Size(shape).numel())
+INDEX_NAME = "model.safetensors.index.json"  # the name transformers' from_pretrained looks for
+
+
+def _shard_plan(plan: list, max_shard_bytes: int | None) -> list[list]:
+    """The tensors (key, shape, dtype, bytes) in their order, cut into consecutive shards of at most max_shard_bytes each
+    (a tensor larger than that is a shard of its own), as transformers' save_pretrained does."""
+    shards, size = [[]], 0
+    for entry in plan:
+        nbytes = entry[3]
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(path: str, entries: list, src: "_Source", bar, peak: int) -> int:
+    """One safetensors file of `entries` [(key, shape, dtype, nbytes)], header first, then one
+    tensor at a time (see the note above), written to a temporary name and renamed; returns the
+    peak anonymous memory seen."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape, out_dtype, nbytes in entries:
         header[key] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + nbytes]}
-        plan.append((key, out_dtype, nbytes))
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    peak = anon_rss_bytes() or 0
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f, tqdm(total=offset, unit="B", unit_scale=True, desc="export",
-                                        disable=not progress) as bar:
+        with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
-            for key, out_dtype, nbytes in plan:
+            for key, _, out_dtype, nbytes in entries:
                 value = src.tensor(key).to(out_dtype).contiguous()
                 f.write(value.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
                 del value
@@ -149,5 +150,57 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = 
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    return {"path": path, "tensors": len(plan), "bytes": offset, "peak_anon_bytes": peak,
-            "largest_tensor_bytes": max((n for _, _, n in plan), default=0)}
+    return peak
+
+
+def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = None,
+           progress: bool = True, max_shard_size: int | str | None = None) -> dict:
+    """Writes the model of `checkpoint` as safetensors (see the note above): one file `out`, or
+    with `config` or `max_shard_size` a directory `out` in the layout transformers'
+    `save_pretrained` writes (`model.safetensors`, or shards `model-0000k-of-0000N.safetensors`
+    of at most max_shard_size bytes each, e.g. "5GB", with `model.safetensors.index.json`).
+    Returns {"path" (the file, or the index when sharded), "files", "tensors", "bytes",
+    "peak_anon_bytes" (the most anonymous memory seen after each tensor, this process's),
+    "largest_tensor_bytes"}."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export: dtype {dtype!r}; expected one of {sorted(EXPORT_DTYPES)}.")
+    max_shard_bytes = None if max_shard_size is None else parse_bytes(max_shard_size, "export: max_shard_size")
+    target = EXPORT_DTYPES[dtype]
+    src = _Source(checkpoint)
+    if config is not None and not os.path.isfile(config):
+        raise FileNotFoundError(f"export: config {config!r} does not exist; pass the model's config.json.")
+    plan = []
+    for key, shape, src_dtype in src.entries:
+        out_dtype = target if src_dtype.is_floating_point else src_dtype
+        if out_dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"export: {key!r} has dtype {out_dtype}, which safetensors cannot hold.")
+        plan.append((key, tuple(shape), out_dtype, out_dtype.itemsize * int(torch.Size(shape).numel())))
+    shards = _shard_plan(plan, max_shard_bytes)
+    directory = config is not None or max_shard_bytes is not None
+    if directory:
+        os.makedirs(out, exist_ok=True)
+        if config is not None:
+            shutil.copyfile(config, os.path.join(out, "config.json"))
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+        paths = [os.path.join(out, n) for n in names]
+    else:
+        names, paths = [os.path.basename(out)], [out]
+    total = sum(e[3] for e in plan)
+    peak = anon_rss_bytes() or 0
+    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar:
+        for path, entries in zip(paths, shards):
+            peak = _write_safetensors(path, entries, src, bar, peak)
+    path = paths[0]
+    if len(shards) > 1:  # the index last: a reader finds it only once every shard it names is in place
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {e[0]: name for name, entries in zip(names, shards) for e in entries}}
+        path = os.path.join(out, INDEX_NAME)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return {"path": path, "files": paths, "tensors": len(plan), "bytes": total, "peak_anon_bytes": peak,
+            "largest_tensor_bytes": max((e[3] for e in plan), default=0)}

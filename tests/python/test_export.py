@@ -117,3 +117,38 @@ def test_huggingface_directory_loads_with_from_pretrained(tmp_path):
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_sharded_export_with_an_index_loads_with_from_pretrained(tmp_path):
+    """`gemini-ext export CKPT OUT --max-shard-size ...`: shards of at most that size in the
+    model's order and model.safetensors.index.json, as save_pretrained writes them."""
+    transformers = pytest.importorskip("transformers")
+    from gemini_ext.__main__ import main
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 8192})) \
+            as engine:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = engine.state_dict()
+    cfg.save_pretrained(tmp_path / "cfg")
+    limit = 20_000  # bytes: the 16 KiB embedding alone, the layers' tensors several to a shard
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "cfg" / "config.json"),
+                 "--max-shard-size", f"{limit}B", "--no-progress"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in expected.values())
+    for name in files:
+        shard = load_file(tmp_path / "hf" / name)
+        size = sum(v.numel() * 4 for v in shard.values())
+        assert size <= limit or len(shard) == 1, (name, size)
+    order = [k for name in files for k in _file_order(tmp_path / "hf" / name)]
+    assert order == list(expected), "the model's keys in its order across the shards"
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    with pytest.raises(ValueError, match="max_shard_size"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "bad"), max_shard_size="five", progress=False)
