@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 
 import torch
@@ -62,6 +63,22 @@ SHARD = "rank00000.pt"
 
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
+
+
+def read_file(path: str, mmap: bool = False) -> dict:
+    """One file of a checkpoint, loaded with weights_only=True (tensors, numbers, strings and
+    containers: nothing a checkpoint holds needs more, and nothing in it runs code). A truncated
+    or corrupted file is refused naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_checkpoint: {path} is missing; the checkpoint is incomplete (its index names it).")
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"load_checkpoint: {path} holds objects other than tensors and plain values, which a "
+                         f"checkpoint never writes ({e}); it was not written by engine.save_checkpoint().") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"load_checkpoint: {path} is truncated or corrupted ({type(e).__name__}: {e}); load an "
+                         "earlier checkpoint.") from e
 
 
 def _saved(engine, idx: int, frozen: bool) -> bool:
@@ -238,7 +255,7 @@ def load(engine, path: str, model_only: bool = False) -> None:
     if index["version"] == VERSION_SHARDED:
         _load_sharded(engine, path, index, model_only)
         return
-    payload = torch.load(os.path.join(path, SHARD), map_location="cpu", weights_only=False)
+    payload = read_file(os.path.join(path, SHARD))
     if index.get("frozen", True):
         engine.load_state_dict(payload["model"])
     else:  # the trainable parameters and buffers: the frozen ones stay as the model has them
@@ -293,8 +310,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
 
     def payload(rank):
         if rank not in files:
-            files[rank] = torch.load(os.path.join(path, index["files"][rank]), map_location="cpu", mmap=True,
-                                     weights_only=False)
+            files[rank] = read_file(os.path.join(path, index["files"][rank]), mmap=True)
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}

@@ -96,7 +96,7 @@ class Booster:
         _atomic_save(optimizer.state_dict(), path)
 
     def load_optimizer(self, optimizer: GeminiOptimizer, path: str) -> None:
-        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 def _atomic_save(obj, path: str) -> None:

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ._units import parse_bytes
-from .checkpoint import FORMAT, VERSION, VERSION_SHARDED
+from .checkpoint import FORMAT, VERSION, VERSION_SHARDED, read_file
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -86,8 +86,7 @@ class _Source:
 
     def _file(self, rank: int) -> dict:
         if rank not in self._files:
-            self._files[rank] = torch.load(os.path.join(self.path, self.index["files"][rank]), map_location="cpu",
-                                           mmap=True, weights_only=False)
+            self._files[rank] = read_file(os.path.join(self.path, self.index["files"][rank]), mmap=True)
         return self._files[rank]
 
     def tensor(self, key: str) -> torch.Tensor:
