@@ -1,23 +1,32 @@
 """Checkpoints of an engine: written to a temporary directory, then renamed into place.
 
 Format version 1 (one unsharded process). A checkpoint is a directory holding
-- `index.json`: {"format": "gemini_ext.checkpoint", "version": 1, "world_size": 1, "files": [...],
+- `index.json`: {"format": "gemini_ext.checkpoint", "version": 1, "world_size": 1, "files": [...], "generation",
   "precision": ..., "optimizer_steps": ..., "parameters": number of parameters,
   "frozen": whether the frozen parameters are in it}
-- `rank00000.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
+- `rank00000-g<generation>.pt` (torch.save): {"model": full fp32 state dict (the masters for trainable
   parameters), "optimizer": GeminiOptimizer.state_dict() (the torch optimizer's format) or None,
   "optimizer_class": its class name or None, "scaler": loss-scaler state or None, "engine": {"optimizer_steps"},
   "rng": {"cpu": torch RNG state, "cuda": CUDA RNG state or None}}.
 Resuming restores the masters (the 16-bit parameters are their round-to-nearest copies, as
 after a step), the optimizer state, per-parameter step counts, the loss scale and the RNG states, so that
-training continues bit-exactly. A save never leaves a half-written checkpoint under `path`:
-files go to `path.tmp-<pid>` first, and the old checkpoint (if any) is replaced by renames.
+training continues bit-exactly.
+
+[Note: a save killed at any moment]
+`path` always holds a loadable checkpoint once one was saved: the index is the commit point. A
+save writes its files under names of the next generation beside the current ones (fsynced),
+then the new index under a temporary name, and renames it over `index.json` (one atomic rename);
+only then are the files no index names removed (the previous generation's, and any left by a
+save killed before its commit). Killed before the rename, the previous index and its files are
+untouched; after it, the new ones are complete. `path` is never renamed away, so there is no
+moment without it (tests/python/test_checkpoint.py kills saves at random moments). Files are
+loaded with weights_only=True; a missing, truncated or corrupted one is refused naming it.
 `load(..., model_only=True)` (either version) restores the masters and buffers alone, for an
 engine without an optimizer (evaluation).
 
 Format version 2 (sharded engines: a process group; every rank calls save and load). Each rank
 writes only what it holds, so no rank gathers the model:
-- `rank<r:05d>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
+- `rank<r:05d>-g<generation>.pt` (torch.save) per rank r: {"rank", "world_size", "tensors": {parameter name:
   {kind: [begin, end, tensor]}}, "rng": that rank's RNG states}, where the tensor is fp32 (bf16
   for the moments under optimizer_state_dtype="bf16"; loading casts to the engine's own) and kind is "param"
   (the fp32 master; the parameter itself when frozen) and each state kind of the optimizer
@@ -36,8 +45,8 @@ writes only what it holds, so no rank gathers the model:
 adapter and the adapter's optimizer state, not the base): "frozen" is false in the index, the
 model dict or "parameters" lists the trainable ones, and loading requires every trainable
 parameter and leaves the frozen ones as the model holds them. A missing "frozen" means true.
-Rank 0 creates `path.tmp-<rank 0's pid>`, every rank writes its file there, and once all report
-success rank 0 writes the index and renames the directory into place. Loading at any world size
+Rank 0 creates `path` and picks the generation, every rank writes its file there, and once all
+report success rank 0 commits the index (the Note above). Loading at any world size
 (resharding), sharded or not: each rank computes the elements it holds, opens the files whose
 pieces overlap them (memory-mapped: only those bytes are read) and writes its part. RNG states
 are restored when the world size is the one saved (a bit-exact resume); otherwise they are left.
@@ -50,7 +59,8 @@ import dataclasses
 import json
 import os
 import pickle
-import shutil
+import re
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -58,19 +68,105 @@ import torch.distributed as dist
 FORMAT = "gemini_ext.checkpoint"
 VERSION = 1
 VERSION_SHARDED = 2
-SHARD = "rank00000.pt"
+INDEX = "index.json"
+OWN_FILE = re.compile(r"^(rank\d{5}(-g\d+)?\.pt|index\.json\.tmp-\d+)$")  # what a save may remove
 
 
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
+def rank_file(rank: int, generation: int) -> str:
+    return f"rank{rank:05d}-g{generation}.pt"
 
 
-def read_file(path: str, mmap: bool = False) -> dict:
+def _next_generation(path: str) -> int:
+    """One more than the generation of the checkpoint in `path` (1 when there is none)."""
+    try:
+        with open(os.path.join(path, INDEX)) as f:
+            return int(json.load(f).get("generation", 0)) + 1
+    except (OSError, ValueError, AttributeError):
+        return 1
+
+
+class _Checksummed:
+    """A file being written, with the CRC-32 and length of what went through it."""
+
+    def __init__(self, f):
+        self._f, self.crc32, self.size = f, 0, 0
+
+    def write(self, data) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_file(payload: dict, file: str) -> dict:
+    """torch.save of payload to file, fsynced; returns {"size", "crc32"} for the index."""
+    with open(file, "wb") as f:
+        out = _Checksummed(f)
+        torch.save(payload, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": out.size, "crc32": out.crc32}
+
+
+def _verify_file(path: str, expected: dict | None) -> None:
+    """The size and CRC-32 the index recorded for a file (checkpoints that record them)."""
+    if expected is None:
+        return
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        raise ValueError(f"load_checkpoint: {path} has {size} bytes, its index recorded {expected['size']}: the file "
+                         "is truncated or was replaced; load an earlier checkpoint.")
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    if crc != expected["crc32"]:
+        raise ValueError(f"load_checkpoint: {path} is corrupted (its CRC-32 is {crc:#010x}, its index recorded "
+                         f"{expected['crc32']:#010x}); load an earlier checkpoint.")
+
+
+def _commit(path: str, index: dict) -> None:
+    """Makes `index` the checkpoint in `path` with one rename (the commit point: before it the
+    previous index and its files are the checkpoint, after it the new ones), then removes the files
+    no index names any more (the previous generation's, and those of saves killed before their
+    commit)."""
+    tmp = os.path.join(path, f"{INDEX}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, INDEX))
+    _fsync_dir(path)
+    _remove_stale(path, keep=set(index["files"]))
+
+
+def _remove_stale(path: str, keep: set) -> None:
+    for name in os.listdir(path):
+        if OWN_FILE.match(name) and name not in keep:
+            try:
+                os.remove(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str, mmap: bool = False, checksum: dict | None = None) -> dict:
     """One file of a checkpoint, loaded with weights_only=True (tensors, numbers, strings and
-    containers: nothing a checkpoint holds needs more, and nothing in it runs code). A truncated
-    or corrupted file is refused naming it."""
+    containers: nothing a checkpoint holds needs more, and nothing in it runs code), after
+    checking the size and CRC-32 its index recorded. A truncated or corrupted file is refused
+    naming it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_checkpoint: {path} is missing; the checkpoint is incomplete (its index names it).")
+    _verify_file(path, checksum)
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -101,33 +197,25 @@ def save(engine, path: str, frozen: bool = True) -> None:
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None},
     }
-    index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [SHARD],
+    os.makedirs(path, exist_ok=True)
+    generation = _next_generation(path)
+    file = rank_file(0, generation)
+    index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [file], "generation": generation,
              "precision": engine.config.precision, "optimizer_steps": engine.internal.counters.optimizer_steps,
              "parameters": engine.num_parameters, "frozen": frozen}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
     try:
-        torch.save(payload, os.path.join(tmp, SHARD))
-        with open(os.path.join(tmp, "index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        index["checksums"] = [_write_file(payload, os.path.join(path, file))]
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, if any, stays as it was
+        _remove_file(os.path.join(path, file))  # the previous checkpoint, if any, stays as it was
         raise
-    _replace_dir(tmp, path)
+    _commit(path, index)
 
 
-def _replace_dir(tmp: str, path: str) -> None:
-    old = None
-    if os.path.exists(path):
-        old = f"{path}.old-{os.getpid()}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old)
+def _remove_file(file: str) -> None:
+    try:
+        os.remove(file)
+    except FileNotFoundError:
+        pass
 
 
 def _kinds(engine, idx: int, with_state: bool | None = None) -> list[str]:
@@ -181,15 +269,14 @@ def _save_sharded(engine, path: str, frozen: bool) -> None:
 def _save_zero_group(engine, path: str, frozen: bool) -> None:
     path = os.path.abspath(os.fspath(path))
     group, rank, world = engine.process_group, engine.rank, engine.world_size
-    token = [os.getpid()]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    tmp = f"{path}.tmp-{token[0]}"
+    generation = [0]
     if rank == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    dist.barrier(group)
-    error = None
+        os.makedirs(path, exist_ok=True)
+        generation = [_next_generation(path)]
+    dist.broadcast_object_list(generation, src=dist.get_global_rank(group, 0), group=group)
+    generation = generation[0]
+    own_file = os.path.join(path, rank_file(rank, generation))
+    error, checksum = None, None
     try:
         tensors = {}
         for idx, name in enumerate(engine.internal.layout.names):
@@ -213,31 +300,28 @@ def _save_zero_group(engine, path: str, frozen: bool) -> None:
                 "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
                 "engine": dataclasses.asdict(engine.internal.counters),
             }
-        torch.save(payload, os.path.join(tmp, rank_file(rank)))
+        checksum = _write_file(payload, own_file)
     except Exception as e:  # noqa: BLE001  (every rank must learn of a failure, or the others hang)
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    errors = [None] * world
-    dist.all_gather_object(errors, error, group=group)
+    reports = [None] * world
+    dist.all_gather_object(reports, (error, checksum if error is None else None), group=group)
+    errors = [e for e, _ in reports]
     failed = [e for e in errors if e is not None]
     if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, if any, stays as it was
+        _remove_file(own_file)  # the previous checkpoint, if any, stays as it was
         raise RuntimeError("save_checkpoint failed, nothing was replaced: " + "; ".join(failed))
     if rank == 0:
-        index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world,
-                 "files": [rank_file(r) for r in range(world)], "precision": engine.config.precision,
+        index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world, "generation": generation,
+                 "files": [rank_file(r, generation) for r in range(world)], "precision": engine.config.precision,
                  "optimizer_steps": engine.internal.counters.optimizer_steps,
                  "parameters": [{"name": name, "shape": list(engine.internal.layout.params[i].shape),
                                  "numel": engine.internal.layout.numels[i],
                                  "trainable": bool(engine.internal.layout.params[i].requires_grad),
                                  "pieces": engine.internal.layout.pieces(i, world)}
                                 for i, name in enumerate(engine.internal.layout.names) if _saved(engine, i, frozen)],
-                 "frozen": frozen, "state_dict_keys": _state_dict_keys(engine)}
-        with open(os.path.join(tmp, "index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace_dir(tmp, path)
+                 "frozen": frozen, "state_dict_keys": _state_dict_keys(engine),
+                 "checksums": [c for _, c in reports]}
+        _commit(path, index)
     dist.barrier(group)
 
 
@@ -255,7 +339,7 @@ def load(engine, path: str, model_only: bool = False) -> None:
     if index["version"] == VERSION_SHARDED:
         _load_sharded(engine, path, index, model_only)
         return
-    payload = read_file(os.path.join(path, SHARD))
+    payload = read_file(os.path.join(path, index["files"][0]), checksum=_checksum(index, 0))
     if index.get("frozen", True):
         engine.load_state_dict(payload["model"])
     else:  # the trainable parameters and buffers: the frozen ones stay as the model has them
@@ -292,6 +376,11 @@ def _check_without_frozen(engine, path: str, missing: list, unexpected: list, by
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
 
 
+def _checksum(index: dict, rank: int) -> dict | None:
+    sums = index.get("checksums")
+    return sums[rank] if sums else None
+
+
 def _my_range(engine, idx: int) -> tuple[int, int]:
     """The elements of parameter idx this process holds: its shard's part, or all of it."""
     numel = engine.internal.layout.numels[idx]
@@ -310,7 +399,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
 
     def payload(rank):
         if rank not in files:
-            files[rank] = read_file(os.path.join(path, index["files"][rank]), mmap=True)
+            files[rank] = read_file(os.path.join(path, index["files"][rank]), mmap=True, checksum=_checksum(index, rank))
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}

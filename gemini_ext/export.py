@@ -86,7 +86,9 @@ class _Source:
 
     def _file(self, rank: int) -> dict:
         if rank not in self._files:
-            self._files[rank] = read_file(os.path.join(self.path, self.index["files"][rank]), mmap=True)
+            sums = self.index.get("checksums")
+            self._files[rank] = read_file(os.path.join(self.path, self.index["files"][rank]), mmap=True,
+                                          checksum=sums[rank] if sums else None)
         return self._files[rank]
 
     def tensor(self, key: str) -> torch.Tensor:

@@ -55,8 +55,8 @@ def test_resume_from_a_checkpoint_continues_bit_exactly(tmp_path, device, precis
         first = _train(model, engine, opt, 4, 0)
         engine.save_checkpoint(tmp_path / "ckpt")
         scale = engine.internal.scaler.scale if engine.internal.scaler else None
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"], "no temporary directory left behind"
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["index.json", "rank00000.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], "nothing left beside it"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["index.json", "rank00000-g1.pt"]
 
     model, _ = make_models(seed=123)  # different initial values: everything must come from the checkpoint
     with gx.enable(model, cfg) as engine:
@@ -78,7 +78,7 @@ def test_checkpoint_saves_are_atomic(tmp_path, monkeypatch):
         _train(model, engine, opt, 1, 0)
         path = tmp_path / "ckpt"
         engine.save_checkpoint(path)
-        good = (path / "rank00000.pt").read_bytes()
+        good = (path / "rank00000-g1.pt").read_bytes()
         _train(model, engine, opt, 1, 1)
 
         def broken_save(*args, **kwargs):
@@ -88,10 +88,11 @@ def test_checkpoint_saves_are_atomic(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="disk full"):
             engine.save_checkpoint(path)
         monkeypatch.undo()
-        assert (path / "rank00000.pt").read_bytes() == good, "the old checkpoint is intact"
-        assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+        assert (path / "rank00000-g1.pt").read_bytes() == good, "the old checkpoint is intact"
+        assert sorted(os.listdir(path)) == ["index.json", "rank00000-g1.pt"], "the failed save's file is gone"
         engine.save_checkpoint(path)  # overwriting an existing checkpoint works
-        assert (path / "rank00000.pt").read_bytes() != good
+        assert sorted(os.listdir(path)) == ["index.json", "rank00000-g2.pt"], "the previous generation removed"
+        assert (path / "rank00000-g2.pt").read_bytes() != good
 
 
 def test_checkpoint_errors_are_clear(tmp_path):
@@ -109,3 +110,42 @@ def test_checkpoint_errors_are_clear(tmp_path):
     with gx.enable(GPT(SMALL), config("sim")) as engine:
         with pytest.raises(RuntimeError, match="missing keys"):
             engine.load_state_dict({"nope": torch.zeros(1)})
+
+
+KILL_TRIALS = 40
+
+
+def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL at random moments of saves in a loop (tests/python/checkpoint_kill_worker.py):
+    after every kill the path holds a complete checkpoint, the previous one or the new one."""
+    import json
+    from conftest import run_python
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_kill_worker.py")
+    out = run_python(worker, str(tmp_path / "ckpt"), str(KILL_TRIALS), env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["trials"] == KILL_TRIALS and len(r["generations"]) == KILL_TRIALS
+    assert len(set(r["generations"])) > KILL_TRIALS // 4, "the kills landed in many different saves"
+    assert r["loaded_steps"] == r["steps"][-1] > 0
+    leftovers = [n for n in r["leftovers"] if n != "index.json"]
+    assert len(leftovers) <= 2, f"at most the committed file and one of a killed save: {leftovers}"
+
+
+def test_a_truncated_or_corrupted_file_is_refused_naming_it(tmp_path):
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        engine.optimizer(torch.optim.AdamW, lr=LR)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        file = tmp_path / "ckpt" / "rank00000-g1.pt"
+        good = file.read_bytes()
+        file.write_bytes(good[: len(good) // 2])
+        with pytest.raises(ValueError, match="rank00000-g1.pt has .* bytes, its index recorded"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        flipped = bytearray(good)
+        flipped[len(good) // 2] ^= 0xFF  # inside a tensor's bytes: only the checksum sees it
+        file.write_bytes(bytes(flipped))
+        with pytest.raises(ValueError, match="rank00000-g1.pt is corrupted"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        file.unlink()
+        with pytest.raises(FileNotFoundError, match="rank00000-g1.pt is missing"):
+            engine.load_checkpoint(tmp_path / "ckpt")

@@ -208,7 +208,7 @@ def _save_body(rank, world_size, directory, extra_dp_size=1, device="sim", state
         torch.save({"at_save": expected, "final": final}, f"{directory}/expected.pt")
     files = sorted(os.listdir(f"{directory}/ckpt"))
     zero_size = world_size // extra_dp_size  # one replica writes
-    assert files == ["index.json"] + [f"rank{r:05d}.pt" for r in range(zero_size)], files
+    assert files == ["index.json"] + [f"rank{r:05d}-g1.pt" for r in range(zero_size)], files
 
 
 def _load_body(rank, world_size, directory, same_world, device="sim", state_dtype="fp32"):

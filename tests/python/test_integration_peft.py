@@ -3,6 +3,7 @@ weights) trains as plain PEFT does, its frozen base costs its compute-dtype byte
 save_pretrained inside the block writes the adapter PEFT writes."""
 
 import copy
+import json
 import os
 
 import pytest
@@ -118,7 +119,8 @@ def test_a_checkpoint_without_the_base_holds_the_adapter_and_resumes_onto_the_ba
     full = sum(f.stat().st_size for f in (tmp_path / "adapter-full").iterdir())
     # fp32 master + two Adam moments of the adapter, and the buffers; the full one adds the base
     assert size < 12 * trainable + 100_000 < full and full - size >= 4 * frozen, (size, full, trainable, frozen)
-    payload = torch.load(tmp_path / "adapter" / "rank00000.pt", weights_only=False)
+    index = json.loads((tmp_path / "adapter" / "index.json").read_text())
+    payload = torch.load(tmp_path / "adapter" / index["files"][0], weights_only=True)
     assert not any("lora" not in k and k in dict(first.named_parameters()) for k in payload["model"])
     _, resumed = _lora_models()  # the same base (its initial values), the adapter's initial values
     run(resumed, STEPS - STEPS // 2, load=tmp_path / "adapter")

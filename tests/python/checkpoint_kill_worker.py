@@ -1,0 +1,79 @@
+"""Run by test_checkpoint: saves killed with SIGKILL at random moments, TRIALS times, in one
+interpreter (torch is imported once; each trial is a forked child that trains a small model and
+saves to PATH in a loop until it is killed). After every kill this process checks what PATH
+holds, as a later run would find it: the directory and its index exist, every file the index
+names loads (weights_only, its size and CRC-32 as recorded) and agrees with the index. At the
+end the last checkpoint loads into an engine. Prints a JSON report."""
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)  # no thread pool before fork()
+
+import gemini_ext as gx  # noqa: E402
+from gemini_ext.checkpoint import read_file  # noqa: E402
+from parity_utils import batch, config, make_models  # noqa: E402
+
+
+def _engine():
+    model, _ = make_models()
+    engine = gx.enable(model, config("sim"))
+    return model, engine, engine.optimizer(torch.optim.AdamW, lr=1e-3)
+
+
+def _save_forever(path: str) -> None:
+    model, engine, opt = _engine()
+    for step in range(10 ** 9):
+        x, y = batch(model.cfg, step, engine.compute_device)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.save_checkpoint(path)
+
+
+def _check(path: str) -> dict:
+    with open(os.path.join(path, "index.json")) as f:
+        index = json.load(f)
+    sums = index.get("checksums") or [None] * len(index["files"])
+    for name, checksum in zip(index["files"], sums):
+        payload = read_file(os.path.join(path, name), checksum=checksum)
+        assert payload["engine"]["optimizer_steps"] == index["optimizer_steps"], (name, index)
+    return index
+
+
+def main(path: str, trials: int) -> None:
+    rng = random.Random(0)
+    model, engine, opt = _engine()  # a first checkpoint, saved to the end; warms up what a child needs
+    engine.save_checkpoint(path)
+    engine.close()
+    generations, steps = [], []
+    for _ in range(trials):
+        child = os.fork()
+        if child == 0:
+            try:
+                _save_forever(path)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.15))  # setup (about 15 ms), then several saves: the kill lands anywhere
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        assert os.path.isdir(path), "the checkpoint's directory is missing"
+        index = _check(path)
+        generations.append(index["generation"])
+        steps.append(index["optimizer_steps"])
+    model, engine, opt = _engine()
+    engine.load_checkpoint(path)
+    loaded_steps = engine.stats()["optimizer_steps"]
+    engine.close()
+    print(json.dumps({"trials": trials, "generations": generations, "steps": steps, "loaded_steps": loaded_steps,
+                      "leftovers": sorted(os.listdir(path))}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
