@@ -83,6 +83,7 @@ class GeminiEngine:
         parts.device = ComputeDevice(config)
         if parts.device.is_cuda:
             parts.groups.set_device(parts.device.torch_device)
+        parts.groups.ranks_on_host()  # collective: gathered here, on every rank, and kept for the host budget
         named = unique_parameters(model)
         check_parameters(model, named, config, parts.compute_dtype)
         self.chunk_size = choose_chunk_size(model, named, config, self.world_size)
@@ -190,7 +191,8 @@ class GeminiEngine:
             parts.runtime.end_backward()
 
     def _warn_if_close_cannot_restore(self) -> None:
-        whole, room = self.internal.layout.whole_model_bytes(), restore.restore_room_bytes(self.internal.chunks, self.internal.device)
+        whole = self.internal.layout.whole_model_bytes()
+        room = restore.restore_room_bytes(self.internal.chunks, self.internal.device, self.internal.groups.ranks_on_host())
         if room is not None and whole > room:
             warnings.warn(
                 f"gemini_ext: the whole model ({format_bytes(whole)} in its original dtypes) is larger than this "

@@ -12,6 +12,9 @@ the model) go through `reduce` and `all_agree` here.
 
 from __future__ import annotations
 
+import socket
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -71,6 +74,7 @@ class DataParallelGroups:
         self.world_size = dist.get_world_size(self.zero) if self.zero is not None else 1
         self.rank = dist.get_rank(self.zero) if self.zero is not None else 0
         self.device = torch.device("cpu")  # where collectives' tensors live: set_device() on cuda
+        self._ranks_on_host = None
 
     def set_device(self, device: torch.device) -> None:
         self.device = device
@@ -105,6 +109,21 @@ class DataParallelGroups:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.data_parallel)
         return bool(flag.item())
 
+    def ranks_on_host(self) -> int:
+        """Data-parallel ranks on this rank's host (itself included): those whose hostnames match,
+        gathered once (as a hash, over the groups' device) and kept. The host memory they share is
+        divided by it (placement/host_memory.py)."""
+        if self._ranks_on_host is None:
+            if self.data_parallel is None:
+                self._ranks_on_host = 1
+            else:
+                name = socket.gethostname().encode()
+                mine = torch.tensor([zlib.crc32(name) << 16 | len(name) & 0xFFFF], dtype=torch.int64, device=self.device)
+                every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.data_parallel))]
+                dist.all_gather(every, mine, group=self.data_parallel)
+                self._ranks_on_host = sum(int(t.item() == mine.item()) for t in every)
+        return self._ranks_on_host
+
     def barrier(self) -> None:
         if self.data_parallel is not None:
             dist.barrier(self.data_parallel)
@@ -112,5 +131,5 @@ class DataParallelGroups:
     def summary(self) -> dict:
         return {"zero_world_size": self.world_size, "zero_rank": self.rank,
                 "replicas": self.extra_dp_size if self.zero is not None else 1,
-                "replica_index": self.replica_index,
+                "replica_index": self.replica_index, "ranks_on_host": self._ranks_on_host,
                 "backend": dist.get_backend(self.zero) if self.zero is not None else None}

@@ -23,12 +23,12 @@ from ..placement.costs import HOST_TIERS, TIERS
 from .._units import format_bytes
 
 
-def restore_room_bytes(chunks, device) -> int | None:
-    """Memory this rank can give the whole model at close: host MemAvailable over the ranks of
-    this node and what the host chunks hold, plus, on cuda, the device's free memory and what
+def restore_room_bytes(chunks, device, ranks_on_host: int) -> int | None:
+    """Memory this rank can give the whole model at close: the host budget of this rank
+    (placement/host_memory.py) and what the host chunks hold, plus, on cuda, the device's free memory and what
     the chunks hold there (all freed as the parameters come back, or after). None where host
     memory cannot be read."""
-    host = host_available_bytes()
+    host = host_available_bytes(ranks_on_host)
     if host is None:
         return None
     room = host + sum(chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
@@ -68,7 +68,8 @@ class ModelRestorer:
             # below are collective, so every rank skips them if any rank lacks the room. The
             # remaining chunks count as room (masters go set by set as parameters come back):
             # only a model that cannot fit at all is refused.
-            whole, room = layout.whole_model_bytes(), restore_room_bytes(self._chunks, self._device)
+            whole, room = layout.whole_model_bytes(), restore_room_bytes(self._chunks, self._device,
+                                                                         self._groups.ranks_on_host())
             if not self._groups.all_agree(room is None or whole <= room):
                 self._leave_empty(whole, room)
                 return False, []

@@ -21,7 +21,7 @@ follows is common to every rule.
    host, out of place into spare buffers; step() confirms or drops each one (the Note in
    csrc/torch/optim/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
    can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
-   host has room for the spares (at most half of MemAvailable).
+   host has room for the spares (at most half of the host budget, placement/host_memory.py).
 `param_groups` hold the same Parameter objects the model uses, so LR schedulers edit `lr` as
 usual; hyperparameters are read from the groups at every step. Gradients live in chunks, not on
 `p.grad` (which stays None), and `zero_grad()` clears them.
@@ -34,7 +34,7 @@ import math
 import torch
 
 from .._engine import registry
-from ..placement.host_memory import mem_available_bytes
+from ..placement.host_memory import host_available_bytes
 from .generic import GenericStepper
 from .lion import Lion  # noqa: F401  (gx.optim.Lion)
 from .rules import ADAM, MAX_STATE_KINDS, rule_for
@@ -220,8 +220,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
-        # The spares may take at most half of MemAvailable (unreadable: no speculation).
-        if parts.runtime.arm_speculation(self._hyper(), (mem_available_bytes() or 0) // 2):
+        # The spares may take at most half of the host budget (unreadable: no speculation).
+        if parts.runtime.arm_speculation(self._hyper(), (host_available_bytes(parts.groups.ranks_on_host()) or 0) // 2):
             parts.placer.note_optimizer_overlap(True)
 
     def grad_norm_sq(self) -> float:

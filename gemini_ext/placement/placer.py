@@ -48,11 +48,15 @@ class Placer:
 
     def _measure(self, **iteration) -> Measurements:
         layout = self._layout
-        available = None
+        available, source = None, None
         if self.policy.reads_host_memory:
-            available = host_memory.host_available_bytes()
-            if available is not None:
-                available = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
+            budget = host_memory.host_budget(self._groups.ranks_on_host())
+            if budget is not None:
+                available, source = budget.bytes, budget.source
+                least = int(self._groups.reduce(available, "min"))  # every rank takes the same decision
+                if least < available:
+                    source = "the least of any rank's host budget"
+                available = least
         return Measurements(
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
@@ -60,7 +64,7 @@ class Placer:
             set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
                                                         layout.state_dtype),
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
-            world_size=self._groups.world_size, host_available_bytes=available,
+            world_size=self._groups.world_size, host_available_bytes=available, host_budget_source=source,
             device_total_bytes=self._device.total_bytes(), **iteration)
 
     def _releasable_host_bytes(self) -> int:

@@ -95,6 +95,7 @@ class Measurements:
     sharded: bool                       # chunks are sharded over a process group
     world_size: int                     # ranks of that group
     host_available_bytes: int | None = None  # the least of any rank (policies with reads_host_memory)
+    host_budget_source: str | None = None  # where that figure comes from, in words (host_memory.HostBudget)
     host_releasable_bytes: int = 0      # the model's host tensors enable() releases as it fills (least of any rank)
     device_total_bytes: int = 0         # the whole device (cuda), whatever gpu_memory_limit says
     non_model_peak_bytes: int = 0       # the last iteration's, the most of any rank
@@ -373,7 +374,8 @@ class AutoPolicy(PlacementPolicy):
                     if m.host_releasable_bytes else "")
         raise _C.OutOfMemoryError(
             f"gemini_ext auto placement: the model does not fit this rank's host and device memory. The host has "
-            f"{format_bytes(host.available_bytes)} available{released}, planned to {format_bytes(host.room_bytes)} "
+            f"{format_bytes(host.available_bytes)} available"
+            f"{f' ({m.host_budget_source})' if m.host_budget_source else ''}{released}, planned to {format_bytes(host.room_bytes)} "
             f"(less {format_bytes(host_reserve_bytes(host.available_bytes + m.host_releasable_bytes))} kept for the "
             f"process), for {format_bytes(host.params_host_bytes)} of parameter copies and "
             f"{format_bytes(host.state_bytes)} of optimizer state, so the optimizer state of {forced_elements:,} "

@@ -30,6 +30,7 @@ def main(out: str) -> None:
     report = {
         "world_size": strategies[-1].world_size,
         "engine_world_size": strategies[-1].engine.world_size,
+        "ranks_on_host": strategies[-1].engine.stats()["distributed"]["ranks_on_host"],
         "engine_files": len(list((ckpt.parent / (ckpt.name + ENGINE_SUFFIX)).iterdir())),
         "first": max(max_relative_difference(gx_first, ddp_first).values()),
         "resumed": max(max_relative_difference(gx_resumed, ddp_resumed).values()),

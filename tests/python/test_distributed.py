@@ -63,6 +63,7 @@ def _parity_body(rank, world_size, overrides, tolerance, device="sim"):
                                           global_batch=global_batch)
     assert losses == pytest.approx(ref_losses, rel=tolerance), (losses, ref_losses)
     assert stats["optimizer_steps"] == STEPS
+    assert stats["distributed"]["ranks_on_host"] == world_size, "the ranks sharing this host's memory, counted"
     if precision == "fp32":
         diffs = max_relative_difference(model, reference)  # the model holds the trained values after close
         worst = max(diffs, key=diffs.get)
@@ -125,7 +126,7 @@ def _hsdp_layout_body(rank, world_size):
     with gx.enable(model, config("sim", extra_dp_size=2), process_group=dist.group.WORLD) as engine:
         assert (engine.world_size, engine.rank, engine.replica_index) == (2, rank % 2, rank // 2)
         assert engine.stats()["distributed"] == {"zero_world_size": 2, "zero_rank": rank % 2, "replicas": 2,
-                                                 "replica_index": rank // 2, "backend": "gloo"}
+                                                 "replica_index": rank // 2, "backend": "gloo", "ranks_on_host": 4}
         assert dist.get_process_group_ranks(engine.replica_group) == [rank % 2, rank % 2 + 2]
         info = engine.chunk_info(engine.internal.chunks.group_chunk_ids("param")[0])
         assert info["shard_numel"] * 2 == info["padded_numel"], "sharded over the ZeRO group of 2, not over 4"
@@ -426,7 +427,7 @@ def _no_room_on_one_rank_body(rank, world_size):
 
     model, _ = make_models(seed=0)
     if rank == 1:
-        gx._engine.restore.restore_room_bytes = lambda chunks, device: 0
+        gx._engine.restore.restore_room_bytes = lambda chunks, device, ranks_on_host: 0
     engine = gx.enable(model, config("sim"), process_group=dist.group.WORLD)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -170,6 +170,7 @@ def test_two_processes_through_lightnings_launcher(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["world_size"] == 2 and report["engine_world_size"] == 2, report
+    assert report["ranks_on_host"] == 2, "Lightning's launcher sets no LOCAL_WORLD_SIZE: counted from the group"
     assert report["engine_files"] >= 2, "each rank wrote its shard of the engine's checkpoint"
     for phase in ("first", "resumed"):
         assert report[phase] <= 5e-5, report  # a per-rank mean of means: another summation order (test_distributed)
