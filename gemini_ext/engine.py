@@ -342,11 +342,31 @@ class GeminiEngine:
             self.internal.optimizer.backward_started()
 
     # --- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, options=None) -> dict:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
-        parameters from their fp32 masters)."""
+        parameters from their fp32 masters), on every rank (collective when sharded).
+
+        `options`, in the style of torch.distributed.checkpoint.state_dict.StateDictOptions (that
+        class, or anything with its `full_state_dict` and `cpu_offload` attributes):
+        full_state_dict=True with cpu_offload=True is rank 0 only, as in torch: rank 0 gets the
+        dictionary and every other rank {}, streamed parameter by parameter, so rank 0 holds the
+        dictionary and one gathered chunk and the others one chunk at a time; cpu_offload=False
+        gives every rank the whole dictionary. "Rank 0" is the first rank of the engine's
+        data-parallel group (its ZeRO group's rank 0 in the first replica). full_state_dict=False (a sharded state dict) is
+        engine.save_checkpoint's job and is refused."""
         self.internal.check_open("state_dict")
-        return self.internal.access.full_state_dict()
+        if options is None:
+            return self.internal.access.full_state_dict()
+        if not (hasattr(options, "full_state_dict") and hasattr(options, "cpu_offload")):
+            raise TypeError(f"engine.state_dict(options): expected a StateDictOptions (torch.distributed.checkpoint."
+                            f"state_dict) or an object with full_state_dict and cpu_offload, got {type(options).__name__}.")
+        if not options.full_state_dict:
+            raise ValueError("engine.state_dict(options): full_state_dict=False asks for this rank's shards; the "
+                             "engine's sharded state is engine.save_checkpoint(dir) (each rank writes its part). Pass "
+                             "full_state_dict=True (with cpu_offload=True for rank 0 only).")
+        rank0_only = bool(options.cpu_offload) and self.process_group is not None
+        first = self.rank == 0 and self.replica_index == 0  # the data-parallel group's rank 0
+        return self.internal.access.full_state_dict(keep=not rank0_only or first)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Loads a full (plain) state dict into the chunks: masters, their 16-bit copies, buffers."""

@@ -149,13 +149,20 @@ class ParamAccess:
         return sorted(out)
 
     # --- the engine's full state dicts ------------------------------------------------------
-    def full_state_dict(self, frozen: bool = True) -> dict:
+    def full_state_dict(self, frozen: bool = True, keep: bool = True) -> dict:
         """engine.state_dict(): fp32 CPU tensors under the model's keys, parameters from their
-        masters; with frozen=False without the frozen parameters (buffers stay)."""
+        masters; with frozen=False without the frozen parameters (buffers stay). keep=False (the
+        ranks other than 0 of a rank-0-only state dict): every read is still made (they are
+        collective when sharded) but dropped at once, so this rank holds one parameter and the
+        gathered chunk of the reads at a time, and {} is returned."""
         self.absorb_writes()
         out = {}
         for key, value in self._model.state_dict(keep_vars=True).items():
             idx = self._engine.find_parameter(value)
+            if not keep:
+                if idx is not None and (frozen or value.requires_grad):
+                    self._gm.read("param", idx)  # collective when sharded; the copy is dropped here
+                continue
             if idx is not None:
                 if frozen or value.requires_grad:
                     out[key] = self._gm.read("param", idx)

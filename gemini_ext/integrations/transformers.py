@@ -182,7 +182,11 @@ class GeminiTrainerMixin:
     # --- saving and resuming ----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.engine.state_dict()  # collective when sharded: every rank gathers
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        # Collective when sharded: every rank takes part; unless each node saves, only the first
+        # rank (the one that writes) keeps the dictionary, the others hold one chunk at a time.
+        state_dict = self.engine.state_dict(StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=not self.args.save_on_each_node))
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             # save_pretrained records the parameters' dtype, which inside the engine is the compute
