@@ -1,6 +1,6 @@
 """Run by test_checkpoint: saves killed with SIGKILL at random moments, TRIALS times, in one
 interpreter (torch is imported once; each trial is a forked child that trains a small model and
-saves to PATH in a loop until it is killed). After every kill this process checks what PATH
+saves to PATH in a loop until it is killed, at a random moment within its first three saves). After every kill this process checks what PATH
 holds, as a later run would find it: the directory and its index exist, every file the index
 names loads (weights_only, its size and CRC-32 as recorded) and agrees with the index. At the
 end the last checkpoint loads into an engine. Prints a JSON report."""
@@ -27,14 +27,20 @@ def _engine():
     return model, engine, engine.optimizer(torch.optim.AdamW, lr=1e-3)
 
 
-def _save_forever(path: str) -> None:
+def _step_and_save(model, engine, opt, step, path):
+    x, y = batch(model.cfg, step, engine.compute_device)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    engine.save_checkpoint(path)
+
+
+def _save_forever(path: str, ready: int) -> None:
     model, engine, opt = _engine()
+    os.write(ready, b"r")  # set up: the saves start now
+    os.close(ready)
     for step in range(10 ** 9):
-        x, y = batch(model.cfg, step, engine.compute_device)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        engine.save_checkpoint(path)
+        _step_and_save(model, engine, opt, step, path)
 
 
 def _check(path: str) -> dict:
@@ -50,17 +56,25 @@ def _check(path: str) -> dict:
 def main(path: str, trials: int) -> None:
     rng = random.Random(0)
     model, engine, opt = _engine()  # a first checkpoint, saved to the end; warms up what a child needs
-    engine.save_checkpoint(path)
+    started = time.perf_counter()
+    for step in range(3):
+        _step_and_save(model, engine, opt, step, path)
+    period = (time.perf_counter() - started) / 3  # one step and save, on this machine now
     engine.close()
     generations, steps = [], []
     for _ in range(trials):
+        ready_read, ready_write = os.pipe()
         child = os.fork()
         if child == 0:
             try:
-                _save_forever(path)
+                os.close(ready_read)
+                _save_forever(path, ready_write)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.0, 0.15))  # setup (about 15 ms), then several saves: the kill lands anywhere
+        os.close(ready_write)
+        os.read(ready_read, 1)  # the child is set up and saving
+        os.close(ready_read)
+        time.sleep(rng.uniform(0.0, 3 * period))  # anywhere in its first three saves
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
         assert os.path.isdir(path), "the checkpoint's directory is missing"
