@@ -152,3 +152,32 @@ def test_sharded_export_with_an_index_loads_with_from_pretrained(tmp_path):
         assert torch.equal(value, expected[key]), key
     with pytest.raises(ValueError, match="max_shard_size"):
         export(str(tmp_path / "ckpt"), str(tmp_path / "bad"), max_shard_size="five", progress=False)
+
+
+def test_export_runs_where_the_native_module_is_not_built(tmp_path):
+    """A checkout that was never built (here: the native module hidden from the import system):
+    `import gemini_ext` works in Python-only mode, `gemini-ext export` writes the checkpoint, and
+    the engine's names raise an ImportError that says how to build."""
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = engine.state_dict()
+    hide = ("import importlib.abc, sys\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name in ('gemini_ext._C', 'gemini_ext._built_for'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "import gemini_ext as gx\n"
+            "assert gx._C is None\n"
+            "try:\n"
+            "    gx.enable\n"
+            "except ImportError as e:\n"
+            "    print('enable:', e)\n"
+            "from gemini_ext.__main__ import main\n"
+            "sys.exit(main(['export', sys.argv[1], sys.argv[2], '--no-progress']))\n")
+    out = run_python("-c", hide, str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "enable: gemini_ext's native module is not built" in out.stdout and "gemini-ext export" in out.stdout
+    got = load_file(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
