@@ -11,6 +11,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 
 import torch
 
@@ -69,11 +70,16 @@ def main(path: str, trials: int) -> None:
             try:
                 os.close(ready_read)
                 _save_forever(path, ready_write)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(1)
         os.close(ready_write)
-        os.read(ready_read, 1)  # the child is set up and saving
+        ready = os.read(ready_read, 1)  # the child is set up and saving
         os.close(ready_read)
+        if ready != b"r":  # it died setting up (its traceback is on stderr)
+            os.waitpid(child, 0)
+            raise RuntimeError("a saving child failed before its first save; see its traceback above")
         time.sleep(rng.uniform(0.0, 3 * period))  # anywhere in its first three saves
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)

@@ -121,7 +121,9 @@ def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     import json
     from conftest import run_python
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_kill_worker.py")
-    out = run_python(worker, str(tmp_path / "ckpt"), str(KILL_TRIALS), env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    # sim only, with no GPU visible: the children are forked, and CUDA does not survive fork()
+    out = run_python(worker, str(tmp_path / "ckpt"), str(KILL_TRIALS), env={"OMP_NUM_THREADS": "1",
+                     "CUDA_VISIBLE_DEVICES": "", "GEMINI_EXT_DEVICE": None}, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["trials"] == KILL_TRIALS and len(r["generations"]) == KILL_TRIALS
