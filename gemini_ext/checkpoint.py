@@ -145,10 +145,7 @@ def _commit(path: str, index: dict) -> None:
 def _remove_stale(path: str, keep: set) -> None:
     for name in os.listdir(path):
         if OWN_FILE.match(name) and name not in keep:
-            try:
-                os.remove(os.path.join(path, name))
-            except FileNotFoundError:
-                pass
+            _remove_file(os.path.join(path, name))
 
 
 def _fsync_dir(path: str) -> None:
