@@ -44,6 +44,7 @@ from ._engine.hooks import HookSet
 from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from ._engine.materialize import MetaMaterializer
 from ._engine.param_access import ParamAccess
+from ._engine.sharded_state import ShardedState, options_are_sharded
 from ._engine.parts import EngineParts
 from ._engine.process_groups import DataParallelGroups, resolve_process_group
 from ._env import logger
@@ -166,6 +167,7 @@ class GeminiEngine:
                               on_backward_start=self._on_backward_start,
                               on_forward_start=self._on_forward_start)
         parts.access = ParamAccess(self, self.model, layout.params, layout.orig, parts.compute_dtype)
+        parts.sharded_state = ShardedState(self)
         registry.register(self.model, self)
 
     def _bind_parameters(self, views) -> None:
@@ -352,24 +354,24 @@ class GeminiEngine:
         dictionary and every other rank {}, streamed parameter by parameter, so rank 0 holds the
         dictionary and one gathered chunk and the others one chunk at a time; cpu_offload=False
         gives every rank the whole dictionary. "Rank 0" is the first rank of the engine's
-        data-parallel group (its ZeRO group's rank 0 in the first replica). full_state_dict=False (a sharded state dict) is
-        engine.save_checkpoint's job and is refused."""
+        data-parallel group (its ZeRO group's rank 0 in the first replica). full_state_dict=False
+        gives this rank's share for torch.distributed.checkpoint: each managed parameter a DTensor
+        (Shard(0) over the ZeRO group) holding its fp32 master, plain tensors unsharded (see
+        _engine/sharded_state.py); load_state_dict() takes it back after dcp.load."""
         self.internal.check_open("state_dict")
-        if options is None:
+        sharded = options_are_sharded(options)
+        if sharded is None:
             return self.internal.access.full_state_dict()
-        if not (hasattr(options, "full_state_dict") and hasattr(options, "cpu_offload")):
-            raise TypeError(f"engine.state_dict(options): expected a StateDictOptions (torch.distributed.checkpoint."
-                            f"state_dict) or an object with full_state_dict and cpu_offload, got {type(options).__name__}.")
-        if not options.full_state_dict:
-            raise ValueError("engine.state_dict(options): full_state_dict=False asks for this rank's shards; the "
-                             "engine's sharded state is engine.save_checkpoint(dir) (each rank writes its part). Pass "
-                             "full_state_dict=True (with cpu_offload=True for rank 0 only).")
+        if sharded:
+            return self.internal.sharded_state.model_state_dict()
         rank0_only = bool(options.cpu_offload) and self.process_group is not None
         first = self.rank == 0 and self.replica_index == 0  # the data-parallel group's rank 0
         return self.internal.access.full_state_dict(keep=not rank0_only or first)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Loads a full (plain) state dict into the chunks: masters, their 16-bit copies, buffers."""
+        """Loads a state dict into the chunks (masters, their 16-bit copies, buffers): a full one,
+        or the sharded one of state_dict(StateDictOptions(full_state_dict=False)) after dcp.load
+        (collective when sharded)."""
         self.internal.check_open("load_state_dict")
         return self.internal.access.load_full_state_dict(state_dict, strict)
 

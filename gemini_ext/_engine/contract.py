@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # types only: the rooms below import nothing from here at run
     from .device import ComputeDevice
     from .layout import ChunkLayout
     from .param_access import ParamAccess
+    from .sharded_state import ShardedState
     from .parts import TrainingCounters
     from .process_groups import DataParallelGroups
 
@@ -36,6 +37,7 @@ class EngineInternals(Protocol):
     placer: "Placer"
     tracer: "MemoryTracer"
     access: "ParamAccess"
+    sharded_state: "ShardedState"       # this rank's share of the state as DTensors (DCP)
     clipper: "GradClipper"
     scaler: "DynamicLossScaler | None"  # fp16 only
     counters: "TrainingCounters"

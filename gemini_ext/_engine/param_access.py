@@ -173,7 +173,8 @@ class ParamAccess:
         return out
 
     def load_full_state_dict(self, state_dict: dict, strict: bool) -> object:
-        """engine.load_state_dict(): masters, their 16-bit copies and buffers from a full state dict."""
+        """engine.load_state_dict(): masters, their 16-bit copies and buffers from a full state dict
+        (or the sharded one, each DTensor gathered whole: collective)."""
         self.absorb_writes()
         own = self._model.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
@@ -187,6 +188,8 @@ class ParamAccess:
                 if key not in state_dict:
                     continue
                 value = state_dict[key]
+                if tuple(value.shape) == tuple(target.shape):  # a DTensor of the sharded state dict: whole
+                    value = self._engine.internal.sharded_state.whole(value, repr(key))
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"engine.load_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
                                      f"expects {tuple(target.shape)}.")

@@ -26,7 +26,7 @@ class EngineParts:
         self.optimizer = None
         self.closed = False
         self.groups = self.device = self.layout = self.chunks = self.runtime = None
-        self.placer = self.tracer = self.access = self.clipper = self.scaler = self.hooks = None
+        self.placer = self.tracer = self.access = self.sharded_state = self.clipper = self.scaler = self.hooks = None
 
     def check_open(self, what: str) -> None:
         if self.closed:

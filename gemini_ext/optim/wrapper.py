@@ -34,6 +34,7 @@ import math
 import torch
 
 from .._engine import registry
+from .._engine.sharded_state import options_are_sharded
 from ..placement.host_memory import host_available_bytes
 from .generic import GenericStepper
 from .lion import Lion  # noqa: F401  (gx.optim.Lion)
@@ -252,9 +253,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 yield pos, self.engine.parameter_index(p)
                 pos += 1
 
-    def state_dict(self) -> dict:
+    def state_dict(self, options=None) -> dict:
         """The torch optimizer's format: per parameter each state kind of the rule (fp32, CPU) and
-        its step where torch's own optimizer keeps one; a generic optimizer's own state_dict()."""
+        its step where torch's own optimizer keeps one; a generic optimizer's own state_dict().
+        With StateDictOptions(full_state_dict=False) (torch.distributed.checkpoint.state_dict):
+        this rank's share for DCP, keyed by parameter name, each state a DTensor when sharded
+        (see _engine/sharded_state.py); load_state_dict() takes either."""
+        if options_are_sharded(options) and self._generic is None:
+            return self.engine.internal.sharded_state.optimizer_state_dict(self)
         if self._generic is not None:
             self._generic.sync_hyperparameters(self.param_groups)
             return self._generic.state_dict()
@@ -287,8 +293,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"optimizer.load_state_dict: param group {i} has {len(saved['params'])} parameters "
                                  f"in the state dict and {len(mine['params'])} here.")
+        by_name = any(isinstance(pid, str) for g in groups for pid in g["params"])
         if self._generic is not None:
             self._generic.load_state_dict(state_dict)
+        elif by_name:  # the sharded layout (state_dict(options)), after dcp.load
+            self.engine.internal.sharded_state.load_optimizer_state(self, groups, state_dict["state"])
         else:
             self._load_native_state(groups, state_dict["state"])
         skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
