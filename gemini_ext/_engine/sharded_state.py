@@ -129,20 +129,20 @@ class ShardedState:
 
     # --- the model ---------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
-        access = self._internal.access
-        access.absorb_writes()
+        self._internal.access.absorb_writes()
         layout = self._internal.layout
-        out, done = {}, {}
+        # read in the chunks' order (each gathered chunk is then read to the end before the next),
+        # then put under the model's keys (tied parameters: one value under each of their keys)
+        shares = [self.share("param", idx) for idx in range(len(layout.params))]
+        self._internal.runtime.release_read_cache()
+        out = {}
         for key, value in self._engine.model.state_dict(keep_vars=True).items():
             idx = layout.find(value)
             if idx is None:
                 v = value.detach()
                 out[key] = (v.float() if v.is_floating_point() else v).cpu().clone()
             else:
-                if idx not in done:  # tied parameters: one value under each of their keys
-                    done[idx] = self.share("param", idx)
-                out[key] = done[idx]
-        self._internal.runtime.release_read_cache()
+                out[key] = shares[idx]
         return out
 
     # --- the optimizer -----------------------------------------------------------------------
@@ -151,22 +151,22 @@ class ShardedState:
         layout = self._internal.layout
         gm = self._internal.runtime
         kinds = layout.state_kinds
+        trainable = sorted(self._engine.parameter_index(p) for g in opt.param_groups for p in g["params"])
+        # one kind at a time in the chunks' order: each gathered chunk is read to the end once
+        values = {kind: {idx: self.share(kind, idx) for idx in trainable} for kind in kinds}
+        gm.release_read_cache()
         state = {}
+        if kinds or opt.rule.state_has_step:
+            for idx in trainable:
+                state[layout.names[idx]] = {"step": torch.tensor(float(gm.step_of(idx))),
+                                            **{kind: values[kind][idx] for kind in kinds}}
         groups = []
         for g in opt.param_groups:
-            names = []
-            for p in g["params"]:
-                idx = self._engine.parameter_index(p)
-                name = layout.names[idx]
-                names.append(name)
-                if kinds or opt.rule.state_has_step:
-                    state[name] = {"step": torch.tensor(float(gm.step_of(idx))),
-                                   **{kind: self.share(kind, idx) for kind in kinds}}
+            names = [layout.names[self._engine.parameter_index(p)] for p in g["params"]]
             entry = {k: v for k, v in g.items() if k != "params"}
             entry.update(opt.rule.state_dict_extras())
             entry["params"] = names
             groups.append(entry)
-        gm.release_read_cache()
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state(self, opt, groups: list, state: dict) -> None:

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import gemini_ext as gx
+from conftest import DEVICES
 from dist_utils import run_ranks
 from parity_utils import LR, WD, batch, config, make_models
 
@@ -20,7 +21,7 @@ ASYNC = "async"
 
 def _train(model, opt, steps, start, rank=0, world_size=1):
     for step in range(start, start + steps):
-        x, y = batch(model.cfg, step, torch.device("cpu"))
+        x, y = batch(model.cfg, step, next(model.parameters()).device)
         per = x.shape[0] // world_size
         model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         opt.step()
@@ -31,16 +32,16 @@ def _state(engine, opt):
     return {"model": engine.state_dict(SHARDED), "optim": opt.state_dict(SHARDED)}
 
 
-def _engine(seed, group, opt_cls=torch.optim.AdamW):
+def _engine(seed, group, opt_cls=torch.optim.AdamW, device="sim"):
     model, _ = make_models(seed=seed)
-    engine = gx.enable(model, config("sim", offload_optim_frac=0.5), process_group=group)
+    engine = gx.enable(model, config(device, offload_optim_frac=0.5), process_group=group)
     kwargs = {"weight_decay": WD} if opt_cls is torch.optim.AdamW else {"momentum": 0.9, "dampening": 0.5}
     return model, engine, engine.optimizer(opt_cls, lr=LR, **kwargs)
 
 
-def _save_body(rank, world_size, directory, how):
+def _save_body(rank, world_size, directory, how, device="sim"):
     group = dist.group.WORLD if dist.is_initialized() else None
-    model, engine, opt = _engine(0, group)
+    model, engine, opt = _engine(0, group, device=device)
     with engine:
         _train(model, opt, 3, 0, rank, world_size)
         state = _state(engine, opt)
@@ -60,10 +61,10 @@ def _save_body(rank, world_size, directory, how):
         torch.save(expected, f"{directory}/expected-{world_size}.pt")
 
 
-def _load_body(rank, world_size, directory, saved_world_size):
+def _load_body(rank, world_size, directory, saved_world_size, device="sim"):
     group = dist.group.WORLD if dist.is_initialized() else None
     expected = torch.load(f"{directory}/expected-{saved_world_size}.pt", weights_only=False)
-    model, engine, opt = _engine(1, group)  # other initial values and a fresh optimizer
+    model, engine, opt = _engine(1, group, device=device)  # other initial values and a fresh optimizer
     with engine:
         state = _state(engine, opt)
         dcp.load(state, checkpoint_id=f"{directory}/dcp")
@@ -87,9 +88,10 @@ def _load_body(rank, world_size, directory, saved_world_size):
             assert torch.allclose(final[key], value, rtol=1e-4, atol=1e-6), key
 
 
-def test_one_process_saves_and_loads_through_dcp_exactly(tmp_path):
-    _save_body(0, 1, str(tmp_path), ASYNC)
-    _load_body(0, 1, str(tmp_path), 1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_process_saves_and_loads_through_dcp_exactly(tmp_path, device):
+    _save_body(0, 1, str(tmp_path), ASYNC, device)
+    _load_body(0, 1, str(tmp_path), 1, device)
 
 
 def test_two_ranks_save_their_shards_and_one_process_loads_them(tmp_path):

@@ -598,12 +598,14 @@ def _rank0_state_dict_body(rank, world_size, path):
         # rank 0 only first: memory the C allocator keeps from an earlier dictionary would hide growth
         first, grown = _peak_anon_growth(lambda: engine.state_dict(StateDictOptions(full_state_dict=True,
                                                                                     cpu_offload=True)))
+        share, grown_share = _peak_anon_growth(lambda: engine.state_dict(StateDictOptions(full_state_dict=False)))
+        share_rows = sum(v.to_local().shape[0] for v in share.values())
+        del share
         everywhere, grown_all = _peak_anon_growth(engine.state_dict)
         del everywhere
-        with pytest.raises(ValueError, match="full_state_dict=False"):
-            engine.state_dict(StateDictOptions(full_state_dict=False))
     with open(os.path.join(path, f"rank{rank}.json"), "w") as f:
-        json.dump({"grown_all": grown_all, "grown": grown, "keys": len(first),
+        json.dump({"grown_all": grown_all, "grown": grown, "grown_share": grown_share, "share_rows": share_rows,
+                   "keys": len(first),
                    "equal": all(torch.equal(first[k], expected[k]) for k in first),
                    "model_bytes": layers * width * width * 4, "tensor_bytes": width * width * 4}, f)
 
@@ -614,8 +616,11 @@ def test_a_rank0_full_state_dict_holds_one_chunk_on_the_other_ranks(tmp_path):
     rank the whole dictionary: its growth is printed beside)."""
     run_ranks(4, _rank0_state_dict_body, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    growth = [(round(x["grown_all"] / 2**20, 1), round(x["grown"] / 2**20, 1)) for x in reports]
-    print("peak anonymous growth per rank, MiB (default, rank 0 only):", growth)
+    growth = [(round(x["grown_all"] / 2**20, 1), round(x["grown"] / 2**20, 1), round(x["grown_share"] / 2**20, 1))
+              for x in reports]
+    print("peak anonymous growth per rank, MiB (default, rank 0 only, sharded):", growth)
+    # the sharded state dict (for DCP): each rank a quarter of every weight's rows
+    assert [x["share_rows"] for x in reports] == [64 * 512 // 4] * 4, growth
     model_bytes = reports[0]["model_bytes"]
     # (rank 0's own growth understates its dictionary: it reuses the heap the model's original
     # tensors left when enable() took them into chunks)
