@@ -261,6 +261,7 @@ def main(argv=None) -> dict:
         "setup_fill_seconds": stats["setup_fill_seconds"],  # its fill phase: materialise, rank 0's values, write
         "close_seconds": close_seconds,
         "per_step": stats["steps"],
+        "throughput": stats["throughput"],  # this rank's tokens/s, model TFLOP/s and MFU
     }
     if rank == 0:
         t = summary["chunk_traffic"]
@@ -269,6 +270,12 @@ def main(argv=None) -> dict:
               f"{args.steps} steps of {args.batch} x {seq} tokens" + (f" on each of {world} ranks" if world > 1 else ""))
         print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
         print(f"   throughput      {summary['tokens_per_s']:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
+        tp = stats["throughput"]
+        if tp["model_tflops_per_s"] is not None:
+            mfu = f"MFU {tp['mfu']:.1%} of {tp['peak_tflops']:.0f} TFLOP/s" if tp["mfu"] is not None \
+                else f"no MFU: peak {tp['peak_source']}"
+            print(f"   model FLOPs     {tp['model_tflops_per_s']:.1f} TFLOP/s per rank ({tp['flops_per_token_source']}"
+                  f" = {tp['flops_per_token'] / 1e9:.3g} GFLOP/token), {mfu}")
         print(f"   peak memory     chunks on device {gx.format_bytes(summary['peak_chunk_device_bytes'])}"
               + (f", torch allocator {gx.format_bytes(torch_peak)}" if torch_peak is not None else "")
               + f", host RSS {gx.format_bytes(summary['peak_host_rss_bytes'])}")

@@ -57,6 +57,11 @@ class GeminiConfig:
     # bf16 with stochastic rounding, 12 instead of 16 bytes per trainable parameter under bf16
     # (the fp32 master stays). Adam / AdamW only.
     optimizer_state_dtype: str = "fp32"
+    # For stats()["throughput"] (see _engine/throughput.py): the model's training FLOPs per token
+    # (None: 4 N + 2 N_trainable from the parameters, 6 N when all train) and the device's peak
+    # TFLOP/s (None: a table of known GPUs for 16-bit precisions).
+    flops_per_token: float | None = None
+    peak_tflops: float | None = None
 
     def __post_init__(self):
         _choice("precision", self.precision, PRECISIONS)
@@ -96,6 +101,10 @@ class GeminiConfig:
                      "enable_gradient_accumulation", "cast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}.")
+        for name in ("flops_per_token", "peak_tflops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name}: expected a number > 0 or None (computed), got {value!r}.")
         if not self.max_norm >= 0.0:
             raise ValueError(f"max_norm: expected >= 0 (0 disables clipping), got {self.max_norm!r}.")
         if self.placement_policy == "const" and self.const_gpu_budget is None:

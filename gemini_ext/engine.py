@@ -45,6 +45,7 @@ from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_par
 from ._engine.materialize import MetaMaterializer
 from ._engine.param_access import ParamAccess
 from ._engine.sharded_state import ShardedState, options_are_sharded
+from ._engine.throughput import Throughput
 from ._engine.parts import EngineParts
 from ._engine.process_groups import DataParallelGroups, resolve_process_group
 from ._env import logger
@@ -168,6 +169,7 @@ class GeminiEngine:
                               on_forward_start=self._on_forward_start)
         parts.access = ParamAccess(self, self.model, layout.params, layout.orig, parts.compute_dtype)
         parts.sharded_state = ShardedState(self)
+        parts.throughput = Throughput(self.model, layout.params, config, self.compute_device)
         registry.register(self.model, self)
 
     def _bind_parameters(self, views) -> None:
@@ -422,6 +424,7 @@ class GeminiEngine:
             "setup_fill_seconds": dict(parts.setup_fill_parts),  # the fill phase in parts
             "distributed": parts.groups.summary(),
             "placement": parts.placer.summary(parts.runtime),
+            "throughput": parts.throughput.summary(),  # tokens/s and MFU (see _engine/throughput.py)
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()
@@ -456,6 +459,7 @@ class GeminiEngine:
         self._buffers.restore()
         parts.hooks.remove()
         parts.access.remove()
+        parts.throughput.remove()
         parts.hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         parts.closed = True
         guards.engine_closed(self)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # types only: the rooms below import nothing from here at run
     from .layout import ChunkLayout
     from .param_access import ParamAccess
     from .sharded_state import ShardedState
+    from .throughput import Throughput
     from .parts import TrainingCounters
     from .process_groups import DataParallelGroups
 
@@ -36,6 +37,7 @@ class EngineInternals(Protocol):
     runtime: Any                        # _C.GeminiManager: hooks, gradients, values, the optimizer step
     placer: "Placer"
     tracer: "MemoryTracer"
+    throughput: "Throughput"            # tokens and time per iteration, MFU
     access: "ParamAccess"
     sharded_state: "ShardedState"       # this rank's share of the state as DTensors (DCP)
     clipper: "GradClipper"

@@ -26,7 +26,7 @@ class EngineParts:
         self.optimizer = None
         self.closed = False
         self.groups = self.device = self.layout = self.chunks = self.runtime = None
-        self.placer = self.tracer = self.access = self.sharded_state = self.clipper = self.scaler = self.hooks = None
+        self.placer = self.tracer = self.throughput = self.access = self.sharded_state = self.clipper = self.scaler = self.hooks = None
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -53,5 +53,6 @@ class EngineParts:
     def end_iteration(self) -> dict:
         report = self.runtime.end_iteration()
         self.tracer.end_iteration(report, self.hooks.last_pass_seconds())
+        self.throughput.end_iteration()
         self.placer.after_iteration(self.runtime, self.tracer, report)
         return report
