@@ -53,6 +53,6 @@ class EngineParts:
     def end_iteration(self) -> dict:
         report = self.runtime.end_iteration()
         self.tracer.end_iteration(report, self.hooks.last_pass_seconds())
-        self.throughput.end_iteration()
         self.placer.after_iteration(self.runtime, self.tracer, report)
+        self.throughput.end_iteration()  # after the policy: chunks it moves count to this iteration
         return report
