@@ -350,15 +350,12 @@ class GeminiEngine:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
         parameters from their fp32 masters), on every rank (collective when sharded).
 
-        `options`, in the style of torch.distributed.checkpoint.state_dict.StateDictOptions (that
-        class, or anything with its `full_state_dict` and `cpu_offload` attributes):
-        full_state_dict=True with cpu_offload=True is rank 0 only, as in torch: rank 0 gets the
-        dictionary and every other rank {}, streamed parameter by parameter, so rank 0 holds the
-        dictionary and one gathered chunk and the others one chunk at a time; cpu_offload=False
-        gives every rank the whole dictionary. "Rank 0" is the first rank of the engine's
-        data-parallel group (its ZeRO group's rank 0 in the first replica). full_state_dict=False
-        gives this rank's share for torch.distributed.checkpoint: each managed parameter a DTensor
-        (Shard(0) over the ZeRO group) holding its fp32 master, plain tensors unsharded (see
+        `options`: torch's StateDictOptions (or anything with `full_state_dict`, `cpu_offload`).
+        full_state_dict=True with cpu_offload=True is rank 0 only, as in torch: the data-parallel
+        group's first rank gets the dictionary, streamed parameter by parameter, and every other
+        rank {} holding one gathered chunk at a time; cpu_offload=False gives every rank all of it.
+        full_state_dict=False gives this rank's share for torch.distributed.checkpoint: DTensors
+        (Shard(0) over the ZeRO group) of the fp32 masters, plain tensors unsharded (see
         _engine/sharded_state.py); load_state_dict() takes it back after dcp.load."""
         self.internal.check_open("state_dict")
         sharded = options_are_sharded(options)
