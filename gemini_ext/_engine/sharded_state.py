@@ -25,6 +25,8 @@ Both are collective: every rank of the group calls them, in the same order.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -111,20 +113,16 @@ class ShardedState:
             raise ValueError(f"load_state_dict: {what} is a DTensor with placements {placements}; the engine loads "
                              "DTensors of its own sharded state dict (Shard(0) over its ranks) or full tensors. Load "
                              "through dcp.load into engine.state_dict(StateDictOptions(full_state_dict=False)).")
-        shape = tuple(value.shape)
-        world = self._engine.world_size
-        per = -(-shape[0] // world) if shape[0] else 0
-        inner = 1
-        for d in shape[1:]:
-            inner *= d
+        shape, world = tuple(value.shape), self._engine.world_size
+        inner = math.prod(shape[1:])
+        rows = [_rows(shape[0], world, r) for r in range(world)]
         device = self._internal.groups.device
-        padded = torch.zeros(per * inner, dtype=torch.float32, device=device)
+        padded = torch.zeros((rows[0][1] - rows[0][0]) * inner, dtype=torch.float32, device=device)  # rank 0's is the largest
         flat = local.reshape(-1).to(device=device, dtype=torch.float32)
         padded[:flat.numel()] = flat
         pieces = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(pieces, padded, group=self._engine.process_group)
-        out = torch.cat([p[:(_rows(shape[0], world, r)[1] - _rows(shape[0], world, r)[0]) * inner]
-                         for r, p in enumerate(pieces)])
+        out = torch.cat([p[:(end - begin) * inner] for p, (begin, end) in zip(pieces, rows)])
         return out.reshape(shape).cpu()
 
     # --- the model ---------------------------------------------------------------------------
