@@ -1,0 +1,203 @@
+"""Large models on one GPU: step time, tokens/s and MFU of gemini_ext `auto` over model sizes and
+batches, with the overlap bound of each row and the peers beside them, in one run.
+    python3 bench/large_models.py --presets 6.7b,13b,15b --batches 1,4,8,16 --out /tmp/large
+    python3 bench/large_models.py --presets 15b --batches 16 --peers none       # one row
+    python3 bench/large_models.py --smoke                                       # tiny, sim (tests)
+Every row is a fresh process (examples/train_gpt.py, or the peers' scripts through bench/offload.py's
+runner): the model built on the GPU, full AdamW, activation checkpointing per block, clipping at 1.0.
+A first process measures the machine's rates in the same run: gemini_ext's CPU Adam kernel
+(parameters/s, bf16 gradient in and bf16 copy out), pinned H2D and D2H bandwidth, and per preset and
+batch the GPU's forward + backward time of the bf16 model held whole on the device (the GPU work
+an offloading system cannot do without; built on the device, so it fits up to about 30B).
+The overlap bound of a row is max(GPU, CPU Adam of the parameters the host stepped in the last
+step, that step's PCIe bytes / the slower direction's bandwidth). MFU counts 6 N FLOPs per token
+(recomputation not credited) against the GPU's bf16 dense peak from the engine's table.
+Columns: the split is the chunk sets whose optimizer state is on the device / the host, and the
+parameters the CPU stepped; peak device is chunks plus torch's allocations, each at its peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offload  # noqa: E402  (bench/offload.py: the runner, failure records and peers' commands)
+
+RATES = r"""
+import json, sys, time
+import torch
+sys.path.insert(0, REPO)
+import gemini_ext as gx
+from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks
+presets, batches, seq_arg, smoke = ARGS
+out = {"gpu_compute_s": {}}
+n = 1 << 20 if smoke else 1 << 26
+p, m, v = (torch.zeros(n) for _ in range(3))
+g = torch.randn(n).bfloat16()
+p16 = torch.empty(n, dtype=torch.bfloat16)
+def adam(step):
+    gx._C.cpu_adam_step(p, m, v, g, p16, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                        adamw=True, grad_scale=1.0, isa="")
+adam(1)
+best = min((lambda t0: (adam(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(4))
+out["cpu_adam_params_per_s"] = n / best
+del p, m, v, g, p16
+if torch.cuda.is_available():
+    dev = torch.device("cuda")
+    host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    gpu = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for name, fn in (("h2d", lambda: gpu.copy_(host, non_blocking=True)), ("d2h", lambda: host.copy_(gpu, non_blocking=True))):
+        fn(); torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(8): fn()
+        torch.cuda.synchronize()
+        out[name + "_bytes_per_s"] = 8 * host.numel() / (time.perf_counter() - t0)
+    del host, gpu
+    for preset in presets:
+        cfg = GPT_PRESETS[preset]
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device(dev):
+            model = GPT(cfg)
+        torch.set_default_dtype(default)
+        checkpoint_blocks(model)
+        seq = seq_arg or cfg.max_seq_len
+        for batch in batches:
+            x, y = synthetic_batch(cfg, batch, seq, 0, dev)
+            times = []
+            for i in range(3):
+                torch.cuda.synchronize(); t0 = time.perf_counter()
+                model(x, y).backward()
+                torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+            out["gpu_compute_s"][f"{preset}/{batch}"] = min(times[1:])
+            print(f"gpu {preset} {batch}: {min(times[1:]):.3f} s", file=sys.stderr, flush=True)
+        del model, x, y
+        torch.cuda.empty_cache()
+print(json.dumps(out))
+"""
+
+
+def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke: bool, timeout: int) -> dict:
+    code = RATES.replace("REPO", repr(offload.REPO)).replace("ARGS", repr((presets, batches, seq, smoke)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=offload.REPO,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if proc.returncode != 0:
+        return {"error": offload.last_error(proc)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
+    """The row's figures from a run's summary and the machine's rates."""
+    row = {"system": system, "preset": preset, "batch": s["batch"], "step_s": s["step_s_median"],
+           "tokens_per_s": s["tokens_per_s"], "parameters": s["parameters"],
+           "peak_device_bytes": s.get("peak_device_bytes_max_rank"), "peak_host_bytes": s.get("peak_host_rss_bytes_max_rank"),
+           "last_loss": s.get("last_loss")}
+    row["model_tflops"] = 6 * s["parameters"] * s["tokens_per_s"] / 1e12
+    peak = (s.get("throughput") or {}).get("peak_tflops") or rates.get("peak_tflops")
+    row["mfu"] = row["model_tflops"] / peak if peak else None
+    host_params, pcie = offload.host_params_and_pcie(system, s)
+    parts = {}
+    gpu = rates.get("gpu_compute_s", {}).get(f"{preset}/{s['batch']}")
+    if gpu is not None:
+        parts["gpu"] = gpu
+    if "cpu_adam_params_per_s" in rates:
+        parts["cpu_adam"] = host_params / rates["cpu_adam_params_per_s"]
+    if pcie is not None and "h2d_bytes_per_s" in rates:
+        parts["pcie"] = pcie / min(rates["h2d_bytes_per_s"], rates["d2h_bytes_per_s"])
+    row["bound_parts_s"] = parts
+    row["bound_s"] = max(parts.values()) if "gpu" in parts else None
+    row["host_params"] = host_params
+    if system.startswith("gemini"):
+        placement = s.get("placement") or {}
+        row["split"] = f"{placement.get('optim_chunks_on_device', '?')} / {placement.get('optim_chunks_on_host', '?')}"
+        row["pcie_bytes"] = pcie
+        last = s["per_step"][-1]
+        row["forward_s"], row["backward_s"] = last.get("forward_seconds"), last.get("backward_seconds")
+        row["exposed_optimizer_s"] = s.get("exposed_optimizer_s_median")
+    return row
+
+
+def table(rows: list[dict], rates: dict) -> str:
+    f = offload.fmt
+    lines = ["| system | model | tokens/step | step s | tokens/s | MFU | split (sets device / host, CPU-stepped) | "
+             "peak device GiB | peak host GiB | bound s (GPU / CPU Adam / PCIe) | step / bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['system']} | {r['preset']} | {r['batch']} x 1024 |"
+        if "error" in r or "skipped" in r:
+            lines.append(head + (f" skipped: {r['skipped']}" if "skipped" in r else f" failed: {r['error'][:110]}")
+                         + " ||||||||")
+            continue
+        parts = r["bound_parts_s"]
+        bound = " / ".join(f(parts.get(k), ".2f") for k in ("gpu", "cpu_adam", "pcie"))
+        split = f"{r['split']}, {r['host_params'] / 1e9:.2f}B" if "split" in r else f"host, {r['host_params'] / 1e9:.2f}B"
+        lines.append(head + f" {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | {split} | "
+                     f"{f(r['peak_device_bytes'] and r['peak_device_bytes'] / 2**30, '.1f')} | "
+                     f"{f(r['peak_host_bytes'] and r['peak_host_bytes'] / 2**30, '.1f')} | {bound} | "
+                     f"{f(r['bound_s'] and r['step_s'] / r['bound_s'], '.2f')} |")
+    rate = ", ".join(f"{k} {v:.4g}" for k, v in rates.items() if isinstance(v, float))
+    return "\n".join(lines + ["", f"Rates measured in this run: {rate}"])
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="6.7b,13b,15b")
+    p.add_argument("--batches", default="1,4,8,16")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--peers", default="fsdp2-offload,deepspeed-offload", help="peer systems, or none")
+    p.add_argument("--peer-presets", default="6.7b,13b")
+    p.add_argument("--peer-batches", default="1,16")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per row")
+    p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
+    p.add_argument("--out", default=None, help="path prefix for .md and .json")
+    p.add_argument("--smoke", action="store_true", help="gpt-tiny on sim, no peers (tests)")
+    args = p.parse_args(argv)
+    presets, batches = args.presets.split(","), [int(b) for b in args.batches.split(",")]
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    seq = None
+    if args.smoke:
+        presets, batches, peers, args.steps, seq = ["tiny"], [1, 2], [], 3, 16
+    rates = measure_rates(presets, batches, seq, args.smoke, args.timeout)
+    print(f"rates: {rates}", flush=True)
+    jobs = [("gemini-auto", pr, b) for pr in presets for b in batches]
+    jobs += [(peer, pr, b) for peer in peers for pr in args.peer_presets.split(",") for b in map(int, args.peer_batches.split(","))]
+    rows, summaries = [], []
+    for system, preset, batch in jobs:
+        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint"]
+        if seq:
+            common += ["--seq", str(seq)]
+        script, extra = offload.systems(None)[system]
+        if script == offload.GEMINI:
+            extra = extra + (["--device", "sim"] if args.smoke else ["--init-device", "cuda"]) + args.extra.split()
+        elif script == offload.PEER:
+            extra = extra + ["--init-device", "cuda"]
+        why_not = offload.peer_unavailable(system) if script == offload.OTHER_PEERS else None
+        s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
+        row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
+        rows.append(row)
+        summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
+        print(f"{system} {preset} {batch}: " + (s.get("error") or s.get("skipped") or
+              f"{s['step_s_median']:.3f} s/step, {s['tokens_per_s']:,.0f} tokens/s, MFU {offload.fmt(row.get('mfu'), '.1%')}"),
+              flush=True)
+    text = table(rows, rates)
+    print("\n" + text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump({"args": vars(args), "rates": rates, "rows": rows, "runs": summaries}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
