@@ -9,8 +9,9 @@ A first process measures the machine's rates in the same run: gemini_ext's CPU A
 (parameters/s, bf16 gradient in and bf16 copy out), pinned H2D and D2H bandwidth, and per preset and
 batch the GPU's forward + backward time of the bf16 model held whole on the device (the GPU work
 an offloading system cannot do without; built on the device, so it fits up to about 30B).
-The overlap bound of a row is max(GPU, CPU Adam of the parameters the host stepped in the last
-step, that step's PCIe bytes / the slower direction's bandwidth). MFU counts 6 N FLOPs per token
+The overlap bound of a row is max(GPU, the host's state of the last step over the CPU Adam rate (plus
+the device kernel's rate over the link where the link lane took part), that step's PCIe bytes / the
+slower direction's bandwidth). MFU counts 6 N FLOPs per token
 (recomputation not credited) against the GPU's bf16 dense peak from the engine's table.
 Columns: the split is the chunk sets whose optimizer state is on the device / the host, and the
 parameters the CPU stepped; peak device is chunks plus torch's allocations, each at its peak.
@@ -45,6 +46,16 @@ def adam(step):
 adam(1)
 best = min((lambda t0: (adam(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(4))
 out["cpu_adam_params_per_s"] = n / best
+if torch.cuda.is_available():  # the device's kernel over the same pinned host arrays (the link lane)
+    mapped = [gx._C.mapped_device_view(t.pin_memory(), torch.device("cuda")) for t in (p, m, v, g, p16)]
+    def link(step):
+        gx._C.device_adam_step(*mapped[:4], mapped[4], step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.1)
+        torch.cuda.synchronize()
+    link(1)
+    best = min((lambda t0: (link(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(3))
+    out["link_adam_params_per_s"] = n / best
+    del mapped
 del p, m, v, g, p16
 if torch.cuda.is_available():
     dev = torch.device("cuda")
@@ -109,8 +120,11 @@ def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
     gpu = rates.get("gpu_compute_s", {}).get(f"{preset}/{s['batch']}")
     if gpu is not None:
         parts["gpu"] = gpu
-    if "cpu_adam_params_per_s" in rates:
-        parts["cpu_adam"] = host_params / rates["cpu_adam_params_per_s"]
+    if "cpu_adam_params_per_s" in rates:  # the host's state, stepped by the CPU (and the device over the link)
+        last = s.get("last_optimizer_step") or {}
+        link = int(last.get("link_params", 0))
+        together = rates["cpu_adam_params_per_s"] + (rates.get("link_adam_params_per_s", 0.0) if link else 0.0)
+        parts["cpu_adam"] = host_params / together
     if pcie is not None and "h2d_bytes_per_s" in rates:
         parts["pcie"] = pcie / min(rates["h2d_bytes_per_s"], rates["d2h_bytes_per_s"])
     row["bound_parts_s"] = parts
@@ -119,6 +133,8 @@ def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
     if system.startswith("gemini"):
         placement = s.get("placement") or {}
         row["split"] = f"{placement.get('optim_chunks_on_device', '?')} / {placement.get('optim_chunks_on_host', '?')}"
+        if placement.get("optim_chunks_link_lane"):
+            row["split"] += f" ({placement['optim_chunks_link_lane']} via link)"
         row["pcie_bytes"] = pcie
         last = s["per_step"][-1]
         row["forward_s"], row["backward_s"] = last.get("forward_seconds"), last.get("backward_seconds")

@@ -274,7 +274,7 @@ def host_params_and_pcie(name: str, s: dict) -> tuple[int, float | None]:
         last_iteration = s["per_step"][-1]
         pcie = last_iteration["h2d_bytes"] + last_iteration["d2h_bytes"]
         last = s.get("last_optimizer_step") or {}
-        return int(last.get("host_params", n)), pcie
+        return int(last.get("host_params", n)) + int(last.get("link_params", 0)), pcie
     if name in ("fsdp2-offload", "colossalai-static") or name.startswith("deepspeed"):
         return n, None  # every parameter stepped on the CPU; PCIe bytes not reported by these systems
     return 0, None

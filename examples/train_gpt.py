@@ -291,8 +291,10 @@ def main(argv=None) -> dict:
               ", ".join(f"{k} {v:.2f}" for k, v in setup.items() if k != "total") + ")")
         print(f"   close           {close_seconds:.2f} s (parameters back in the model)")
         pl, ls = stats["placement"], stats.get("last_step") or {}
+        link = (f"; {pl['optim_chunks_link_lane']} of them stepped by the device over the link "
+                f"({ls.get('link_seconds', 0.0) * 1e3:.1f} ms)" if pl.get("optim_chunks_link_lane") else "")
         print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
-              f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step), {pl['optim_chunks_on_device']} on the device")
+              f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step{link}), {pl['optim_chunks_on_device']} on the device")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)

@@ -5,6 +5,7 @@
 #include "torch/optim/cpu_optim_op.h"
 #include "torch/manager/manager.h"
 #include "torch/optim/device_adam_op.h"
+#include "torch/mapped_view.h"
 
 namespace gx::bindings {
 
@@ -79,6 +80,13 @@ void def_manager_optimizer(py::module_& m) {
            py::arg("groups"), py::arg("spare_limit_bytes"), nogil())
       .def("spare_bytes", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
            nogil())
+      .def("set_link_sets",
+           [](GeminiManager& g, const std::vector<int>& sets) {
+             g.with_optimizer([&](HybridOptimizer& o) { o.set_link_sets(sets); });
+           },
+           py::arg("sets"), nogil())
+      .def("link_sets", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.link_sets(); }); },
+           nogil())
       .def("release_spares",
            [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
       .def("speculations",
@@ -105,6 +113,8 @@ void def_manager_optimizer(py::module_& m) {
              return as_dict(s, field("host_params", &StepStats::host_params),
                             field("device_params", &StepStats::device_params),
                             field("host_seconds", &StepStats::host_seconds),
+                            field("link_params", &StepStats::link_params),
+                            field("link_seconds", &StepStats::link_seconds),
                             field("launch_seconds", &StepStats::launch_seconds),
                             field("device_seconds", &StepStats::device_seconds),
                             field("pending_sets", &StepStats::pending_sets));
@@ -150,6 +160,10 @@ void bind_optimizer(py::module_& m) {
         py::arg("grad_scale") = 1.0, py::arg("random_key") = 0, py::arg("first_index") = 0, nogil(),
         "The device Adam/AdamW kernel (csrc/cuda/adam_kernel.h) on CUDA tensors, in place, on the current "
         "stream: the same arguments and the same bits as cpu_adam_step.");
+
+  m.def("mapped_device_view", &torch_layer::mapped_device_view, py::arg("host"), py::arg("device"),
+        "A CUDA tensor over a pinned CPU tensor's memory: kernels on it read and write the host memory "
+        "in place over the link (keeps the host tensor alive).");
 
   def_manager_optimizer(m);
 }

@@ -15,15 +15,17 @@ OptimizerPipeline::OptimizerPipeline(std::function<void(int)> on_settled, std::f
 OptimizerPipeline::~OptimizerPipeline() { drain(); }
 
 void OptimizerPipeline::drain() {
-  if (worker_) worker_->drain();
+  for (auto& worker : workers_)
+    if (worker) worker->drain();
 }
 
 void OptimizerPipeline::launch(int set, std::function<void()> compute, std::function<void()> complete,
-                               std::function<bool()> eager, int64_t priority) {
+                               std::function<bool()> eager, int64_t priority, StepLane lane) {
   GX_INTERNAL_ASSERT(!pending(set), "chunk set ", set, " launched while its previous step is pending");
-  if (!worker_) worker_ = std::make_unique<SerialExecutor>();
+  std::unique_ptr<SerialExecutor>& worker = workers_[static_cast<int>(lane)];
+  if (!worker) worker = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
-  std::shared_future<void> done = worker_->submit([compute = std::move(compute), seconds, gate = gate_] {
+  std::shared_future<void> done = worker->submit([compute = std::move(compute), seconds, gate = gate_] {
     {
       std::unique_lock<std::mutex> lock(gate->mutex);
       gate->opened.wait(lock, [&] { return !gate->held; });
@@ -33,7 +35,7 @@ void OptimizerPipeline::launch(int set, std::function<void()> compute, std::func
     compute();
     *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }, priority);
-  pending_.emplace(set, Pending{std::move(done), std::move(complete), seconds, std::move(eager)});
+  pending_.emplace(set, Pending{std::move(done), std::move(complete), seconds, std::move(eager), lane});
   order_.push_back(set);
   if (!overlap_) settle(set);
 }
@@ -58,7 +60,7 @@ void OptimizerPipeline::settle(int set) {
                                        ". Its master weights and optimizer state may be partly updated: reload the "
                                        "last checkpoint."));
   }
-  host_step_seconds_ += *step.seconds;
+  step_seconds_[static_cast<int>(step.lane)] += *step.seconds;
   step.complete();
   on_settled_(set);
 }

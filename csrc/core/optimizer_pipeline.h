@@ -11,6 +11,9 @@
 // (SerialExecutor takes the most urgent first). With overlap off, launch settles the step before
 // it returns (the serial step, for comparison). Tests may hold the thread (steps wait before
 // they start) or slow each task down. Not thread-safe itself: its owner calls it under its lock.
+// Lanes. A step runs on one of two threads: kCpu, where the CPU kernels run, or kLink, where
+// a set's step is the device's kernel over the host memory (launched, then waited for), so
+// that the two proceed at once on different sets. Settling is the same for both.
 #pragma once
 
 #include <condition_variable>
@@ -28,6 +31,8 @@
 
 namespace gx {
 
+enum class StepLane : int { kCpu = 0, kLink = 1 };
+
 class OptimizerPipeline {
  public:
   // `on_settled(set)` runs after a set's `complete`; `describe(set)` names a set in errors.
@@ -37,7 +42,7 @@ class OptimizerPipeline {
   OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
 
   void launch(int set, std::function<void()> compute, std::function<void()> complete, std::function<bool()> eager,
-              int64_t priority);
+              int64_t priority, StepLane lane = StepLane::kCpu);
   void settle(int set);      // no-op when the set is not pending
   bool try_settle(int set);  // settles a finished step; false while it runs
   void settle_all();         // in launch order
@@ -49,8 +54,9 @@ class OptimizerPipeline {
   size_t pending_count() const { return pending_.size(); }
   const std::deque<int>& pending_sets() const { return order_; }  // launch order
 
-  double host_step_seconds() const { return host_step_seconds_; }  // compute time of the settled steps
-  void reset_host_step_seconds() { host_step_seconds_ = 0.0; }
+  // compute time of the settled steps, per lane (kLink: from launch to the kernels' end)
+  double host_step_seconds(StepLane lane = StepLane::kCpu) const { return step_seconds_[static_cast<int>(lane)]; }
+  void reset_host_step_seconds() { step_seconds_[0] = step_seconds_[1] = 0.0; }
   double wait_seconds() const { return wait_seconds_; }  // time settling waited for a running step
   int64_t waits() const { return waits_; }
 
@@ -63,6 +69,7 @@ class OptimizerPipeline {
     std::function<void()> complete;
     std::shared_ptr<double> seconds;  // written by the task
     std::function<bool()> eager;
+    StepLane lane = StepLane::kCpu;
   };
   struct Gate {
     std::mutex mutex;
@@ -75,12 +82,12 @@ class OptimizerPipeline {
   std::function<std::string(int)> describe_;
   std::map<int, Pending> pending_;  // by set index
   std::deque<int> order_;           // launch order
-  double host_step_seconds_ = 0.0;
+  double step_seconds_[2] = {0.0, 0.0};
   double wait_seconds_ = 0.0;
   int64_t waits_ = 0;
   bool overlap_ = true;
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
-  std::unique_ptr<SerialExecutor> worker_;  // last: joined first
+  std::unique_ptr<SerialExecutor> workers_[2];  // per lane; last: joined first
 };
 
 }  // namespace gx

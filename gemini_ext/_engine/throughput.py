@@ -118,9 +118,12 @@ class Throughput:
         timed = [s for s in timed[-TIMED_STEPS:] if s[1] > 0 and s[0] > 0]
         if not timed:
             return out
+        # The median of the steps' rates: a step is timed from one optimizer step to the next, so
+        # the work after the last step() of a window falls in the next one; a mean over a short
+        # window would carry the first step's remainder (auto's re-placement, a short tail).
+        rates = sorted(t / s for t, s in timed)
+        per_s = rates[len(rates) // 2]
         tokens = sum(t for t, _ in timed)
-        seconds = sum(s for _, s in timed)
-        per_s = tokens / seconds
         achieved = per_s * self.flops_per_token / 1e12
         out.update(steps_timed=len(timed), tokens_per_step=tokens / len(timed),
                    step_seconds=sorted(s for _, s in timed)[len(timed) // 2], tokens_per_s=per_s,

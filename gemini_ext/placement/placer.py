@@ -119,7 +119,8 @@ class Placer:
                                  **figures)
         current = Placement(tuple(SetPlacement(p["optim_on_host"], p["param_home_on_host"], p["keep_gathered"],
                                                p["grad_stays_on_device"]) for p in runtime.set_placements()),
-                            self.current.device_budget_bytes, self.current.decision)
+                            self.current.device_budget_bytes, self.current.decision,
+                            link_sets=self.current.link_sets)
         chosen = self.policy.after_iteration(measured, current)
         self._apply(runtime, current, chosen)
         self.current = chosen
@@ -132,16 +133,18 @@ class Placer:
         reports 0: the policy then decides without rates."""
         try:
             cpu, h2d = rates.cpu_optimizer_elements_per_s(), rates.h2d_bytes_per_s(self._device)
+            link = rates.link_optimizer_elements_per_s(self._device)
         except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
             logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
                         self.policy.name, e)
-            cpu = h2d = 0.0
+            cpu = h2d = link = 0.0
         passes = tracer.last_pass_seconds()
         return {"forward_seconds": self._groups.reduce(passes["forward_seconds"], "max"),
                 "backward_seconds": self._groups.reduce(passes["backward_seconds"], "max"),
                 "optimizer_steps_during_backward": bool(self._groups.all_agree(self._steps_during_backward)),
                 "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
-                "h2d_bytes_per_s": self._groups.reduce(h2d, "min")}
+                "h2d_bytes_per_s": self._groups.reduce(h2d, "min"),
+                "link_optimizer_elements_per_s": self._groups.reduce(link, "min")}
 
     def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
@@ -157,6 +160,8 @@ class Placer:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
             if was.optim_on_host and not now.optim_on_host:
                 runtime.set_optim_on_host(k, False)
+        if tuple(chosen.link_sets) != tuple(current.link_sets):
+            runtime.set_link_sets(list(chosen.link_sets))
         if "move_seconds" in chosen.decision:
             chosen.decision["move_seconds"] = time.perf_counter() - started  # the state moved to its tiers
 
@@ -180,4 +185,5 @@ class Placer:
             "param_chunks_home_host": sum(p["param_home_on_host"] for p in placements),
             "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
             "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),
+            "optim_chunks_link_lane": len(runtime.link_sets()) if self.current.link_sets else 0,
         }

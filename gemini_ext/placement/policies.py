@@ -34,7 +34,10 @@ decorating it with `@register`.
   gradient chunk stays on the device until the step: those are reserved first). Where the CPU
   step of the rest would outlast the backward pass, it weighs moving further sets' state there,
   evicting parameter chunks to make room, with measured rates (gemini_ext/placement/optimizer_split.py):
-  on a fast host the fetches cost more than the CPU time saved and it stays at what fits. It reports
+  on a fast host the fetches cost more than the CPU time saved and it stays at what fits. Where
+  the CPU step of the host's state would still be waited for, it gives some host sets to the
+  link lane, the device's kernel stepping their host state over the link beside the CPU
+  (gemini_ext/placement/optimizer_lanes.py). It reports
   what it chose in
   `engine.stats()["placement"]`. When the access trace changes (it is re-recorded), it measures
   the next iteration again and re-places, moving optimizer state back to the host if it no
@@ -58,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import _C
+from .optimizer_lanes import link_lane_sets
 from .optimizer_split import beyond_fit_by_rates
 from .._units import format_bytes
 
@@ -108,6 +112,7 @@ class Measurements:
     optimizer_steps_during_backward: bool = False  # host CPU steps started in backward (speculation), all ranks
     cpu_optimizer_elements_per_s: float = 0.0  # the CPU optimizer kernel, measured (0: not), the least of any rank
     h2d_bytes_per_s: float = 0.0        # a host-to-device copy, measured (0: not), the least of any rank
+    link_optimizer_elements_per_s: float = 0.0  # the device kernel over mapped host state (0: not), least of any rank
 
     def trainable_shard_bytes(self) -> list[int]:
         return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
@@ -131,6 +136,7 @@ class Placement:
     decision: dict = dataclasses.field(default_factory=dict)  # what was measured and chosen (stats())
     warnings: tuple = ()            # for the user: the engine warns with each
     params_born_on_device: bool = False  # parameter chunks allocated on the device at enable(), no host copy
+    link_sets: tuple = ()           # host sets the device's kernel steps over the link (optimizer_lanes.py)
 
     @property
     def host_bound_sets(self) -> int:
@@ -437,12 +443,13 @@ class AutoPolicy(PlacementPolicy):
             extra, rates = beyond_fit_by_rates(m, on_device, remaining, state_per_element)
             on_device |= extra
         on_host = [t and index not in on_device for index, t in enumerate(m.trainable)]
+        link_sets, lanes = link_lane_sets(m, on_host)
         decision = {**budget_decision(m, budget, current), "param_chunk_bytes": p_bytes,
                     "grad_bytes_kept_for_accumulation": grads_kept,
                     "optim_sets_moved_to_device": len(on_device), "params_fit": p_bytes + 2 * largest <= budget,
-                    "optim_sets_kept_on_device_for_host": host_bound_sets, **rates,
+                    "optim_sets_kept_on_device_for_host": host_bound_sets, **rates, **lanes,
                     "move_seconds": 0.0}  # the engine times the moves it makes
-        return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings))
+        return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings), link_sets=link_sets)
 
 
 @register

@@ -8,6 +8,10 @@ copy of PROBE_COPY_BYTES timed with CUDA events (on sim, where a "device" copy i
 a host copy of the same size). The best of a few repetitions counts: the first warms caches and
 page tables. Both probes together took about 80 ms on a two-core development machine.
 
+The link lane's rate (link_optimizer_elements_per_s) is the device's Adam kernel over
+PROBE_ELEMENTS of pinned host state through mapped views (cuda only; 0 elsewhere), timed with
+CUDA events.
+
 Adam's kernel stands for every rule: SGD, Lion and Adagrad move fewer bytes per element, so for
 them the rate is a lower bound and the plan errs toward moving more state to the device.
 """
@@ -71,4 +75,32 @@ def h2d_bytes_per_s(device) -> float:
                 target.copy_(source)
                 best = min(best, time.perf_counter() - started)
         _cache[key] = PROBE_COPY_BYTES / max(best, 1e-9)
+    return _cache[key]
+
+
+def link_optimizer_elements_per_s(device) -> float:
+    """Elements per second the device's Adam kernel steps in pinned host memory over the link
+    (the optimizer's link lane); 0.0 on a device without one (sim)."""
+    if not device.is_cuda:
+        return 0.0
+    key = ("link", str(device.torch_device))
+    if key not in _cache:
+        n = PROBE_ELEMENTS
+        host = [torch.zeros(n, pin_memory=True) for _ in range(3)]
+        host += [torch.full((n,), 1e-3, dtype=torch.bfloat16, pin_memory=True),
+                 torch.empty(n, dtype=torch.bfloat16, pin_memory=True)]
+        master, m, v, grad, copy = (_C.mapped_device_view(t, device.torch_device) for t in host)
+        stream = torch.cuda.Stream(device.torch_device)
+        best = float("inf")
+        with torch.cuda.stream(stream):
+            for step in range(1, REPEATS + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                _C.device_adam_step(master, m, v, grad, copy, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                    weight_decay=0.0)
+                end.record(stream)
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+        del master, m, v, grad, copy, host
+        _cache[key] = n / max(best, 1e-9)
     return _cache[key]

@@ -26,6 +26,7 @@ CASES = {
     "auto": {"precision": "bf16", "placement_policy": "auto"},
     "bf16_clipping_never_triggers": {"precision": "bf16", "max_norm": 1e6},  # speculation from step 2 on
 }
+LANE_CASES = {**CASES, "split_clipping": {**CASES["half_on_device"], "max_norm": 0.05}}
 # Cases whose overlapped run must have confirmed speculative steps (started during backward).
 # (auto on sim moves every optimizer state to the device after the first step: nothing to speculate)
 SPECULATES = {"fp32", "tiny_budget", "half_on_device", "bf16_clipping_never_triggers"}
@@ -33,7 +34,7 @@ NEVER_ARMED = {"fp16_scaler", "bf16_clipping"}  # a loss scale, or clipping that
 
 
 def _config(device, case, overlap):
-    kw = dict(CASES[case])
+    kw = dict(LANE_CASES[case])
     chunks = kw.pop("budget_chunks", None)
     if chunks is not None:
         kw.update(chunk_cap(device, chunks * CHUNK_BYTES_FP32))
@@ -171,3 +172,41 @@ def test_serial_mode_settles_before_step_returns():
 def test_overlap_optimizer_must_be_a_bool():
     with pytest.raises(ValueError, match=r"overlap_optimizer: expected True or False, got 'yes'"):
         gx.GeminiConfig(device="sim", overlap_optimizer="yes")
+
+
+def _train_lanes(device, case, link_every, steps=4):
+    """Trains with every `link_every`-th host set on the link lane (0: none); returns the losses,
+    the final parameters and the last step's stats."""
+    model, _ = make_models()
+    losses = []
+    with gx.enable(model, _config(device, case, overlap=True)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        runtime = engine.internal.runtime
+        host_sets = [k for k, p in enumerate(runtime.set_placements()) if p["trainable"] and p["optim_on_host"]]
+        if link_every:
+            runtime.set_link_sets(host_sets[::link_every])
+        for step in range(steps):
+            x, y = batch(model.cfg, step, engine.compute_device)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        last = opt.last_step_stats()
+    params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return losses, params, last, len(host_sets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["bf16_clipping", "split_clipping"])  # no speculation: steps at step()
+def test_the_link_lane_steps_host_state_to_the_same_bits(device, case):
+    """Host sets stepped by the device's kernel over the link (beside the CPU stepping the
+    others) end in the same parameters as the CPU stepping them all."""
+    cpu_losses, cpu_params, cpu_last, host_sets = _train_lanes(device, case, link_every=0)
+    losses, params, last, _ = _train_lanes(device, case, link_every=2)
+    assert host_sets >= 2, "the case is meant to keep several sets' state on the host"
+    assert cpu_last["link_params"] == 0 and last["link_params"] > 0 and last["host_params"] > 0, last
+    assert last["link_params"] + last["host_params"] == cpu_last["host_params"]
+    assert losses == cpu_losses
+    for name, value in cpu_params.items():
+        assert torch.equal(params[name], value), name

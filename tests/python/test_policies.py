@@ -667,6 +667,28 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates(window):
         "what it chose beats staying at what fits"
 
 
+def test_the_link_lane_takes_host_sets_where_the_cpu_alone_would_be_waited_for():
+    """optimizer_lanes.py on figures: four host sets of 100 elements behind four device sets, a
+    1 s next forward (it reaches the host sets at 0.5, 0.625, 0.75 and 0.875 s), the CPU at 100
+    elements/s and the link lane at 50. The CPU alone ends at 4 s: the forward waits 3.125 s.
+    By list scheduling (each set to the lane that would finish it first; a tie stays on the CPU)
+    the sets go CPU, CPU, link, CPU, done at 1, 2, 2 and 3 s: a wait of 2.125 s. A CPU fast
+    enough for the window takes none,
+    and without a link rate, or with steps during backward (speculation), nothing changes."""
+    from gemini_ext.placement.optimizer_lanes import link_lane_sets
+    on_host = [False] * 4 + [True] * 4
+    figures = dict(set_shard_bytes=(200,) * 8, trainable=(True,) * 8, forward_seconds=1.0,
+                   cpu_optimizer_elements_per_s=100.0, link_optimizer_elements_per_s=50.0)
+    chosen, decision = link_lane_sets(_measured(**figures), on_host)
+    assert chosen == (6,)
+    assert decision["predicted_exposed_cpu_only_s"] == pytest.approx(3.125)
+    assert decision["predicted_exposed_with_link_s"] == pytest.approx(2.125)
+    chosen, decision = link_lane_sets(_measured(**{**figures, "cpu_optimizer_elements_per_s": 1e4}), on_host)
+    assert chosen == () and decision["link_lane_sets"] == 0
+    assert link_lane_sets(_measured(**{**figures, "link_optimizer_elements_per_s": 0.0}), on_host) == ((), {})
+    assert link_lane_sets(_measured(**figures, optimizer_steps_during_backward=True), on_host) == ((), {})
+
+
 def _predicted_at_fit(elements, sets, on_device, window_seconds, rate, during_backward):
     from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds
     return predicted_exposed_optimizer_seconds([elements] * sets, [i >= on_device for i in range(sets)],

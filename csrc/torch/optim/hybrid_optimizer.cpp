@@ -11,6 +11,12 @@
 #include "core/errors.h"
 #include "core/kernels/stochastic_round.h"
 #include "torch/chunk_views.h"
+#include "torch/mapped_view.h"
+
+#ifdef GX_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace gx::torch_layer {
 
@@ -48,10 +54,50 @@ HybridOptimizer::ShardPart HybridOptimizer::shard_part_of(const ChunkSet& set, c
 }
 
 void HybridOptimizer::launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
-                                       std::function<bool()> eager) {
+                                       std::function<bool()> eager, StepLane lane) {
   // The next forward's order decides which finished-gradient set the optimizer thread takes next.
   const int64_t priority = order_.rank.at(static_cast<size_t>(set_index));
-  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority);
+  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority, lane);
+}
+
+void HybridOptimizer::set_link_sets(const std::vector<int>& sets) {
+  for (int s : sets)
+    GX_CHECK(s >= 0 && static_cast<size_t>(s) < sets_.size(), "set_link_sets: chunk set ", s, " does not exist (",
+             sets_.size(), " sets).");
+  link_sets_ = std::set<int>(sets.begin(), sets.end());
+}
+
+std::function<void()> HybridOptimizer::link_run(const RunViews& host, int64_t step, const HyperValues& hyper,
+                                                double grad_multiplier) const {
+  RunViews v = host;
+  const c10::Device device = ctx_.device_for(Tier::kDevice);
+  if (device.is_cuda()) {
+    v.master = mapped_chunk_view(host.master, device);
+    for (at::Tensor& t : v.states) t = mapped_chunk_view(t, device);
+    v.grad = mapped_chunk_view(host.grad, device);
+    if (host.param16.defined()) v.param16 = mapped_chunk_view(host.param16, device);
+  }
+  return [rule = rule_, v, step, hyper, grad_multiplier] {
+    const bool wrote_param16 = rule->device_run(v, step, hyper, grad_multiplier);
+    if (v.param16.defined() && !wrote_param16) v.param16.copy_(v.master);  // the rounded copy for compute
+  };
+}
+
+std::function<void()> HybridOptimizer::link_task(std::vector<std::function<void()>> runs) const {
+  const c10::Device device = ctx_.device_for(Tier::kDevice);
+  return [runs = std::move(runs), device] {
+#ifdef GX_WITH_CUDA
+    if (device.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(device);
+      const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(false, device.index());
+      const c10::cuda::CUDAStreamGuard on_stream(stream);
+      for (const auto& run : runs) run();
+      stream.synchronize();  // the host copies hold the results: the set may be settled
+      return;
+    }
+#endif
+    for (const auto& run : runs) run();
+  };
 }
 
 void HybridOptimizer::wait_grads() {
@@ -108,7 +154,8 @@ HybridOptimizer::~HybridOptimizer() {
 
 StepStats HybridOptimizer::last_step() const {
   StepStats out = stats_;
-  out.host_seconds = pipeline_.host_step_seconds();
+  out.host_seconds = pipeline_.host_step_seconds(StepLane::kCpu);
+  out.link_seconds = pipeline_.host_step_seconds(StepLane::kLink);
   out.pending_sets = static_cast<int64_t>(pipeline_.pending_count());
   return out;
 }
@@ -246,6 +293,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     return;
   }
   const bool on_host = set.spec.optim_on_host;
+  const bool link = on_host && link_sets_.count(set_index) != 0;
   const bool has_master = set.spec.master >= 0;
   const Tier host = mgr.host_tier();
   const auto t0 = std::chrono::steady_clock::now();
@@ -261,7 +309,10 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     if (n > 0) {  // else the run lies in other ranks' shards: only the step count advances
       const HyperValues& h = groups[static_cast<size_t>(r.group)];
       const RunViews views = run_views(whole, set, begin, n, step);
-      if (on_host) {
+      if (link) {
+        host_work.push_back(link_run(views, step, h, grad_multiplier));
+        stats_.link_params += n;
+      } else if (on_host) {
         host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
         stats_.host_params += n;
       } else {
@@ -294,6 +345,8 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   auto complete = [chunks, p, host, home_on_host] { refresh_device_param_copy(*chunks, p, host, home_on_host); };
   if (host_work.empty()) {
     complete();
+  } else if (link) {
+    launch_host_step(set_index, link_task(std::move(host_work)), std::move(complete), nullptr, StepLane::kLink);
   } else {
     launch_host_step(set_index, [work = std::move(host_work)] {
       for (const auto& run : work) run();

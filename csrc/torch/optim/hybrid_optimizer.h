@@ -21,6 +21,13 @@
 //  * Host sets run on the manager's optimizer thread, in forward order, and step() returns
 //    before they finish (torch/manager/manager_optimizer.cpp; the Note in step() says why this is exact).
 //    GeminiConfig.overlap_optimizer=False settles each one before step() returns.
+//  * The link lane. Host sets named by set_link_sets (the placement policy chooses them from
+//    measured rates) are stepped by the rule's device kernel reading and writing their pinned
+//    host copies in place over the link (torch/mapped_view.h), on the pipeline's second thread,
+//    while the CPU kernel steps the other host sets: the host's memory bandwidth is shared
+//    by the two, not divided. The kernels compute the same bits, so which lane steps a set
+//    changes nothing but time; everything else (settling, P's refresh) is as for a CPU step.
+//    On sim the lane runs the same CPU arithmetic on its thread.
 //  * `grad_multiplier` folds 1/loss_scale and the clipping coefficient into one factor applied
 //    to every gradient, so clipping costs no extra pass.
 #pragma once
@@ -47,8 +54,10 @@ void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool hom
 
 struct StepStats {
   int64_t host_params = 0;    // elements stepped by the CPU kernel in the last step
+  int64_t link_params = 0;    // host-resident elements stepped by the device kernel over the link
   int64_t device_params = 0;  // elements stepped by the device kernel
   double host_seconds = 0.0;  // CPU kernel time on the optimizer thread of the sets settled so far
+  double link_seconds = 0.0;  // the link lane's time (launch to the kernels' end) of the sets settled so far
   double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
@@ -69,6 +78,10 @@ class HybridOptimizer {
   // `grad_multiplier` applies to every gradient).
   void step(const std::vector<HyperValues>& groups, double grad_multiplier);
   StepStats last_step() const;  // settles nothing: host_seconds covers the sets settled so far
+  // The host sets the link lane steps from the next step on (set indices; others: the CPU). A
+  // set whose state is on the device, or a rule without a native device kernel, ignores it.
+  void set_link_sets(const std::vector<int>& sets);
+  std::vector<int> link_sets() const { return {link_sets_.begin(), link_sets_.end()}; }
 
   // Speculation (hybrid_optimizer_speculation.cpp). Armed at the start of a backward pass with the
   // hyperparameters of that moment: each host set's step then starts as soon as its gradients
@@ -124,7 +137,12 @@ class HybridOptimizer {
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
   // Hands a host set's step to the pipeline with its forward position as priority.
   void launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
-                        std::function<bool()> eager = nullptr);
+                        std::function<bool()> eager = nullptr, StepLane lane = StepLane::kCpu);
+  // One run of a link-lane set: the rule's device kernel over mapped views of its host views.
+  std::function<void()> link_run(const RunViews& host, int64_t step, const HyperValues& hyper,
+                                 double grad_multiplier) const;
+  // The link lane's task: the runs on a stream of its own, waited for (on sim: the runs).
+  std::function<void()> link_task(std::vector<std::function<void()>> runs) const;
   void wait_grads();                    // gradient moves still in flight finish
   double all_reduce_sum(double local);  // over the ranks (sharded; itself otherwise)
 
@@ -135,7 +153,8 @@ class HybridOptimizer {
   Residency& residency_;
   OptimizerPipeline& pipeline_;
   const ForwardOrder& order_;
-  std::unique_ptr<OptimizerRule> rule_;
+  std::shared_ptr<OptimizerRule> rule_;  // shared with link-lane tasks in flight
+  std::set<int> link_sets_;
   std::optional<std::vector<HyperValues>> armed_;
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
