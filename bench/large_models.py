@@ -50,7 +50,7 @@ if torch.cuda.is_available():  # the device's kernel over the same pinned host a
     mapped = [gx._C.mapped_device_view(t.pin_memory(), torch.device("cuda")) for t in (p, m, v, g, p16)]
     def link(step):
         gx._C.device_adam_step(*mapped[:4], mapped[4], step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                               weight_decay=0.1)
+                               weight_decay=0.1, max_blocks=gx._C.LINK_LANE_BLOCKS)
         torch.cuda.synchronize()
     link(1)
     best = min((lambda t0: (link(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(3))

@@ -24,6 +24,7 @@ def main(argv=None):
     p.add_argument("--params-m", type=float, default=800)
     p.add_argument("--shares", default="0.3,0.4,0.5", help="device shares to run together with the CPU")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=gx._C.LINK_LANE_BLOCKS, help="the device kernel's block cap (0: none)")
     args = p.parse_args(argv)
     n = int(args.params_m * 2**20)
     dev = torch.device("cuda")
@@ -42,7 +43,7 @@ def main(argv=None):
     def link(a, b):
         if b > a:
             mm, mmv, mv, mg, mp = (t[a:b] for t in mapped)
-            gx._C.device_adam_step(mm, mmv, mv, mg, mp, step=step[0] + 1, **HYPER)
+            gx._C.device_adam_step(mm, mmv, mv, mg, mp, step=step[0] + 1, max_blocks=args.blocks, **HYPER)
 
     def timed(fn):
         best = float("inf")
@@ -58,6 +59,25 @@ def main(argv=None):
     for share in (float(s) for s in args.shares.split(",")):
         k = int(n * share) // 64 * 64
         rows.append((f"both, device share {share:.0%}", timed(lambda: (link(0, k), cpu(k, n)))))
+    # what the device kernel over the link costs compute running beside it: bf16 matmuls on the
+    # default stream, alone and while the kernel steps the whole array on a stream of its own
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def matmuls():
+        for _ in range(40):
+            a @ a
+
+    alone = timed(matmuls)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        link(0, n)
+    start.record()
+    matmuls()
+    end.record()
+    torch.cuda.synchronize()
+    slowed = start.elapsed_time(end) / 1e3
     # bit-exactness of the two kernels on the same inputs (fresh copies)
     a = [t[:1 << 20].clone() for t in (master, m, v)]
     b = [x.clone().pin_memory() for x in a]
@@ -72,6 +92,8 @@ def main(argv=None):
     print("| run | ms | G params/s | GB/s over 28 B/param |\n|---|---|---|---|")
     for name, s in rows:
         print(f"| {name} | {s * 1e3:.1f} | {n / s / 1e9:.2f} | {28 * n / s / 1e9:.0f} |")
+    print(f"\n40 bf16 8192^2 matmuls: {alone * 1e3:.1f} ms alone, {slowed * 1e3:.1f} ms beside the device kernel "
+          f"over the link ({args.blocks or 'uncapped'} blocks)")
 
 
 if __name__ == "__main__":

@@ -49,14 +49,14 @@ namespace {
 void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                       const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
                       double beta1, double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                      int64_t random_key, int64_t first_index) {
+                      int64_t random_key, int64_t first_index, int max_blocks) {
   GX_CHECK(random_key >= 0 && random_key <= UINT32_MAX && first_index >= 0 && first_index <= UINT32_MAX,
            "device_adam_step: random_key and first_index must be in [0, 2^32), got ", random_key, " and ",
            first_index, ".");
   torch_layer::device_adam_step(
       param, exp_avg, exp_avg_sq, grad, param16,
       torch_layer::adam_hyper_of(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale),
-      static_cast<uint32_t>(random_key), static_cast<uint32_t>(first_index));
+      static_cast<uint32_t>(random_key), static_cast<uint32_t>(first_index), max_blocks);
 }
 
 }  // namespace
@@ -157,10 +157,12 @@ void bind_optimizer(py::module_& m) {
   m.def("device_adam_step", &device_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
-        py::arg("grad_scale") = 1.0, py::arg("random_key") = 0, py::arg("first_index") = 0, nogil(),
+        py::arg("grad_scale") = 1.0, py::arg("random_key") = 0, py::arg("first_index") = 0,
+        py::arg("max_blocks") = 0, nogil(),
         "The device Adam/AdamW kernel (csrc/cuda/adam_kernel.h) on CUDA tensors, in place, on the current "
         "stream: the same arguments and the same bits as cpu_adam_step.");
 
+  m.attr("LINK_LANE_BLOCKS") = torch_layer::kLinkLaneBlocks;
   m.def("mapped_device_view", &torch_layer::mapped_device_view, py::arg("host"), py::arg("device"),
         "A CUDA tensor over a pinned CPU tensor's memory: kernels on it read and write the host memory "
         "in place over the link (keeps the host tensor alive).");

@@ -65,7 +65,8 @@ void launch(const AdamConstants& c, const DeviceAdamBuffers& b, cudaStream_t str
   using Grad = typename Storage<GradFormat>::type;
   constexpr int kThreads = 256;
   const int64_t wanted = (b.numel + kThreads - 1) / kThreads;
-  const int blocks = static_cast<int>(wanted < 4096 ? wanted : 4096);  // grid-stride beyond ~1M threads
+  const int64_t most = b.max_blocks > 0 ? b.max_blocks : 4096;  // grid-stride beyond ~1M threads
+  const int blocks = static_cast<int>(wanted < most ? wanted : most);
   adam_kernel<GradFormat, StateFormat, Param16Format><<<blocks, kThreads, 0, stream>>>(
       c, b.param, static_cast<State*>(b.exp_avg), static_cast<State*>(b.exp_avg_sq),
       static_cast<const Grad*>(b.grad), static_cast<uint16_t*>(b.param16), b.numel, b.random_key, b.first_index);

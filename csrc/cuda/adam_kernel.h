@@ -32,6 +32,9 @@ struct DeviceAdamBuffers {
   // bf16 moments: element i draws stochastic_bits(random_key, first_index + i), m the low half.
   uint32_t random_key = 0;
   uint32_t first_index = 0;
+  // A cap on the kernel's blocks (0: enough for the whole device). The optimizer's link lane runs
+  // beside compute: a few blocks keep the link busy and leave the SMs to compute's kernels.
+  int max_blocks = 0;
 };
 
 // Launches the update on `stream` (asynchronous). The dtypes must be among those named above

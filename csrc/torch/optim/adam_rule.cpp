@@ -63,7 +63,7 @@ class AdamRule final : public OptimizerRule {
     if (run.param16.defined()) p16 = run.param16;
     if (run.master.device().is_cuda()) {
       device_adam_step(run.master, run.states.at(0), run.states.at(1), run.grad, p16, h, run.random_key,
-                       run.first_index);
+                       run.first_index, run.device_max_blocks);
     } else {  // the simulated device is host memory: the CPU kernel, the same arithmetic
       prepare_cpu_adam(run.master, run.states.at(0), run.states.at(1), run.grad, p16, h, run.random_key,
                        run.first_index)
@@ -71,6 +71,8 @@ class AdamRule final : public OptimizerRule {
     }
     return true;  // the kernels write the 16-bit copy
   }
+
+  bool steps_over_the_link() const override { return true; }
 
  private:
   std::vector<StateKind> kinds_{StateKind::kExpAvg, StateKind::kExpAvgSq};

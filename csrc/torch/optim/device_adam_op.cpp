@@ -26,7 +26,7 @@ void check_device_tensor(const at::Tensor& t, const char* name, const at::Tensor
 
 void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                       const at::Tensor& grad, const std::optional<at::Tensor>& param16, const AdamHyper& hyper,
-                      uint32_t random_key, uint32_t first_index) {
+                      uint32_t random_key, uint32_t first_index, int max_blocks) {
   GX_CHECK(param.device().is_cuda(), "device_adam_step: expected CUDA tensors, got param on ", param.device().str(),
            ". Host tensors step with cpu_adam_step.");
   GX_CHECK(param.scalar_type() == at::kFloat, "device_adam_step: param (the master) must be float32, got ",
@@ -64,6 +64,7 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
   b.numel = param.numel();
   b.random_key = random_key;
   b.first_index = first_index;
+  b.max_blocks = max_blocks;
   const c10::cuda::CUDAGuard guard(param.device());
   adam_step_on_device(adam_constants(hyper), b, c10::cuda::getCurrentCUDAStream(param.device().index()).stream());
 #else

@@ -18,6 +18,9 @@ namespace gx::torch_layer {
 // UsageError on a build without CUDA.
 void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                       const at::Tensor& grad, const std::optional<at::Tensor>& param16, const AdamHyper& hyper,
-                      uint32_t random_key, uint32_t first_index);
+                      uint32_t random_key, uint32_t first_index, int max_blocks = 0);
+
+// The device kernel's block cap for the optimizer's link lane (cuda/adam_kernel.h's max_blocks).
+inline constexpr int kLinkLaneBlocks = 32;
 
 }  // namespace gx::torch_layer

@@ -12,6 +12,7 @@
 #include "core/kernels/stochastic_round.h"
 #include "torch/chunk_views.h"
 #include "torch/mapped_view.h"
+#include "torch/optim/device_adam_op.h"
 
 #ifdef GX_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -70,6 +71,7 @@ void HybridOptimizer::set_link_sets(const std::vector<int>& sets) {
 std::function<void()> HybridOptimizer::link_run(const RunViews& host, int64_t step, const HyperValues& hyper,
                                                 double grad_multiplier) const {
   RunViews v = host;
+  v.device_max_blocks = kLinkLaneBlocks;  // the link's bandwidth, not the SMs: those compute meanwhile
   const c10::Device device = ctx_.device_for(Tier::kDevice);
   if (device.is_cuda()) {
     v.master = mapped_chunk_view(host.master, device);
@@ -293,7 +295,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     return;
   }
   const bool on_host = set.spec.optim_on_host;
-  const bool link = on_host && link_sets_.count(set_index) != 0;
+  const bool link = on_host && link_sets_.count(set_index) != 0 && rule_->steps_over_the_link();
   const bool has_master = set.spec.master >= 0;
   const Tier host = mgr.host_tier();
   const auto t0 = std::chrono::steady_clock::now();

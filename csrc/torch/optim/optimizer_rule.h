@@ -44,6 +44,7 @@ struct RunViews {
   // and the index of the run's first element within its chunk (the same on every rank and path).
   uint32_t random_key = 0;
   uint32_t first_index = 0;
+  int device_max_blocks = 0;  // device kernels: a cap on their blocks (0: none; the link lane's)
 };
 
 // A speculative host run's outputs: spare buffers of the same layout, at the run's first element.
@@ -67,6 +68,8 @@ class OptimizerRule {
   // set, host or device, with step_whole_set (`params`: the set's parameters that have a
   // gradient and an optimizer group). HybridOptimizer then rewrites P from the master.
   virtual bool steps_whole_sets() const { return false; }
+  // Whether device_run's kernel honours RunViews::device_max_blocks, as the link lane needs.
+  virtual bool steps_over_the_link() const { return false; }
   virtual void step_whole_set(int set_index, const RunViews& set, const std::vector<int>& params,
                               double grad_multiplier) const;
 };
