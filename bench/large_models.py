@@ -164,6 +164,17 @@ def table(rows: list[dict], rates: dict) -> str:
     return "\n".join(lines + ["", f"Rates measured in this run: {rate}"])
 
 
+def write(out: str | None, rows: list[dict], runs: list[dict], rates: dict, args) -> str:
+    text = table(rows, rates)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+        with open(out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(out + ".json", "w") as f:
+            json.dump({"args": vars(args), "rates": rates, "rows": rows, "runs": runs}, f, indent=2)
+    return text
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="6.7b,13b,15b")
@@ -174,7 +185,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peer-batches", default="1,16")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
     p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
-    p.add_argument("--out", default=None, help="path prefix for .md and .json")
+    p.add_argument("--skip", default="", help="rows to leave out, as preset/batch, comma-separated (e.g. 15b/16)")
+    p.add_argument("--out", default=None, help="path prefix for .md and .json (rewritten after every row)")
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on sim, no peers (tests)")
     args = p.parse_args(argv)
     presets, batches = args.presets.split(","), [int(b) for b in args.batches.split(",")]
@@ -184,7 +196,8 @@ def main(argv=None) -> list[dict]:
         presets, batches, peers, args.steps, seq = ["tiny"], [1, 2], [], 3, 16
     rates = measure_rates(presets, batches, seq, args.smoke, args.timeout)
     print(f"rates: {rates}", flush=True)
-    jobs = [("gemini-auto", pr, b) for pr in presets for b in batches]
+    skip = set(filter(None, args.skip.split(",")))
+    jobs = [("gemini-auto", pr, b) for pr in presets for b in batches if f"{pr}/{b}" not in skip]
     jobs += [(peer, pr, b) for peer in peers for pr in args.peer_presets.split(",") for b in map(int, args.peer_batches.split(","))]
     rows, summaries = [], []
     for system, preset, batch in jobs:
@@ -201,17 +214,11 @@ def main(argv=None) -> list[dict]:
         row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
         rows.append(row)
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
+        write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout
         print(f"{system} {preset} {batch}: " + (s.get("error") or s.get("skipped") or
               f"{s['step_s_median']:.3f} s/step, {s['tokens_per_s']:,.0f} tokens/s, MFU {offload.fmt(row.get('mfu'), '.1%')}"),
               flush=True)
-    text = table(rows, rates)
-    print("\n" + text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump({"args": vars(args), "rates": rates, "rows": rows, "runs": summaries}, f, indent=2)
+    print("\n" + write(args.out, rows, summaries, rates, args))
     return rows
 
 
