@@ -46,7 +46,7 @@ def _load_native():
 
 __all__ = [
     "GeminiConfig", "GeminiEngine", "GeminiOptimizer", "DynamicLossScaler", "GeminiDDP", "GeminiPlugin", "Booster",
-    "enable", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
+    "enable", "estimate", "search_chunk_configuration", "info", "parse_bytes", "format_bytes",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "resolve_device", "cuda_available",
     "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
 ]
@@ -70,6 +70,7 @@ else:
     from ._engine.device import cuda_available, resolve_device  # noqa: E402
     from .engine import GeminiEngine, enable  # noqa: E402
     from .info import info  # noqa: E402
+    from .estimate import estimate  # noqa: E402
     from .optim import GeminiOptimizer  # noqa: E402
     from .amp import DynamicLossScaler  # noqa: E402
     from .compat import Booster, GeminiDDP, GeminiPlugin  # noqa: E402

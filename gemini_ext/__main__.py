@@ -1,4 +1,5 @@
-"""gemini-ext (or python -m gemini_ext) info | export CKPT OUT [--dtype bf16] [--config config.json] [--max-shard-size 5GB]"""
+"""gemini-ext (or python -m gemini_ext) info | export CKPT OUT [--dtype bf16] [--config config.json] [--max-shard-size 5GB]
+| estimate (--preset NAME | --hf-config config.json) --tokens-per-step N [--world-size N] [machine options]"""
 
 import argparse
 import os
@@ -26,6 +27,22 @@ def main(argv=None) -> int:
                      help="shards of at most this size, e.g. 5GB, with model.safetensors.index.json (OUT is a "
                           "directory, as transformers' save_pretrained writes it)")
     exp.add_argument("--no-progress", action="store_true")
+    est = sub.add_parser("estimate", help="the plan, device and host memory and a predicted step time of a model "
+                                          "built on meta (gx.estimate), before any memory is touched")
+    model = est.add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", help="a GPT preset of gemini_ext.models (e.g. 15b)")
+    model.add_argument("--hf-config", help="a HuggingFace config.json (a causal LM built from it on meta)")
+    est.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step, all ranks")
+    est.add_argument("--world-size", type=int, default=1)
+    est.add_argument("--no-checkpointing", action="store_true", help="activations kept (default: checkpointed per block)")
+    est.add_argument("--policy", default="auto")
+    est.add_argument("--max-norm", type=float, default=1.0)
+    est.add_argument("--device-bytes", default=None, help="another machine's device memory, e.g. 141GB")
+    est.add_argument("--host-bytes", default=None, help="another machine's available host memory, e.g. 125GiB")
+    est.add_argument("--peak-tflops", type=float, default=None)
+    est.add_argument("--device-name", default=None, help="e.g. H200 (its peak from the table)")
+    est.add_argument("--cpu-rate", type=float, default=None, help="CPU Adam elements/s there (default: measured here)")
+    est.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
     args = parser.parse_args(argv)
     if args.command == "info":
         from .info import print_info
@@ -39,7 +56,51 @@ def main(argv=None) -> int:
         files = f" in {len(summary['files'])} files" if len(summary["files"]) > 1 else ""
         print(f"wrote {summary['path']}: {summary['tensors']} tensors{files}, {summary['bytes'] / 2**20:.1f} MiB "
               f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")
+    elif args.command == "estimate":
+        _estimate(args)
     return 0
+
+
+def _estimate(args) -> None:
+    import json
+
+    import torch
+
+    from . import GeminiConfig, format_bytes
+    from .estimate import estimate
+
+    with torch.device("meta"):
+        if args.preset:
+            from .models import GPT, GPT_PRESETS
+
+            if args.preset not in GPT_PRESETS:
+                raise SystemExit(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}")
+            model = GPT(GPT_PRESETS[args.preset])
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
+    config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm)
+    device_bytes = int(args.device_bytes) if args.device_bytes and args.device_bytes.isdigit() else args.device_bytes
+    host_bytes = int(args.host_bytes) if args.host_bytes and args.host_bytes.isdigit() else args.host_bytes
+    e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,
+                 checkpointing=not args.no_checkpointing, device_bytes=device_bytes, host_bytes=host_bytes,
+                 peak_tflops=args.peak_tflops, device_name=args.device_name,
+                 cpu_optimizer_elements_per_s=args.cpu_rate)
+    if args.json:
+        print(json.dumps(e, indent=2))
+        return
+    plan, parts = e["plan"], e["step_parts_s"]
+    print(f"plan         {plan['chunk_sets']} chunk sets of {plan['chunk_size']:,} elements; optimizer state of "
+          f"{plan['optim_sets_on_device']} on the device, {plan['optim_sets_on_host']} on the host "
+          f"({plan['link_lane_sets']} of them stepped over the link), {plan['host_stepped_parameters'] / 1e9:.2f}B "
+          f"parameters stepped from the host")
+    print(f"memory       device {format_bytes(e['device_bytes'])} (activations {format_bytes(e['activation_bytes'])}), "
+          f"host {format_bytes(e['host_bytes'])} per rank")
+    print(f"step         {e['step_time_s']:.3f} s predicted (GPU {parts['gpu']:.3f}, device optimizer "
+          f"{parts['device_optimizer']:.3f}, wait for the host's {parts['optimizer_wait']:.3f}, "
+          f"fetches {parts['fetch_stall']:.3f}): {e['tokens_per_s']:,.0f} tokens/s, "
+          f"MFU {e['mfu']:.1%} of {e['inputs']['peak_tflops']:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

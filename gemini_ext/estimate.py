@@ -1,0 +1,273 @@
+"""gx.estimate: the plan, the memory and a predicted step time of training a model under the
+engine, before any device memory is touched (the model may be built on meta).
+
+What it does: the chunk layout enable() would build (on a simulated device, nothing allocated),
+the placement policy's plan before the first iteration, then the policy's decision after it from
+predicted figures in place of measured ones (the activations' memory and the passes' times), and
+the step time from the rates below. The placement is the policy's own code: what it plans is
+what enable() would plan, given the predicted activations.
+
+[Note: the step-time model]
+A step is the GPU's work plus what the GPU waits for:
+  step = gpu + device_optimizer + optimizer_wait + fetch_stall
+- gpu: the model's FLOPs per step (2 N forward, 2 N of recomputation under activation
+  checkpointing, 2 N + 2 N_trainable backward) at the GPU's dense 16-bit peak times an efficiency
+  that grows with the tokens per step (GPU_EFFICIENCY: those FLOPs over the measured forward and
+  backward time of GPT blocks of d 4096-5120 at 1024-token sequences on the H200, so attention's
+  work is inside it: 0.58 of peak at 1024 tokens, 0.67 from 16k).
+- device_optimizer: the fused Adam kernel over the device-held state, on the compute stream
+  between backward and the next forward: 28 bytes per element (20 with bf16 moments) at
+  DEVICE_OPTIMIZER_BYTES_PER_S.
+- optimizer_wait: the host-held optimizer state is stepped from step() on, by the CPU and where
+  the policy gives it sets by the link lane, and the next forward, which reaches those sets last
+  (the back of the execution order), waits wherever it arrives before a set's step ended:
+  list-scheduled as placement/optimizer_lanes.py does, with the forward's share of `gpu` as the
+  window. The CPU rate is measured here (the kernel over PROBE_ELEMENTS, host memory only), the
+  link lane's is LINK_ELEMENTS_PER_S; with both lanes each runs at the share of its rate the
+  H200's host gave them together (LANE_CONTENTION).
+- fetch_stall: parameter chunks the device budget cannot hold beside the device-held state are
+  evicted and fetched again; the fetch of those bytes at the link's rate is counted once.
+PCIe traffic (host sets' parameters up, their gradients down) overlaps compute on this machine;
+it is reported as a bound, not added. Activation memory, per token: under checkpointing each
+block's input (L d bf16) and the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16 logits, their
+fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B and 6.7B, where
+the formula gives 895 and 665); without it, 34 d bytes per layer (flash attention, no s^2 term). torch's
+allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and DEVICE_OTHER_BYTES sits outside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+
+import torch
+
+from . import _C
+from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
+from ._engine.throughput import PEAK_16BIT_TFLOPS
+from ._units import parse_bytes
+from .config import GeminiConfig
+from .optim.rules import MAX_STATE_KINDS
+from .placement.costs import set_bytes_per_element
+from .placement.host_memory import host_budget
+from .placement.optimizer_split import predicted_exposed_optimizer_seconds
+from .placement.policies import Measurements, make_policy
+from .search import unique_parameters
+
+# (tokens per step, fraction of the dense 16-bit peak) measured on the H200, interpolated
+GPU_EFFICIENCY = ((1024, 0.58), (4096, 0.65), (8192, 0.665), (16384, 0.672))
+H2D_BYTES_PER_S = 55e9          # pinned copies over PCIe 5 x16, either direction (the H200 machine)
+LINK_ELEMENTS_PER_S = 2.8e9     # the device's Adam kernel over mapped host state (bench/link_adam.py)
+LANE_CONTENTION = (0.84, 0.70)  # CPU, link: their rates while both step (H200 host, 15.4B at 16k tokens)
+ACTIVATION_RESERVE_RATIO = 1.22  # torch's reserved / peak allocated at the end of an iteration
+LOGIT_BYTES_PER_VOCAB = 12.6  # per token: bf16 logits, fp32 copy, fp32 and bf16 gradients (H200, 6.7B and 15.4B)
+DEVICE_OTHER_BYTES = 1536 << 20  # CUDA context and libraries, outside torch and the chunks
+DEVICE_OPTIMIZER_BYTES_PER_S = 3.5e12  # the device Adam kernel's HBM traffic rate (H200: 4.8 TB/s peak)
+PROBE_ELEMENTS = 1 << 26
+SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on it
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the activation and FLOP models read from a model: layers, width, vocabulary."""
+    layers: int
+    width: int
+    vocab: int
+
+
+def model_shape(model: torch.nn.Module) -> Shape | None:
+    """Layers (the longest ModuleList), width and vocabulary (the largest embedding), or None."""
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not embeddings or not lists:
+        return None
+    vocab = max(embeddings, key=lambda e: e.num_embeddings)
+    return Shape(max(len(m) for m in lists), vocab.embedding_dim, vocab.num_embeddings)
+
+
+def activation_bytes_per_token(shape: Shape, checkpointing: bool) -> int:
+    logits = int(shape.vocab * LOGIT_BYTES_PER_VOCAB)
+    per_layer = shape.width * (2 if checkpointing else 34)
+    return shape.layers * per_layer + logits
+
+
+def gpu_efficiency(tokens: int) -> float:
+    keys = [t for t, _ in GPU_EFFICIENCY]
+    i = bisect.bisect_left(keys, tokens)
+    if i == 0:
+        return GPU_EFFICIENCY[0][1]
+    if i == len(keys):
+        return GPU_EFFICIENCY[-1][1]
+    (t0, e0), (t1, e1) = GPU_EFFICIENCY[i - 1], GPU_EFFICIENCY[i]
+    return e0 + (e1 - e0) * (tokens - t0) / (t1 - t0)
+
+
+def cpu_elements_per_s() -> float:
+    """The CPU Adam kernel over PROBE_ELEMENTS (host memory only), best of three."""
+    n = PROBE_ELEMENTS
+    master, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    best = float("inf")
+    for step in range(1, 4):
+        started = time.perf_counter()
+        _C.cpu_adam_step(master, m, v, grad, param16=copy, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.0)
+        best = min(best, time.perf_counter() - started)
+    return n / best
+
+
+def _device_figures(config: GeminiConfig, device_bytes, peak_tflops, device_name):
+    """(device bytes planned for, peak TFLOP/s, name) without touching device memory."""
+    name = device_name
+    if device_bytes is None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())  # no allocation
+        device_bytes, name = props.total_memory, name or props.name
+    if device_bytes is None:
+        raise ValueError("gx.estimate: no GPU here to read the device memory from; pass device_bytes= (e.g. "
+                         "'141GB') and peak_tflops= (or device_name=, e.g. 'H200') of the machine to estimate.")
+    device_bytes = parse_bytes(int(device_bytes) if isinstance(device_bytes, float) else device_bytes,
+                               "gx.estimate(device_bytes=...)")
+    if config.gpu_memory_limit:
+        device_bytes = min(device_bytes, int(config.gpu_memory_limit))
+    if peak_tflops is None and name is not None:
+        peak_tflops = next((t for key, t in PEAK_16BIT_TFLOPS if key in name), None)
+    if peak_tflops is None:
+        raise ValueError(f"gx.estimate: the 16-bit peak of device {name!r} is not in the table; pass peak_tflops=.")
+    return device_bytes, float(peak_tflops), name
+
+
+def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, tokens_per_step: int,
+             world_size: int = 1, checkpointing: bool = True,
+             activation_bytes_per_token_override: int | None = None, device_bytes=None, host_bytes=None,
+             peak_tflops: float | None = None, device_name: str | None = None,
+             cpu_optimizer_elements_per_s: float | None = None) -> dict:
+    """The plan, device and host bytes and the predicted step time (the module's note) of
+    training `model` under `config` with `tokens_per_step` tokens per optimizer step over
+    `world_size` ranks (one host). Nothing is allocated on the device; the model may be on meta.
+    device_bytes, host_bytes, peak_tflops, device_name and cpu_optimizer_elements_per_s (the CPU
+    Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine."""
+    config = config or GeminiConfig(placement_policy="auto")
+    if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
+        raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
+    if not isinstance(tokens_per_step, int) or tokens_per_step <= 0:
+        raise ValueError(f"gx.estimate: tokens_per_step must be a positive int, got {tokens_per_step!r}.")
+    if world_size < 1:
+        raise ValueError(f"gx.estimate: world_size must be >= 1, got {world_size}.")
+    capacity, peak, name = _device_figures(config, device_bytes, peak_tflops, device_name)
+    compute_dtype = COMPUTE_DTYPES[config.precision]
+    named = unique_parameters(model)
+    check_parameters(model, named, config, compute_dtype)
+    chunk_size = choose_chunk_size(model, named, config, world_size)
+    context = _C.DeviceContext("sim", capacity_bytes=SIM_CAPACITY, sim_max_copy_delay_us=0, sim_seed=1)
+    chunks = _C.ChunkManager(context, world_size=world_size, rank=0, pin_memory=False)
+    layout = ChunkLayout(chunks, named, compute_dtype, torch.device("cpu"), MAX_STATE_KINDS, chunk_size,
+                         STATE_DTYPES[config.optimizer_state_dtype])
+    if host_bytes is not None:
+        available, source = parse_bytes(host_bytes, "gx.estimate(host_bytes=...)"), "given"
+        available //= world_size
+    else:
+        budget = host_budget(world_size)
+        available, source = (budget.bytes, budget.source) if budget is not None else (None, None)
+    releasable = sum(p.numel() * p.element_size() for _, p in named if p.device.type == "cpu")
+    base = dict(device_kind="cuda", allocator_mode="default", device_capacity_bytes=capacity,
+                device_total_bytes=capacity, set_shard_bytes=tuple(layout.shard_bytes),
+                trainable=tuple(s.trainable for s in layout.sets),
+                set_bytes_per_element=set_bytes_per_element(compute_dtype, layout.planned_state_kinds,
+                                                            layout.state_dtype),
+                compute_itemsize=compute_dtype.itemsize, sharded=world_size > 1, world_size=world_size,
+                host_available_bytes=available, host_budget_source=source, host_releasable_bytes=releasable)
+    policy = make_policy(config)
+    initial = policy.initial(Measurements(**base))  # raises OutOfMemoryError where nothing fits
+
+    # The first iteration, predicted.
+    n_total = sum(p.numel() for _, p in named)
+    n_trainable = sum(p.numel() for _, p in named if p.requires_grad)
+    shape = model_shape(model)
+    if activation_bytes_per_token_override is not None:
+        per_token = int(activation_bytes_per_token_override)
+    elif shape is not None:
+        per_token = activation_bytes_per_token(shape, checkpointing)
+    else:
+        raise ValueError("gx.estimate: the model has no embedding and ModuleList of blocks to read its shape from; "
+                         "pass activation_bytes_per_token_override= (bytes of activations per token).")
+    rank_tokens = tokens_per_step // world_size
+    activations = rank_tokens * per_token
+    forward_flops = rank_tokens * 2 * n_total
+    flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
+    rate = peak * 1e12 * gpu_efficiency(rank_tokens)
+    gpu_seconds, forward_seconds = flops / rate, forward_flops / rate
+    cpu_rate = float(cpu_optimizer_elements_per_s or cpu_elements_per_s())
+    measured = Measurements(**base, non_model_peak_bytes=activations,
+                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),
+                            device_other_bytes=DEVICE_OTHER_BYTES, forward_seconds=forward_seconds,
+                            backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
+                            h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S)
+    chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
+    return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate,
+                    dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
+                         activation_bytes=activations, activation_bytes_per_token=per_token, peak_tflops=peak,
+                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
+
+
+def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, facts) -> dict:
+    itemsize = m.compute_itemsize
+    elements = [b // itemsize for b in m.set_shard_bytes]
+    on_host = [s.optim_on_host and t for s, t in zip(chosen.sets, m.trainable)]
+    link = set(chosen.link_sets)
+    host_elements = sum(n for n, h in zip(elements, on_host) if h)
+    device_state = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h) * m.set_bytes_per_element
+    param_bytes = sum(m.set_shard_bytes)
+    budget = chosen.device_budget_bytes or m.device_capacity_bytes
+    displaced = max(0, param_bytes + device_state - budget)
+    # the optimizer's wait: list scheduling over the lanes, at their rates while both run
+    if link:
+        cpu = cpu_rate * LANE_CONTENTION[0]
+        via_link = LINK_ELEMENTS_PER_S * LANE_CONTENTION[1]
+        total, before, waited, cpu_free, link_free = sum(elements) or 1, 0, 0.0, 0.0, 0.0
+        for k, (n, h) in enumerate(zip(elements, on_host)):
+            if h:
+                if k in link:
+                    link_free += n / via_link
+                    done = link_free
+                else:
+                    cpu_free += n / cpu
+                    done = cpu_free
+                waited = max(waited, done - forward_seconds * before / total)
+            before += n
+    else:
+        waited = predicted_exposed_optimizer_seconds(elements, on_host, forward_seconds, cpu_rate,
+                                                     during_backward=False)
+    stall = displaced / H2D_BYTES_PER_S
+    device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)
+    per_element = 28 if config.optimizer_state_dtype == "fp32" else 20
+    device_optimizer = device_elements * per_element / DEVICE_OPTIMIZER_BYTES_PER_S
+    step = gpu_seconds + device_optimizer + waited + stall
+    pcie = 2 * host_elements * itemsize + 2 * displaced  # host sets' parameters up and gradients down
+    host_bytes = host_elements * m.set_bytes_per_element + (
+        host_elements * itemsize if initial.params_born_on_device else param_bytes)
+    model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])  # 4 N + 2 N_trainable
+    rank_tokens_per_s = facts["rank_tokens"] / step
+    return {
+        "plan": {"policy": config.placement_policy, "chunk_size": facts["chunk_size"], "chunk_sets": len(elements),
+                 "optim_sets_on_device": sum(1 for h, t in zip(on_host, m.trainable) if t and not h),
+                 "optim_sets_on_host": sum(on_host), "link_lane_sets": len(link),
+                 "host_stepped_parameters": host_elements, "params_born_on_device": initial.params_born_on_device,
+                 "chunk_budget_bytes": budget, "evicted_param_bytes": displaced},
+        "device_bytes": min(param_bytes + device_state, budget) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO)
+                        + DEVICE_OTHER_BYTES,
+        "host_bytes": host_bytes,
+        "activation_bytes": facts["activation_bytes"],
+        "step_time_s": step,
+        "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "optimizer_wait": waited,
+                         "fetch_stall": stall},
+        "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / H2D_BYTES_PER_S,
+        "tokens_per_s": facts["tokens_per_step"] / step,
+        "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
+        "rates": {"gpu_flops_per_s": facts["peak_tflops"] * 1e12 * gpu_efficiency(facts["rank_tokens"]),
+                  "cpu_optimizer_elements_per_s": cpu_rate, "link_optimizer_elements_per_s": LINK_ELEMENTS_PER_S,
+                  "h2d_bytes_per_s": H2D_BYTES_PER_S},
+        "inputs": {k: facts[k] for k in ("tokens_per_step", "world_size", "activation_bytes_per_token", "peak_tflops",
+                                         "device_name")},
+    }

@@ -1,0 +1,66 @@
+"""gx.estimate and `gemini-ext estimate`: the plan, memory and predicted step time of a model
+built on meta, with the machine described by arguments (this machine has no GPU). The step-time
+model's accuracy is measured on the H200 (docs/BENCHMARKS.md); here: the plan is the one enable()
+would make, the parts add up, the figures move the way the model says, and bad input is refused."""
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from gemini_ext.__main__ import main as cli
+from gemini_ext.models import GPT, GPT_PRESETS
+
+H200 = dict(device_bytes=150_109_880_320, device_name="NVIDIA H200", cpu_optimizer_elements_per_s=4.6e9)
+
+
+def _meta_gpt(preset):
+    with torch.device("meta"):
+        return GPT(GPT_PRESETS[preset])
+
+
+def test_the_layout_is_the_one_enable_builds():
+    config = gx.GeminiConfig(device="sim", placement_policy="auto", search_range_m=1, min_chunk_size_m=0.1)
+    e = gx.estimate(_meta_gpt("small"), config, tokens_per_step=4096, host_bytes="64GiB", **H200)
+    model = GPT(GPT_PRESETS["small"])
+    with gx.enable(model, config) as engine:
+        stats = engine.stats()
+    assert (e["plan"]["chunk_size"], e["plan"]["chunk_sets"]) == (stats["chunk_size"], stats["num_param_chunks"])
+    assert e["plan"]["optim_sets_on_host"] == 0, "a small model's state all fits the device"
+    assert e["step_parts_s"]["optimizer_wait"] == 0.0
+
+
+def test_a_15b_model_on_one_h200_splits_its_state_and_waits_for_the_host():
+    """The 15.4B GPT with 125.5 GiB of host: the host holds the state of the back sets (auto's
+    plan on the H200 was 36 sets on the device, 38 on the host at 16k tokens per step), the
+    parts add up, and the GPU's share (MFU) grows with the tokens per step."""
+    model = _meta_gpt("15b")
+    by_tokens = {t: gx.estimate(model, tokens_per_step=t, host_bytes="125.5GiB", **H200) for t in (1024, 16384)}
+    big = by_tokens[16384]
+    assert (big["plan"]["optim_sets_on_device"], big["plan"]["optim_sets_on_host"]) == (36, 38)
+    assert big["plan"]["link_lane_sets"] > 0 and big["step_parts_s"]["optimizer_wait"] > 0
+    assert big["step_time_s"] == pytest.approx(sum(big["step_parts_s"].values()))
+    assert big["host_bytes"] <= 125.5 * 2**30 and big["device_bytes"] <= H200["device_bytes"]
+    assert by_tokens[1024]["activation_bytes"] * 16 == big["activation_bytes"]
+    assert by_tokens[1024]["mfu"] < big["mfu"] < 0.6
+    assert all(p.is_meta for p in model.parameters()), "nothing was materialised"
+
+
+def test_refusals_name_the_argument():
+    model = _meta_gpt("tiny")
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        gx.estimate(model, tokens_per_step=0, **H200)
+    with pytest.raises(ValueError, match="peak_tflops"):
+        gx.estimate(model, tokens_per_step=64, device_bytes="80GB", device_name="a GPU not in the table")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device_bytes"):
+            gx.estimate(model, tokens_per_step=64)
+    with pytest.raises(gx.OutOfMemoryError):  # neither the host nor the device holds a 15B model's state
+        gx.estimate(_meta_gpt("15b"), tokens_per_step=1024, device_bytes="24GiB", host_bytes="32GiB",
+                    device_name="H200", cpu_optimizer_elements_per_s=4.6e9)
+
+
+def test_the_command_line_prints_the_estimate(capsys):
+    assert cli(["estimate", "--preset", "small", "--tokens-per-step", "2048", "--device-bytes", "80GB",
+                "--host-bytes", "64GiB", "--device-name", "H100", "--cpu-rate", "4e9"]) == 0
+    out = capsys.readouterr().out
+    assert "plan" in out and "predicted" in out and "MFU" in out
