@@ -183,6 +183,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peers", default="fsdp2-offload,deepspeed-offload", help="peer systems, or none")
     p.add_argument("--peer-presets", default="6.7b,13b")
     p.add_argument("--peer-batches", default="1,16")
+    p.add_argument("--peer-rows", default="", help="the peers' rows as preset/batch, comma-separated (in place of "
+                   "--peer-presets x --peer-batches; e.g. 6.7b/1,6.7b/16,13b/1)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
     p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
     p.add_argument("--skip", default="", help="rows to leave out, as preset/batch, comma-separated (e.g. 15b/16)")
@@ -198,7 +200,9 @@ def main(argv=None) -> list[dict]:
     print(f"rates: {rates}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
     jobs = [("gemini-auto", pr, b) for pr in presets for b in batches if f"{pr}/{b}" not in skip]
-    jobs += [(peer, pr, b) for peer in peers for pr in args.peer_presets.split(",") for b in map(int, args.peer_batches.split(","))]
+    peer_rows = ([(r.split("/")[0], int(r.split("/")[1])) for r in args.peer_rows.split(",")] if args.peer_rows else
+                 [(pr, b) for pr in args.peer_presets.split(",") for b in map(int, args.peer_batches.split(","))])
+    jobs += [(peer, pr, b) for pr, b in peer_rows for peer in peers]
     rows, summaries = [], []
     for system, preset, batch in jobs:
         common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint"]
