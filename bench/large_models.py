@@ -13,6 +13,9 @@ The overlap bound of a row is max(GPU, the host's state of the last step over th
 the device kernel's rate over the link where the link lane took part), that step's PCIe bytes / the
 slower direction's bandwidth). MFU counts 6 N FLOPs per token
 (recomputation not credited) against the GPU's bf16 dense peak from the engine's table.
+Beside each gemini_ext row, `gemini-ext estimate` (gx.estimate on the preset built on meta, with the CPU
+Adam rate measured in this run) predicts the step before the row runs; the error is (predicted -
+measured) / measured.
 Columns: the split is the chunk sets whose optimizer state is on the device / the host, and the
 parameters the CPU stepped; peak device is chunks plus torch's allocations, each at its peak.
 """
@@ -106,6 +109,21 @@ def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def predict(preset: str, batch: int, rates: dict, timeout: int) -> dict:
+    """gx.estimate's prediction of a row (gemini-ext estimate on the preset built on meta)."""
+    cmd = [sys.executable, "-m", "gemini_ext", "estimate", "--preset", preset, "--tokens-per-step", str(batch * 1024),
+           "--json"]
+    if "cpu_adam_params_per_s" in rates:
+        cmd += ["--cpu-rate", str(rates["cpu_adam_params_per_s"])]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=offload.REPO, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if proc.returncode != 0:
+        return {"error": offload.last_error(proc)}
+    return json.loads(proc.stdout)
+
+
 def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
     """The row's figures from a run's summary and the machine's rates."""
     row = {"system": system, "preset": preset, "batch": s["batch"], "step_s": s["step_s_median"],
@@ -142,6 +160,15 @@ def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
     return row
 
 
+def estimated(row: dict) -> str:
+    e = row.get("estimate")
+    if not e:
+        return "-"
+    if "error" in e:
+        return "failed: " + e["error"][:60]
+    return f"{e['step_time_s']:.3f} ({(e['step_time_s'] - row['step_s']) / row['step_s']:+.1%})"
+
+
 def table(rows: list[dict], rates: dict) -> str:
     f = offload.fmt
     lines = ["| system | model | tokens/step | step s | tokens/s | MFU | split (sets device / host, CPU-stepped) | "
@@ -151,7 +178,7 @@ def table(rows: list[dict], rates: dict) -> str:
         head = f"| {r['system']} | {r['preset']} | {r['batch']} x 1024 |"
         if "error" in r or "skipped" in r:
             lines.append(head + (f" skipped: {r['skipped']}" if "skipped" in r else f" failed: {r['error'][:110]}")
-                         + " ||||||||")
+                         + " |||||||||")
             continue
         parts = r["bound_parts_s"]
         bound = " / ".join(f(parts.get(k), ".2f") for k in ("gpu", "cpu_adam", "pcie"))
@@ -159,7 +186,7 @@ def table(rows: list[dict], rates: dict) -> str:
         lines.append(head + f" {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | {split} | "
                      f"{f(r['peak_device_bytes'] and r['peak_device_bytes'] / 2**30, '.1f')} | "
                      f"{f(r['peak_host_bytes'] and r['peak_host_bytes'] / 2**30, '.1f')} | {bound} | "
-                     f"{f(r['bound_s'] and r['step_s'] / r['bound_s'], '.2f')} |")
+                     f"{f(r['bound_s'] and r['step_s'] / r['bound_s'], '.2f')} | {estimated(r)} |")
     rate = ", ".join(f"{k} {v:.4g}" for k, v in rates.items() if isinstance(v, float))
     return "\n".join(lines + ["", f"Rates measured in this run: {rate}"])
 
@@ -216,6 +243,8 @@ def main(argv=None) -> list[dict]:
         why_not = offload.peer_unavailable(system) if script == offload.OTHER_PEERS else None
         s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
         row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
+        if script == offload.GEMINI and "error" not in row and not args.smoke:
+            row["estimate"] = predict(preset, batch, rates, args.timeout)
         rows.append(row)
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
         write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout
