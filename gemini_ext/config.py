@@ -55,13 +55,28 @@ class GeminiConfig:
     overlap_optimizer: bool = True
     # Extension (not in the original), changes the numerics: "bf16" keeps Adam's moments (m, v) in
     # bf16 with stochastic rounding, 12 instead of 16 bytes per trainable parameter under bf16
-    # (the fp32 master stays). Adam / AdamW only.
+    # (the fp32 master stays). Adam / AdamW only. With master_weights=False and precision="bf16"
+    # too, the bf16 parameter is the master, its update rounded stochastically: 8 bytes per
+    # parameter (parameter, gradient, m, v) against 16.
     optimizer_state_dtype: str = "fp32"
     # For stats()["throughput"] (see _engine/throughput.py): the model's training FLOPs per token
     # (None: 4 N + 2 N_trainable from the parameters, 6 N when all train) and the device's peak
     # TFLOP/s (None: a table of known GPUs for 16-bit precisions).
     flops_per_token: float | None = None
     peak_tflops: float | None = None
+
+    def unsupported_without_masters(self) -> str | None:
+        """Why master_weights=False cannot be honoured with this precision (None: it can). Without
+        fp32 masters a 16-bit parameter is stepped in place only as the 8-byte state: bf16
+        parameters and bf16 moments, each rounded stochastically (Adam / AdamW)."""
+        if self.master_weights or self.precision == "fp32":
+            return None
+        if self.precision == "bf16" and self.optimizer_state_dtype == "bf16":
+            return None
+        return (f"master_weights=False with precision={self.precision!r} and optimizer_state_dtype="
+                f"{self.optimizer_state_dtype!r}: 16-bit parameters are stepped without fp32 masters only as the "
+                "8-byte state (precision='bf16' with optimizer_state_dtype='bf16': bf16 parameters and moments "
+                "rounded stochastically); set those two, or master_weights=True.")
 
     def __post_init__(self):
         _choice("precision", self.precision, PRECISIONS)

@@ -68,9 +68,8 @@ class GeminiEngine:
             raise TypeError(f"enable(model): expected a torch.nn.Module, got {type(model).__name__}.")
         registry.check_unmanaged(model)
         data_parallel = resolve_process_group(process_group)
-        if not config.master_weights and config.precision != "fp32":
-            raise NotImplementedError(f"master_weights=False with precision={config.precision!r}: stepping 16-bit "
-                                      "parameters without fp32 masters is not supported; use master_weights=True.")
+        if (unsupported := config.unsupported_without_masters()) is not None:
+            raise NotImplementedError(unsupported)
         self.model = model
         self.config = config
         # What the engine is made of, as its rooms see it (_engine/contract.py); the rest of this
@@ -92,7 +91,8 @@ class GeminiEngine:
         parts.chunks = self._open_chunk_manager()
         meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
         parts.layout = ChunkLayout(parts.chunks, named, parts.compute_dtype, self.compute_device, MAX_STATE_KINDS,
-                                  self.chunk_size, STATE_DTYPES[config.optimizer_state_dtype])
+                                  self.chunk_size, STATE_DTYPES[config.optimizer_state_dtype],
+                                  config.master_weights)
         parts.placer = Placer(policy, parts.layout, parts.device, parts.groups)
         parts.placer.initial()
         device_first, device_grads = parts.placer.device_first_chunks()

@@ -16,7 +16,8 @@ A step is the GPU's work plus what the GPU waits for:
   backward time of GPT blocks of d 4096-5120 at 1024-token sequences on the H200, so attention's
   work is inside it: 0.58 of peak at 1024 tokens, 0.67 from 16k).
 - device_optimizer: the fused Adam kernel over the device-held state, on the compute stream
-  between backward and the next forward: 28 bytes per element (20 with bf16 moments) at
+  between backward and the next forward: 28 bytes per element (20 with bf16 moments, 14 with
+  the 8-byte state) at
   DEVICE_OPTIMIZER_BYTES_PER_S.
 - optimizer_wait: the host-held optimizer state is stepped from step() on, by the CPU and where
   the policy gives it sets by the link lane, and the next forward, which reaches those sets last
@@ -162,8 +163,10 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     chunk_size = choose_chunk_size(model, named, config, world_size)
     context = _C.DeviceContext("sim", capacity_bytes=SIM_CAPACITY, sim_max_copy_delay_us=0, sim_seed=1)
     chunks = _C.ChunkManager(context, world_size=world_size, rank=0, pin_memory=False)
+    if (unsupported := config.unsupported_without_masters()) is not None:
+        raise NotImplementedError(unsupported)
     layout = ChunkLayout(chunks, named, compute_dtype, torch.device("cpu"), MAX_STATE_KINDS, chunk_size,
-                         STATE_DTYPES[config.optimizer_state_dtype])
+                         STATE_DTYPES[config.optimizer_state_dtype], config.master_weights)
     if host_bytes is not None:
         available, source = parse_bytes(host_bytes, "gx.estimate(host_bytes=...)"), "given"
         available //= world_size
@@ -175,7 +178,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                 device_total_bytes=capacity, set_shard_bytes=tuple(layout.shard_bytes),
                 trainable=tuple(s.trainable for s in layout.sets),
                 set_bytes_per_element=set_bytes_per_element(compute_dtype, layout.planned_state_kinds,
-                                                            layout.state_dtype),
+                                                            layout.state_dtype, layout.has_master),
+                master_itemsize=4 if layout.has_master else 0,
                 compute_itemsize=compute_dtype.itemsize, sharded=world_size > 1, world_size=world_size,
                 host_available_bytes=available, host_budget_source=source, host_releasable_bytes=releasable)
     policy = make_policy(config)
@@ -241,7 +245,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
                                                      during_backward=False)
     stall = displaced / H2D_BYTES_PER_S
     device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)
-    per_element = 28 if config.optimizer_state_dtype == "fp32" else 20
+    per_element = {"fp32": 28, "bf16": 20 if config.master_weights else 14}[config.optimizer_state_dtype]
     device_optimizer = device_elements * per_element / DEVICE_OPTIMIZER_BYTES_PER_S
     step = gpu_seconds + device_optimizer + waited + stall
     pcie = 2 * host_elements * itemsize + 2 * displaced  # host sets' parameters up and gradients down

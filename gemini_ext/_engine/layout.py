@@ -94,10 +94,12 @@ class ChunkLayout:
     each one lives. Built on a ChunkManager whose chunks are closed before anything is allocated."""
 
     def __init__(self, chunks, named: list, compute_dtype: torch.dtype, compute_device: torch.device,
-                 state_slots: int, chunk_size: int, state_dtype: torch.dtype = STATE_DTYPE):
+                 state_slots: int, chunk_size: int, state_dtype: torch.dtype = STATE_DTYPE,
+                 master_weights: bool = True):
         self.compute_dtype = compute_dtype
         self.state_dtype = state_dtype  # of the optimizer state chunks (the master is fp32)
-        self.has_master = compute_dtype != STATE_DTYPE
+        # An fp32 master beside 16-bit parameters; without (master_weights=False) P is the master.
+        self.has_master = compute_dtype != STATE_DTYPE and master_weights
         self.state_groups = tuple(f"state{k}" for k in range(state_slots))
         self.state_kinds: tuple[str, ...] = ()  # the attached optimizer's (bind_states)
         # The state kinds placement plans room for: every slot until an optimizer says otherwise.
@@ -236,7 +238,7 @@ class ChunkLayout:
         gradient, fp32 master and the optimizer's state kinds (the planned ones before an
         optimizer is attached). A frozen parameter costs its compute-dtype bytes only."""
         kinds = len(self.state_kinds) if self.state_kinds else self.planned_state_kinds
-        per_element = set_bytes_per_element(self.compute_dtype, kinds, self.state_dtype)
+        per_element = set_bytes_per_element(self.compute_dtype, kinds, self.state_dtype, self.has_master)
         out = {"trainable": {"parameters": 0, "bytes": 0}, "frozen": {"parameters": 0, "bytes": 0}}
         for chunks, (padded, payload) in zip(self.sets, self._set_numels):
             entry = out["trainable" if chunks.trainable else "frozen"]

@@ -12,11 +12,14 @@ TIERS = ("device", *HOST_TIERS)  # where a chunk's copies may be
 
 
 def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int,
-                          state_dtype: torch.dtype = STATE_DTYPE) -> int:
+                          state_dtype: torch.dtype = STATE_DTYPE, has_master: bool | None = None) -> int:
     """Bytes per element of a trainable chunk set's optimizer side, wherever it lives: its
-    gradient (compute dtype), the fp32 master (16-bit precisions only) and each optimizer state
+    gradient (compute dtype), the fp32 master (16-bit precisions with master_weights only) and each optimizer state
     kind (fp32, or bf16 under optimizer_state_dtype="bf16"). The parameter chunk itself is not
     counted. Every plan that sizes optimizer state (host room, device room, moves) uses this one
-    figure."""
-    master = STATE_DTYPE.itemsize if compute_dtype != STATE_DTYPE else 0
+    figure. has_master: None for 16-bit precisions' default (an fp32 master); False without one
+    (master_weights=False: the 16-bit parameter is stepped in place)."""
+    if has_master is None:
+        has_master = compute_dtype != STATE_DTYPE
+    master = STATE_DTYPE.itemsize if has_master else 0
     return compute_dtype.itemsize + master + state_dtype.itemsize * num_state_kinds

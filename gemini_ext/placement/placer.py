@@ -62,7 +62,8 @@ class Placer:
             device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
             trainable=tuple(s.trainable for s in layout.sets),
             set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
-                                                        layout.state_dtype),
+                                                        layout.state_dtype, layout.has_master),
+            master_itemsize=4 if layout.has_master else 0,
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
             world_size=self._groups.world_size, host_available_bytes=available, host_budget_source=source,
             device_total_bytes=self._device.total_bytes(), **iteration)

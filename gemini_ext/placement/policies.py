@@ -101,6 +101,7 @@ class Measurements:
     host_available_bytes: int | None = None  # the least of any rank (policies with reads_host_memory)
     host_budget_source: str | None = None  # where that figure comes from, in words (host_memory.HostBudget)
     host_releasable_bytes: int = 0      # the model's host tensors enable() releases as it fills (least of any rank)
+    master_itemsize: int | None = None  # a set's master, bytes per element (None: 4 beside 16-bit params)
     device_total_bytes: int = 0         # the whole device (cuda), whatever gpu_memory_limit says
     non_model_peak_bytes: int = 0       # the last iteration's, the most of any rank
     non_model_reserved_bytes: int = 0   # torch's allocator's hold on the device at its end, the most of any rank
@@ -306,7 +307,8 @@ class AutoPolicy(PlacementPolicy):
         room_during = m.host_available_bytes - host_reserve_bytes(after)
         # What enable() allocates on the host before it releases the model's tensors: a host
         # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
-        first = m.compute_itemsize + (4 if m.compute_itemsize != 4 else 0)  # costs.set_bytes_per_element's parts
+        master = m.master_itemsize if m.master_itemsize is not None else (4 if m.compute_itemsize != 4 else 0)
+        first = m.compute_itemsize + master  # costs.set_bytes_per_element's parts
         budget = self.warm_up_budget(m) or m.device_capacity_bytes
         in_flight = 3 * max(m.set_shard_bytes) * m.world_size
         for born_on_device in (True, False):

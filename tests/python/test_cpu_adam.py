@@ -88,14 +88,16 @@ def test_bad_arguments_name_the_problem():
 def test_the_device_kernel_computes_the_cpu_kernels_bits():
     """csrc/cuda/adam_kernel.cu and the CPU kernel on the same values over three steps: every
     gradient, moment and 16-bit copy dtype, Adam and AdamW, a gradient scale, and bf16 moments'
-    stochastic rounding; gradients spanning ten orders of magnitude."""
+    stochastic rounding, with an fp32 master or a bf16 one (the 8-byte state); gradients spanning
+    ten orders of magnitude."""
     n, key, first = 1_000_003, 123_456_789, 3_000_000_000
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    cases = [(state, grad, copy, adamw) for state in (fp32, bf16) for grad in (fp32, bf16, fp16)
+    cases = [(fp32, state, grad, copy, adamw) for state in (fp32, bf16) for grad in (fp32, bf16, fp16)
              for copy in (None, bf16, fp16) for adamw in (True, False) if copy in (None, bf16) or grad == fp16]
-    for state, grad_dtype, copy_dtype, adamw in cases:
-        torch.manual_seed(len(str((state, grad_dtype, copy_dtype, adamw))))
-        master = torch.randn(n)
+    cases += [(bf16, bf16, grad, None, adamw) for grad in (bf16, fp32) for adamw in (True, False)]
+    for master_dtype, state, grad_dtype, copy_dtype, adamw in cases:
+        torch.manual_seed(len(str((master_dtype, state, grad_dtype, copy_dtype, adamw))))
+        master = torch.randn(n).to(master_dtype)
         moments = [(torch.randn(n) * 1e-3).to(state), (torch.rand(n) * 1e-5).to(state)]
         host = [master.clone(), *[m.clone() for m in moments]]
         dev = [t.cuda() for t in host]
@@ -107,7 +109,8 @@ def test_the_device_kernel_computes_the_cpu_kernels_bits():
             grad = (torch.randn(n) * 10.0 ** torch.empty(n).uniform_(-8, 2)).to(grad_dtype)
             _C.cpu_adam_step(*host, grad, copies[0], step=step, **hyper)
             _C.device_adam_step(*dev, grad.cuda(), copies[1], step=step, **hyper)
-        what = f"state {state}, grad {grad_dtype}, copy {copy_dtype}, adamw {adamw}"
+        what = f"master {master_dtype}, state {state}, grad {grad_dtype}, copy {copy_dtype}, adamw {adamw}"
+        assert not torch.equal(host[0], master), f"the master moved: {what}"
         for name, a, b in zip(["master", "exp_avg", "exp_avg_sq", "copy"], host + [copies[0]], dev + [copies[1]]):
             if a is not None:
                 assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),

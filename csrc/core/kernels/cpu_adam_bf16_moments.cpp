@@ -25,14 +25,21 @@ void check_adam_bf16_moments_args(const AdamHyper& hyper, const AdamBuffers& b, 
   if (b.numel == 0) return;
   GX_CHECK(m.exp_avg != nullptr && m.exp_avg_sq != nullptr, "Adam with bf16 moments: exp_avg and exp_avg_sq must be "
            "set.");
-  GX_CHECK((m.exp_avg_out == nullptr) == (m.exp_avg_sq_out == nullptr) &&
-               (m.exp_avg_out == nullptr) == (b.param_out == nullptr),
+  const bool bf16_param = m.param != nullptr;
+  GX_CHECK(!bf16_param || (b.param == nullptr && b.param_out == nullptr && b.param16 == nullptr),
+           "Adam with bf16 moments: a bf16 master (moments.param) replaces the fp32 one; param, param_out and "
+           "param16 of the buffers must be unset with it.");
+  GX_CHECK(bf16_param || m.param_out == nullptr, "Adam with bf16 moments: moments.param_out is set without a bf16 "
+           "master (moments.param).");
+  const bool param_out = bf16_param ? m.param_out != nullptr : b.param_out != nullptr;
+  GX_CHECK((m.exp_avg_out == nullptr) == (m.exp_avg_sq_out == nullptr) && (m.exp_avg_out == nullptr) == !param_out,
            "Adam with bf16 moments: param_out, exp_avg_out and exp_avg_sq_out must be set together (out of place) or "
            "not at all.");
-  AdamBuffers probe = b;  // the shared checks, with stand-ins for the fp32 moments
+  AdamBuffers probe = b;  // the shared checks, with stand-ins for the fp32 moments (and a bf16 master)
   float stand_in = 0.0f;
   probe.exp_avg = probe.exp_avg_sq = &stand_in;
-  if (b.param_out != nullptr) probe.exp_avg_out = probe.exp_avg_sq_out = &stand_in;
+  if (bf16_param) probe.param = &stand_in;
+  if (param_out) probe.exp_avg_out = probe.exp_avg_sq_out = probe.param_out = &stand_in;
   check_adam_args(hyper, probe);
 }
 
@@ -40,7 +47,7 @@ namespace detail {
 
 AdamBuffers buffers_from(const AdamBuffers& b, int64_t begin, int64_t n) {
   AdamBuffers part;
-  part.param = b.param + begin;
+  if (b.param != nullptr) part.param = b.param + begin;
   part.grad = offset_16_or_32(b.grad, b.grad_dtype, begin);
   part.grad_dtype = b.grad_dtype;
   if (b.param16 != nullptr) {
@@ -60,6 +67,8 @@ Bf16Moments moments_from(const Bf16Moments& m, int64_t begin) {
     part.exp_avg_out += begin;
     part.exp_avg_sq_out += begin;
   }
+  if (m.param != nullptr) part.param += begin;
+  if (m.param_out != nullptr) part.param_out += begin;
   part.first_index = m.first_index + static_cast<uint32_t>(begin);
   return part;
 }
@@ -68,6 +77,7 @@ void adam_bf16_moments_scalar(const AdamConstants& c, const AdamBuffers& b, cons
                               int64_t end) {
   alignas(64) float m[kBf16MomentsBlockNumel];
   alignas(64) float v[kBf16MomentsBlockNumel];
+  alignas(64) float p[kBf16MomentsBlockNumel];  // a bf16 master's block, widened
   for (int64_t start = begin; start < end; start += kBf16MomentsBlockNumel) {
     const int64_t n = std::min(kBf16MomentsBlockNumel, end - start);
     const Bf16Moments part_m = moments_from(mo, start);
@@ -76,11 +86,17 @@ void adam_bf16_moments_scalar(const AdamConstants& c, const AdamBuffers& b, cons
     AdamBuffers part = buffers_from(b, start, n);
     part.exp_avg = m;
     part.exp_avg_sq = v;
-    if (part.param_out != nullptr) {  // the master out of place; the scratch is private anyway
+    if (part_m.param != nullptr) {  // in place in the private scratch, narrowed below
+      widen_bf16_scalar(part_m.param, p, n);
+      part.param = p;
+    } else if (part.param_out != nullptr) {  // the master out of place; the scratch is private anyway
       part.exp_avg_out = m;
       part.exp_avg_sq_out = v;
     }
     cpu_adam_scalar(c, part, 0, n);
+    if (part_m.param != nullptr)
+      narrow_param_bf16_stochastic_scalar(p, part_m.param_out != nullptr ? part_m.param_out : part_m.param, n,
+                                          part_m.key, part_m.first_index);
     narrow_pair_bf16_stochastic_scalar(m, v, part_m.exp_avg_out != nullptr ? part_m.exp_avg_out : part_m.exp_avg,
                                        part_m.exp_avg_sq_out != nullptr ? part_m.exp_avg_sq_out : part_m.exp_avg_sq,
                                        n, part_m.key, part_m.first_index);

@@ -11,6 +11,12 @@
 // narrows them back. So the result equals, exactly, the fp32 update of the widened moments
 // followed by that rounding, on every ISA and thread count; memory traffic is 20 bytes per
 // parameter against the fp32 kernel's 28.
+//
+// With a bf16 master (Bf16Moments::param, AdamBuffers::param null) the parameter itself is bf16
+// and takes the update stochastically rounded too, from its own stream (param_stream_key): 6
+// bytes of state per parameter with a bf16 gradient, 8 with the gradient, and 14 bytes of
+// traffic. Opt-in (GeminiConfig.master_weights=False with bf16 moments): it changes the numerics
+// further, as an update below half a bf16 step of the weight survives only on average.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +31,10 @@ struct Bf16Moments {
   // Out of place (both or none; with AdamBuffers::param_out): written instead of the inputs.
   uint16_t* exp_avg_out = nullptr;
   uint16_t* exp_avg_sq_out = nullptr;
+  // A bf16 master in place of AdamBuffers::param (then null, and param16 too: this is the
+  // parameter compute reads), updated in place or, out of place, into param_out.
+  uint16_t* param = nullptr;
+  uint16_t* param_out = nullptr;
   uint32_t key = 0;          // the step's and chunk's key (stochastic_key)
   uint32_t first_index = 0;  // index of element 0 in the random streams (a shard's offset)
 };

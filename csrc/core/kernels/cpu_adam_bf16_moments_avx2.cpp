@@ -15,7 +15,7 @@ namespace bf16_moments_avx2 {
 
 void adam_bf16_moments_avx2(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
                               int64_t end) {
-  const int64_t done = bf16_moments_avx2::adam_bf16_moments_body<simd_avx2::Vec>(
+  const int64_t done = bf16_moments_avx2::adam_bf16_moments_any<simd_avx2::Vec>(
       c, buffers_from(b, begin, end - begin), moments_from(mo, begin), end - begin);
   adam_bf16_moments_scalar(c, b, mo, begin + done, end);
 }

@@ -15,7 +15,7 @@ namespace bf16_moments_avx512 {
 
 void adam_bf16_moments_avx512(const AdamConstants& c, const AdamBuffers& b, const Bf16Moments& mo, int64_t begin,
                               int64_t end) {
-  const int64_t done = bf16_moments_avx512::adam_bf16_moments_body<simd_avx512::Vec>(
+  const int64_t done = bf16_moments_avx512::adam_bf16_moments_any<simd_avx512::Vec>(
       c, buffers_from(b, begin, end - begin), moments_from(mo, begin), end - begin);
   adam_bf16_moments_scalar(c, b, mo, begin + done, end);
 }

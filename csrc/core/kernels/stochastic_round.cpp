@@ -11,6 +11,12 @@ void widen_bf16_scalar(const uint16_t* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
 
+void narrow_param_bf16_stochastic_scalar(const float* x, uint16_t* out, int64_t n, uint32_t key, uint32_t first_index) {
+  const uint32_t param_key = param_stream_key(key);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = float_to_bf16_stochastic(x[i], stochastic_bits(param_key, first_index + static_cast<uint32_t>(i)));
+}
+
 void narrow_pair_bf16_stochastic_scalar(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
                                         uint32_t key, uint32_t first_index) {
   for (int64_t i = 0; i < n; ++i) {

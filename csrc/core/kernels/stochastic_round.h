@@ -9,7 +9,8 @@
 // evaluates the same function rounds identically. The hash is the "lowbias32" integer finaliser
 // (two multiply-xorshift rounds), a bijection on 32 bits; one hash per element serves two
 // tensors: the low 16 bits are the first one's draw (Adam's m), the high 16 bits the second's
-// (v), so the pair costs one hash. The inline functions compile as CUDA device code too
+// (v), so the pair costs one hash; a bf16 parameter stepped without an fp32 master draws from a
+// second stream (param_stream_key). The inline functions compile as CUDA device code too
 // (csrc/cuda/adam_kernel.cu); the loops have scalar, AVX2 and AVX-512 versions
 // (stochastic_round_avx2.cpp, stochastic_round_avx512.cpp), bit-identical.
 #pragma once
@@ -37,6 +38,10 @@ GX_HOST_DEVICE inline uint32_t stochastic_key(int64_t step, int64_t chunk) {
 
 // 32 random bits for element `index` (< 2^32 in one stream) under `key`.
 GX_HOST_DEVICE inline uint32_t stochastic_bits(uint32_t key, uint32_t index) { return mix32(index ^ key); }
+
+// The key of a bf16 parameter's own stream under a step's and chunk's `key`: the parameter draws
+// the low 16 bits of stochastic_bits(param_stream_key(key), index), independent of the moments'.
+GX_HOST_DEVICE inline uint32_t param_stream_key(uint32_t key) { return mix32(key ^ 0x632be5abU); }
 
 // fp32 -> bf16 rounding the magnitude up with probability (dropped low 16 bits) / 2^16, taking
 // the low 16 bits of `random` as the uniform draw. Exact values stay exact; inf and NaN round to
@@ -67,6 +72,9 @@ namespace detail {
 void widen_bf16_scalar(const uint16_t* in, float* out, int64_t n);
 void widen_bf16_avx2(const uint16_t* in, float* out, int64_t n);
 void widen_bf16_avx512(const uint16_t* in, float* out, int64_t n);
+// A bf16 parameter's rounding: out[i] from the low half of
+// stochastic_bits(param_stream_key(key), first_index + i).
+void narrow_param_bf16_stochastic_scalar(const float* x, uint16_t* out, int64_t n, uint32_t key, uint32_t first_index);
 void narrow_pair_bf16_stochastic_scalar(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,
                                         uint32_t key, uint32_t first_index);
 void narrow_pair_bf16_stochastic_avx2(const float* a, const float* b, uint16_t* a_out, uint16_t* b_out, int64_t n,

@@ -2,7 +2,8 @@
 // (csrc/cuda/adam_kernel.h) on the GPU, which computes the same bits: a set steps identically on
 // either tier. Hyperparameters: lr, beta1, beta2, eps, weight_decay and adamw (1: decoupled weight
 // decay). With bf16 moments (GeminiConfig.optimizer_state_dtype) the host runs
-// csrc/core/kernels/cpu_adam_bf16_moments.h and the device kernel rounds the moments the same way.
+// csrc/core/kernels/cpu_adam_bf16_moments.h and the device kernel rounds the moments the same way;
+// with master_weights=False as well, the master is the bf16 parameter chunk, rounded alike.
 #include <optional>
 
 #include "core/kernels/cpu_adam.h"
@@ -39,7 +40,11 @@ class AdamRule final : public OptimizerRule {
     CpuAdamWork w = prepare_cpu_adam(run.master, run.states.at(0), run.states.at(1), run.grad, p16,
                                      adam_hyper(hyper, step, grad_multiplier), run.random_key, run.first_index);
     if (spares != nullptr) {
-      w.buffers.param_out = spares->master;
+      if (w.moments.has_value() && w.moments->param != nullptr) {
+        w.moments->param_out = static_cast<uint16_t*>(spares->master);
+      } else {
+        w.buffers.param_out = static_cast<float*>(spares->master);
+      }
       if (w.moments.has_value()) {
         w.moments->exp_avg_out = static_cast<uint16_t*>(spares->states.at(0));
         w.moments->exp_avg_sq_out = static_cast<uint16_t*>(spares->states.at(1));

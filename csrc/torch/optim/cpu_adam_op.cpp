@@ -27,9 +27,12 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
                              const at::Tensor& grad, const std::optional<at::Tensor>& param16, const AdamHyper& hyper,
                              uint32_t random_key, uint32_t first_index) {
   const int64_t n = param.numel();
-  GX_CHECK(param.scalar_type() == at::kFloat, "cpu_adam_step: param (the master) must be float32, got ",
-           c10::toString(param.scalar_type()), ".");
   const bool bf16_moments = exp_avg.scalar_type() == at::kBFloat16;
+  const bool bf16_param = param.scalar_type() == at::kBFloat16;
+  GX_CHECK(param.scalar_type() == at::kFloat || (bf16_param && bf16_moments && !param16.has_value()),
+           "cpu_adam_step: param (the master) must be float32, or bfloat16 with bfloat16 moments and no param16 "
+           "(the 8-byte state), got ", c10::toString(param.scalar_type()), " with ",
+           c10::toString(exp_avg.scalar_type()), " moments", param16.has_value() ? " and a param16" : "", ".");
   GX_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type() && (bf16_moments || exp_avg.scalar_type() == at::kFloat),
            "cpu_adam_step: exp_avg and exp_avg_sq must both be float32 or both bfloat16, got ",
            c10::toString(exp_avg.scalar_type()), " and ", c10::toString(exp_avg_sq.scalar_type()), ".");
@@ -39,9 +42,10 @@ CpuAdamWork prepare_cpu_adam(const at::Tensor& param, const at::Tensor& exp_avg,
   check_cpu_tensor(grad, "cpu_adam_step", "grad", n);
   AdamBuffers b;
   std::optional<Bf16Moments> moments;
-  b.param = param.data_ptr<float>();
+  if (!bf16_param) b.param = param.data_ptr<float>();
   if (bf16_moments) {
     moments.emplace();
+    if (bf16_param) moments->param = static_cast<uint16_t*>(param.data_ptr());
     moments->exp_avg = static_cast<uint16_t*>(exp_avg.data_ptr());
     moments->exp_avg_sq = static_cast<uint16_t*>(exp_avg_sq.data_ptr());
     moments->key = random_key;
@@ -96,12 +100,16 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at:
              " tensors.");
     const char* names[] = {"param_out", "exp_avg_out", "exp_avg_sq_out"};
     for (size_t k = 0; k < 3; ++k) {
-      const at::ScalarType want = k == 0 ? at::kFloat : exp_avg.scalar_type();
+      const at::ScalarType want = k == 0 ? param.scalar_type() : exp_avg.scalar_type();
       GX_CHECK((*out)[k].scalar_type() == want, "cpu_adam_step: ", names[k], " must be ", c10::toString(want),
                ", got ", c10::toString((*out)[k].scalar_type()), ".");
       check_cpu_tensor((*out)[k], "cpu_adam_step", names[k], param.numel());
     }
-    w.buffers.param_out = (*out)[0].data_ptr<float>();
+    if (w.moments.has_value() && w.moments->param != nullptr) {
+      w.moments->param_out = static_cast<uint16_t*>((*out)[0].data_ptr());
+    } else {
+      w.buffers.param_out = (*out)[0].data_ptr<float>();
+    }
     if (w.moments.has_value()) {
       w.moments->exp_avg_out = static_cast<uint16_t*>((*out)[1].data_ptr());
       w.moments->exp_avg_sq_out = static_cast<uint16_t*>((*out)[2].data_ptr());

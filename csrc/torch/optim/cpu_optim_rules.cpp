@@ -72,7 +72,7 @@ class CpuOptimRule final : public OptimizerRule {
     const CpuOptimHyper h = checked_hyper(hyper, step, grad_multiplier);
     CpuOptimWork w = prepare_cpu_optim(h, run.master, run.states, run.grad, run.param16);
     if (spares != nullptr) {
-      w.buffers.param_out = spares->master;
+      w.buffers.param_out = static_cast<float*>(spares->master);  // prepare_cpu_optim checked the fp32 master
       for (size_t k = 0; k < kinds_.size(); ++k) w.buffers.state_out[k] = static_cast<float*>(spares->states.at(k));
       if (spares->param16 != nullptr) {
         w.buffers.param16 = spares->param16;

@@ -29,9 +29,12 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
                       uint32_t random_key, uint32_t first_index, int max_blocks) {
   GX_CHECK(param.device().is_cuda(), "device_adam_step: expected CUDA tensors, got param on ", param.device().str(),
            ". Host tensors step with cpu_adam_step.");
-  GX_CHECK(param.scalar_type() == at::kFloat, "device_adam_step: param (the master) must be float32, got ",
-           c10::toString(param.scalar_type()), ".");
   const at::ScalarType state = exp_avg.scalar_type();
+  const bool bf16_param = param.scalar_type() == at::kBFloat16;
+  GX_CHECK(param.scalar_type() == at::kFloat || (bf16_param && state == at::kBFloat16 && !param16.has_value()),
+           "device_adam_step: param (the master) must be float32, or bfloat16 with bfloat16 moments and no param16 "
+           "(the 8-byte state), got ", c10::toString(param.scalar_type()), " with ", c10::toString(state),
+           " moments", param16.has_value() ? " and a param16" : "", ".");
   GX_CHECK(exp_avg_sq.scalar_type() == state && (state == at::kFloat || state == at::kBFloat16),
            "device_adam_step: exp_avg and exp_avg_sq must both be float32 or both bfloat16, got ",
            c10::toString(state), " and ", c10::toString(exp_avg_sq.scalar_type()), ".");
@@ -51,7 +54,8 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
   check_adam_hyper(hyper);
 #ifdef GX_WITH_CUDA
   DeviceAdamBuffers b;
-  b.param = param.data_ptr<float>();
+  b.param = param.data_ptr();
+  b.master_dtype = to_gx_dtype(param.scalar_type());
   b.exp_avg = exp_avg.data_ptr();
   b.exp_avg_sq = exp_avg_sq.data_ptr();
   b.state_dtype = to_gx_dtype(state);

@@ -136,7 +136,7 @@ void HybridOptimizer::speculate(int set_index) {
     const int64_t n = end - begin;
     if (n <= 0) continue;  // in other ranks' shards: only the step count advances
     RunSpares out;
-    out.master = reinterpret_cast<float*>(spare(master_id)) + begin;
+    out.master = spare(master_id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(master_id).dtype());
     for (const auto& [kind, id] : set.spec.states)
       out.states.push_back(spare(id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(id).dtype()));
     if (has_master) {

@@ -36,7 +36,7 @@ using HyperValues = std::map<std::string, double>;
 
 // One run's elements in this rank's shard, as tensors on the tier where the set's state lives.
 struct RunViews {
-  at::Tensor master;               // fp32: the master, or P itself for fp32 parameters
+  at::Tensor master;               // the master (fp32), or P itself: fp32 parameters, or bf16 ones without masters
   std::vector<at::Tensor> states;  // in the rule's order: fp32, or bf16 where the engine keeps them so
   at::Tensor grad;                 // compute dtype
   at::Tensor param16;              // the 16-bit copy to write; undefined: none (fp32 parameters)
@@ -49,7 +49,7 @@ struct RunViews {
 
 // A speculative host run's outputs: spare buffers of the same layout, at the run's first element.
 struct RunSpares {
-  float* master = nullptr;
+  void* master = nullptr;     // of the master chunk's dtype (RunViews::master's)
   std::vector<void*> states;  // of each state chunk's dtype
   void* param16 = nullptr;  // nullptr: fp32 parameters (the master is the parameter)
   DType param16_dtype = DType::kBFloat16;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/kernels/cpu_adam.h"
@@ -144,6 +145,90 @@ TEST(CpuAdamBf16Moments, SmallIncrementsSurviveOnAverage) {
   mean /= n;
   EXPECT_GT(m_fp32 - 1.0, 0.003) << "the fp32 recurrence moved";
   EXPECT_NEAR(mean, m_fp32, 0.05 * (m_fp32 - 1.0)) << "the bf16 moments followed it on average";
+}
+
+// A bf16 master: the fp32 update of the widened parameter and moments, then each rounded
+// stochastically, the parameter from its own stream; the same bits on every ISA, in place or out.
+TEST(CpuAdamBf16Moments, Bf16MasterEqualsTheWidenedUpdateThenStochasticRounding) {
+  const int64_t n = 2 * kBf16MomentsBlockNumel + 45;
+  const uint32_t key = stochastic_key(3, 77), first = 123;
+  const Data d = random_data(n, 11);
+  std::vector<uint16_t> p16_in(n);
+  for (int64_t i = 0; i < n; ++i) p16_in[i] = float_to_bf16(d.p[i]);
+  std::vector<float> p_ref(n), m_ref(n), v_ref(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p_ref[i] = bf16_to_float(p16_in[i]);
+    m_ref[i] = bf16_to_float(d.m[i]);
+    v_ref[i] = bf16_to_float(d.v[i]);
+  }
+  AdamBuffers ref{p_ref.data(), m_ref.data(), v_ref.data(), d.g.data(), DType::kBFloat16, nullptr,
+                  DType::kBFloat16, n};
+  cpu_adam_step(hyper(), ref, SimdIsa::kScalar);
+  std::vector<uint16_t> p_want(n);
+  const uint32_t param_key = param_stream_key(key);
+  int64_t moved = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    p_want[i] = float_to_bf16_stochastic(p_ref[i], stochastic_bits(param_key, first + static_cast<uint32_t>(i)));
+    moved += p_want[i] != p16_in[i];
+  }
+  EXPECT_GT(moved, n / 2) << "the update moves most bf16 parameters";
+  for (SimdIsa isa : available_isas()) {
+    for (bool out_of_place : {false, true}) {
+      std::vector<uint16_t> p16 = p16_in, m = d.m, v = d.v, p_out(n), m_out(n), v_out(n);
+      AdamBuffers b;
+      b.grad = d.g.data();
+      b.grad_dtype = DType::kBFloat16;
+      b.numel = n;
+      Bf16Moments mom;
+      mom.param = p16.data();
+      mom.exp_avg = m.data();
+      mom.exp_avg_sq = v.data();
+      if (out_of_place) {
+        mom.param_out = p_out.data();
+        mom.exp_avg_out = m_out.data();
+        mom.exp_avg_sq_out = v_out.data();
+      }
+      mom.key = key;
+      mom.first_index = first;
+      cpu_adam_step_bf16_moments(hyper(), b, mom, isa);
+      const std::string where = std::string(to_string(isa)) + (out_of_place ? " out of place" : " in place");
+      ASSERT_EQ(out_of_place ? p_out : p16, p_want) << where;
+      const std::vector<uint16_t>& m_new = out_of_place ? m_out : m;
+      const std::vector<uint16_t>& v_new = out_of_place ? v_out : v;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = stochastic_bits(key, first + static_cast<uint32_t>(i));
+        ASSERT_EQ(m_new[i], float_to_bf16_stochastic(m_ref[i], bits)) << where << " " << i;
+        ASSERT_EQ(v_new[i], float_to_bf16_stochastic(v_ref[i], bits >> 16)) << where << " " << i;
+      }
+      if (out_of_place) {
+        EXPECT_EQ(p16, p16_in) << where << ": the inputs stay";
+        EXPECT_EQ(m, d.m) << where;
+      }
+    }
+  }
+}
+
+TEST(CpuAdamBf16Moments, Bf16MasterRefusesAnFp32MasterOrCopyBesideIt) {
+  std::vector<float> p(4);
+  std::vector<uint16_t> p16(4), m(4), v(4), g(4), copy(4);
+  AdamBuffers b;
+  b.grad = g.data();
+  b.grad_dtype = DType::kBFloat16;
+  b.numel = 4;
+  Bf16Moments mom;
+  mom.param = p16.data();
+  mom.exp_avg = m.data();
+  mom.exp_avg_sq = v.data();
+  b.param = p.data();  // two masters
+  EXPECT_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom), UsageError);
+  b.param = nullptr;
+  b.param16 = copy.data();  // a 16-bit copy of a parameter that is itself 16-bit
+  EXPECT_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom), UsageError);
+  b.param16 = nullptr;
+  mom.param_out = copy.data();  // out of place for the parameter only
+  EXPECT_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom), UsageError);
+  mom.param_out = nullptr;
+  EXPECT_NO_THROW(cpu_adam_step_bf16_moments(hyper(), b, mom));
 }
 
 TEST(CpuAdamBf16Moments, RefusesMismatchedBuffers) {
