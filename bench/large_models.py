@@ -2,11 +2,13 @@
 batches, with the overlap bound of each row and the peers beside them, in one run.
     python3 bench/large_models.py --presets 6.7b,13b,15b --batches 1,4,8,16 --out /tmp/large
     python3 bench/large_models.py --presets 15b --batches 16 --peers none       # one row
+    python3 bench/large_models.py --presets 25b --batches 8 --state 8byte --peers none \
+        --extra "--init-device meta"                                            # the 8-byte state
     python3 bench/large_models.py --smoke                                       # tiny, sim (tests)
 Every row is a fresh process (examples/train_gpt.py, or the peers' scripts through bench/offload.py's
 runner): the model built on the GPU, full AdamW, activation checkpointing per block, clipping at 1.0.
 A first process measures the machine's rates in the same run: gemini_ext's CPU Adam kernel
-(parameters/s, bf16 gradient in and bf16 copy out), pinned H2D and D2H bandwidth, and per preset and
+(parameters/s, bf16 gradient in and bf16 copy out, over the --state the rows use), pinned H2D and D2H bandwidth, and per preset and
 batch the GPU's forward + backward time of the bf16 model held whole on the device (the GPU work
 an offloading system cannot do without; built on the device, so it fits up to about 30B).
 The overlap bound of a row is max(GPU, the host's state of the last step over the CPU Adam rate (plus
@@ -31,18 +33,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offload  # noqa: E402  (bench/offload.py: the runner, failure records and peers' commands)
 
+# --state: the flags examples/train_gpt.py and `gemini-ext estimate` both take for it
+STATES = {"fp32": [], "bf16": ["--optimizer-state-dtype", "bf16"],
+          "8byte": ["--optimizer-state-dtype", "bf16", "--no-master-weights"]}
+
 RATES = r"""
 import json, sys, time
 import torch
 sys.path.insert(0, REPO)
 import gemini_ext as gx
 from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks
-presets, batches, seq_arg, smoke = ARGS
+presets, batches, seq_arg, smoke, state = ARGS
 out = {"gpu_compute_s": {}}
 n = 1 << 20 if smoke else 1 << 26
-p, m, v = (torch.zeros(n) for _ in range(3))
+# the state the rows train with: fp32 master and moments, bf16 moments, or the 8-byte state
+p = torch.zeros(n, dtype=torch.bfloat16 if state == "8byte" else torch.float32)
+m, v = (torch.zeros(n, dtype=torch.float32 if state == "fp32" else torch.bfloat16) for _ in range(2))
 g = torch.randn(n).bfloat16()
-p16 = torch.empty(n, dtype=torch.bfloat16)
+p16 = None if state == "8byte" else torch.empty(n, dtype=torch.bfloat16)
 def adam(step):
     gx._C.cpu_adam_step(p, m, v, g, p16, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                         adamw=True, grad_scale=1.0, isa="")
@@ -50,7 +58,8 @@ adam(1)
 best = min((lambda t0: (adam(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(4))
 out["cpu_adam_params_per_s"] = n / best
 if torch.cuda.is_available():  # the device's kernel over the same pinned host arrays (the link lane)
-    mapped = [gx._C.mapped_device_view(t.pin_memory(), torch.device("cuda")) for t in (p, m, v, g, p16)]
+    mapped = [t if t is None else gx._C.mapped_device_view(t.pin_memory(), torch.device("cuda"))
+              for t in (p, m, v, g, p16)]
     def link(step):
         gx._C.device_adam_step(*mapped[:4], mapped[4], step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                                weight_decay=0.1, max_blocks=gx._C.LINK_LANE_BLOCKS)
@@ -97,8 +106,9 @@ print(json.dumps(out))
 """
 
 
-def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke: bool, timeout: int) -> dict:
-    code = RATES.replace("REPO", repr(offload.REPO)).replace("ARGS", repr((presets, batches, seq, smoke)))
+def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke: bool, state: str,
+                  timeout: int) -> dict:
+    code = RATES.replace("REPO", repr(offload.REPO)).replace("ARGS", repr((presets, batches, seq, smoke, state)))
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=offload.REPO,
                               timeout=timeout)
@@ -109,10 +119,10 @@ def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def predict(preset: str, batch: int, rates: dict, timeout: int) -> dict:
+def predict(preset: str, batch: int, state: str, rates: dict, timeout: int) -> dict:
     """gx.estimate's prediction of a row (gemini-ext estimate on the preset built on meta)."""
     cmd = [sys.executable, "-m", "gemini_ext", "estimate", "--preset", preset, "--tokens-per-step", str(batch * 1024),
-           "--json"]
+           "--json", *STATES[state]]
     if "cpu_adam_params_per_s" in rates:
         cmd += ["--cpu-rate", str(rates["cpu_adam_params_per_s"])]
     try:
@@ -172,13 +182,13 @@ def estimated(row: dict) -> str:
 def table(rows: list[dict], rates: dict) -> str:
     f = offload.fmt
     lines = ["| system | model | tokens/step | step s | tokens/s | MFU | split (sets device / host, CPU-stepped) | "
-             "peak device GiB | peak host GiB | bound s (GPU / CPU Adam / PCIe) | step / bound |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak device GiB | peak host GiB | bound s (GPU / CPU Adam / PCIe) | step / bound | estimate s (error) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['system']} | {r['preset']} | {r['batch']} x 1024 |"
         if "error" in r or "skipped" in r:
             lines.append(head + (f" skipped: {r['skipped']}" if "skipped" in r else f" failed: {r['error'][:110]}")
-                         + " |||||||||")
+                         + " ||||||||||")
             continue
         parts = r["bound_parts_s"]
         bound = " / ".join(f(parts.get(k), ".2f") for k in ("gpu", "cpu_adam", "pcie"))
@@ -213,6 +223,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peer-rows", default="", help="the peers' rows as preset/batch, comma-separated (in place of "
                    "--peer-presets x --peer-batches; e.g. 6.7b/1,6.7b/16,13b/1)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
+    p.add_argument("--state", choices=sorted(STATES), default="fp32",
+                   help="gemini_ext's optimizer state: fp32 (exact), bf16 moments, or the 8-byte state (both change "
+                        "the numerics); the peers keep fp32")
     p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
     p.add_argument("--skip", default="", help="rows to leave out, as preset/batch, comma-separated (e.g. 15b/16)")
     p.add_argument("--out", default=None, help="path prefix for .md and .json (rewritten after every row)")
@@ -223,7 +236,7 @@ def main(argv=None) -> list[dict]:
     seq = None
     if args.smoke:
         presets, batches, peers, args.steps, seq = ["tiny"], [1, 2], [], 3, 16
-    rates = measure_rates(presets, batches, seq, args.smoke, args.timeout)
+    rates = measure_rates(presets, batches, seq, args.smoke, args.state, args.timeout)
     print(f"rates: {rates}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
     jobs = [("gemini-auto", pr, b) for pr in presets for b in batches if f"{pr}/{b}" not in skip]
@@ -237,14 +250,15 @@ def main(argv=None) -> list[dict]:
             common += ["--seq", str(seq)]
         script, extra = offload.systems(None)[system]
         if script == offload.GEMINI:
-            extra = extra + (["--device", "sim"] if args.smoke else ["--init-device", "cuda"]) + args.extra.split()
+            extra = extra + (["--device", "sim"] if args.smoke else ["--init-device", "cuda"]) + STATES[args.state]
+            extra += args.extra.split()
         elif script == offload.PEER:
             extra = extra + ["--init-device", "cuda"]
         why_not = offload.peer_unavailable(system) if script == offload.OTHER_PEERS else None
         s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
         row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
         if script == offload.GEMINI and "error" not in row and not args.smoke:
-            row["estimate"] = predict(preset, batch, rates, args.timeout)
+            row["estimate"] = predict(preset, batch, args.state, rates, args.timeout)
         rows.append(row)
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
         write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout

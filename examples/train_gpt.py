@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: Adam's moments in bf16 with stochastic rounding (changes the numerics)")
+    p.add_argument("--no-master-weights", action="store_true",
+                   help="no fp32 master: with --optimizer-state-dtype bf16 the 8-byte state (bf16 parameters "
+                        "updated with stochastic rounding; changes the numerics)")
     p.add_argument("--offload-optim-frac", type=float, default=1.0)
     p.add_argument("--offload-param-frac", type=float, default=0.0)
     p.add_argument("--gpu-limit", default=None, help="device budget for chunks, e.g. 2GiB (sim: the sim capacity)")
@@ -166,7 +169,8 @@ def main(argv=None) -> dict:
                           min_chunk_size_m=min(32.0, model_m / 8),
                           search_range_m=args.search_range_m or min(128.0, model_m / 4),
                           extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap,
-                          optimizer_state_dtype=args.optimizer_state_dtype, **budget)
+                          optimizer_state_dtype=args.optimizer_state_dtype,
+                          master_weights=not args.no_master_weights, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     init_started = time.perf_counter()
@@ -239,6 +243,7 @@ def main(argv=None) -> dict:
     summary = {
         "preset": preset, "parameters": n_params, "trainable_parameters": n_trainable, "lora_rank": args.lora,
         "device": device_kind, "precision": args.precision,
+        "optimizer_state_dtype": args.optimizer_state_dtype, "master_weights": not args.no_master_weights,
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         **step_figures(losses, step_seconds, world * args.batch * seq),
         "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],

@@ -37,6 +37,10 @@ def main(argv=None) -> int:
     est.add_argument("--no-checkpointing", action="store_true", help="activations kept (default: checkpointed per block)")
     est.add_argument("--policy", default="auto")
     est.add_argument("--max-norm", type=float, default=1.0)
+    est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    est.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default="fp32")
+    est.add_argument("--no-master-weights", action="store_true",
+                     help="with --optimizer-state-dtype bf16: the 8-byte state (GeminiConfig.master_weights=False)")
     est.add_argument("--device-bytes", default=None, help="another machine's device memory, e.g. 141GB")
     est.add_argument("--host-bytes", default=None, help="another machine's available host memory, e.g. 125GiB")
     est.add_argument("--peak-tflops", type=float, default=None)
@@ -80,7 +84,8 @@ def _estimate(args) -> None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
-    config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm)
+    config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm, precision=args.precision,
+                          optimizer_state_dtype=args.optimizer_state_dtype, master_weights=not args.no_master_weights)
     device_bytes = int(args.device_bytes) if args.device_bytes and args.device_bytes.isdigit() else args.device_bytes
     host_bytes = int(args.host_bytes) if args.host_bytes and args.host_bytes.isdigit() else args.host_bytes
     e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,

@@ -44,8 +44,10 @@ GPT_PRESETS = {
     "13b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=40, n_heads=40, tie_embeddings=False),
     "15b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=5120, n_layers=48, n_heads=40, tie_embeddings=False),
     # Beyond one GPU (bench/capacity.py --gpus N): 20.3B, 30.1B, 40.8B and 81.0B parameters; the
-    # two largest are built on the meta device (no GPU holds them whole in fp32).
+    # two largest are built on the meta device (no GPU holds them whole in fp32). 25.8B: one GPU
+    # with the 8-byte state (GeminiConfig.master_weights=False).
     "20b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=6144, n_layers=44, n_heads=48, tie_embeddings=False),
+    "25b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=6144, n_layers=56, n_heads=48, tie_embeddings=False),
     "30b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=7168, n_layers=48, n_heads=56, tie_embeddings=False),
     "40b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=8192, n_layers=50, n_heads=64, tie_embeddings=False),
     "80b": GPTConfig(vocab_size=32000, max_seq_len=1024, d_model=8192, n_layers=100, n_heads=64, tie_embeddings=False),

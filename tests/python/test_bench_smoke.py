@@ -266,8 +266,8 @@ def test_placement_sweep_reads_what_the_example_reports(tmp_path):
     assert text.count("(best static)") == 1 and "timed out after 300 s" in text and "auto: " in text
 
 
-def test_state_dtype_bench_compares_the_two_runs(tmp_path):
-    """bench/state_dtype.py's table and plot from two runs of the example (in this process)."""
+def test_state_dtype_bench_compares_the_runs(tmp_path):
+    """bench/state_dtype.py's table and plot from three runs of the example (in this process)."""
     import importlib.util
     import sys
 
@@ -278,9 +278,12 @@ def test_state_dtype_bench_compares_the_two_runs(tmp_path):
     train_gpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_gpt)
     common = ["--device", "sim", "--preset", "tiny", "--steps", "4", "--batch", "2", "--seq", "16", "--no-progress"]
-    rows = {name: train_gpt.main(common + ["--optimizer-state-dtype", name]) for name in ("fp32", "bf16")}
-    assert len(rows["bf16"]["losses"]) == 4 and rows["bf16"]["losses"] != rows["fp32"]["losses"]
+    rows = {name: train_gpt.main(common + flags) for name, (flags, _) in state_dtype.STATES.items()}
+    assert len(rows["8byte"]["losses"]) == 4 and rows["8byte"]["losses"] != rows["bf16"]["losses"] != rows["fp32"]["losses"]
+    assert not rows["8byte"]["master_weights"] and rows["8byte"]["optimizer_state_dtype"] == "bf16"
     text = state_dtype.table(rows)
-    assert "| fp32 state loss |" in text and "| bf16 state loss |" in text and "largest loss difference" in text
+    for name in ("fp32 state", "bf16 moments", "8-byte state"):
+        assert f"| {name} loss |" in text and f"| {name} |" in text
+    assert text.count("against fp32 state over 4 steps: largest difference") == 2
     state_dtype.plot(rows, str(tmp_path / "curves.png"))
     assert os.path.getsize(tmp_path / "curves.png") > 1000

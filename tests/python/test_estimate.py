@@ -64,3 +64,21 @@ def test_the_command_line_prints_the_estimate(capsys):
                 "--host-bytes", "64GiB", "--device-name", "H100", "--cpu-rate", "4e9"]) == 0
     out = capsys.readouterr().out
     assert "plan" in out and "predicted" in out and "MFU" in out
+
+
+def test_the_8_byte_state_fits_a_25b_model_the_full_state_does_not(capsys):
+    """25.8B parameters on one H200 with 120 GiB of host: 16 bytes a parameter (412 GB) fit neither,
+    8 (206 GB) fit both together; the command line takes the state's options."""
+    model = _meta_gpt("25b")
+    with pytest.raises(gx.OutOfMemoryError):
+        gx.estimate(model, gx.GeminiConfig(placement_policy="auto"), tokens_per_step=8192, host_bytes="120GiB", **H200)
+    small = gx.GeminiConfig(placement_policy="auto", precision="bf16", optimizer_state_dtype="bf16", master_weights=False)
+    e = gx.estimate(model, small, tokens_per_step=8192, host_bytes="120GiB", **H200)
+    assert e["plan"]["optim_sets_on_host"] > 0 and e["host_bytes"] <= 120 * 2**30
+    assert e["device_bytes"] + e["host_bytes"] >= 8 * 25.7e9, "8 bytes a parameter, somewhere"
+    with pytest.raises(NotImplementedError, match="master_weights=False with precision='bf16' and optimizer_state"):
+        gx.estimate(model, gx.GeminiConfig(master_weights=False), tokens_per_step=8192, **H200)
+    assert cli(["estimate", "--preset", "25b", "--tokens-per-step", "8192", "--device-bytes", "150109880320",
+                "--host-bytes", "120GiB", "--device-name", "H200", "--cpu-rate", "4.6e9",
+                "--optimizer-state-dtype", "bf16", "--no-master-weights"]) == 0
+    assert "predicted" in capsys.readouterr().out
