@@ -64,6 +64,9 @@ def parse_args(argv=None):
                         "than host memory can hold twice, e.g. 13B; meta: no whole copy anywhere, enable() "
                         "gives each module storage and GPT.init_weights values as it reaches it, e.g. a "
                         "model sharded over GPUs that no one GPU can hold)")
+    p.add_argument("--model-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the dtype the model is built in (bf16: half the bytes of the caller's copy; with "
+                        "--no-master-weights nothing keeps more than bf16 anyway)")
     p.add_argument("--host-init-threads", type=int, default=0,
                    help="with --init-device cpu: build the model on the meta device, give it host storage and "
                         "initialise its modules on this many threads, one random generator per module seeded "
@@ -174,11 +177,14 @@ def main(argv=None) -> dict:
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     init_started = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if args.model_dtype == "bf16" else torch.float32)
     if args.host_init_threads and args.init_device == "cpu":
         model = build_on_host_threads(model_cfg, args.seed, args.host_init_threads)
     else:
         with torch.device(args.init_device):
             model = GPT(model_cfg)
+    torch.set_default_dtype(default_dtype)
     if args.lora:
         with torch.device(args.init_device):  # the adapters where the base is (meta: the engine initialises them)
             add_lora(model, args.lora)

@@ -9,7 +9,10 @@ after it is copied. If enable() fails later, `rollback()` reads the values back 
 chunks so the caller's model is intact. Sharded, each rank keeps only its shard, and every rank
 holds a whole model to begin with (a 20B model in fp32 is 81 GB per GPU): the originals are
 released too, but a failure cannot give them back without the other ranks (a collective a
-failed rank may never join), so the error says that the model must be built again instead.
+failed rank may never join), so the error says that the model must be built again instead. A
+parameter enable() materialised from meta holds the initialiser's values only: it is released
+whether or not a chunk holds it exactly (an fp32 one under the 8-byte state has only its bf16
+rounding in a chunk), and a failure puts it back on the meta device.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class ChunkFill:
         self._device = device  # ComputeDevice
         self._meta = meta      # MetaMaterializer (empty unless the model was built on meta)
         self._released = []    # (parameter index, (chunk, slot), shape): values held exactly by a chunk
+        self._released_meta = []  # (parameter index, shape): materialised from meta, not held exactly
         self.released_sharded = 0
         # The fill phase in parts (stats()["setup_fill_seconds"]): materialising meta-built
         # modules, taking rank 0's values, writing the shards. The device is synchronised at each
@@ -87,6 +91,9 @@ class ChunkFill:
                     self.released_sharded += 1
                 elif held_exactly(p.dtype, chunk_dtype):
                     self._released.append((i, layout.handles[(kind, i)], tuple(p.shape)))
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                elif self._meta.materializes(p):  # the initialiser's values, not the caller's: nothing to keep
+                    self._released_meta.append((i, tuple(p.shape)))
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._meta.materialize_rest()  # modules with meta buffers only
             for chunk in sorted(self._allocate_on_write):  # a chunk no parameter value reached
@@ -128,7 +135,7 @@ class ChunkFill:
         self._allocate_on_write.discard(chunk)
 
     def commit(self) -> None:
-        self._released = []
+        self._released, self._released_meta = [], []
 
     def rollback(self, exc: BaseException) -> None:
         """enable() failed: notes on `exc` what cannot be given back, and gives every released
@@ -151,4 +158,8 @@ class ChunkFill:
                 dtype, device = layout.orig[i]
                 layout.params[i].data = self._chunks.tensor_view(handle, tier).reshape(shape).to(
                     device=device, dtype=dtype, copy=True)
-        self._released = []
+            for i, shape in self._released_meta:  # .data cannot change device type: swap (identity kept)
+                p = layout.params[i]
+                meta = torch.empty(shape, dtype=layout.orig[i][0], device="meta")
+                torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
+        self._released, self._released_meta = [], []

@@ -88,6 +88,11 @@ class MetaMaterializer:
     def materialized_modules(self) -> int:
         return sum(len(self._groups[g]) for g in self._done)
 
+    def materializes(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` was built on meta and gets its storage and values here (its identity
+        survives materialisation)."""
+        return id(tensor) in self._group_of_tensor
+
     def ensure(self, tensor: torch.Tensor) -> None:
         """Materialises the group owning `tensor` if it is still on the meta device."""
         if tensor.is_meta:

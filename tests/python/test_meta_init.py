@@ -161,6 +161,23 @@ def test_a_failure_after_materialising_says_the_model_must_be_built_again(monkey
     assert "built on the meta device" in note and "Build the model again" in note, note
 
 
+def test_without_masters_the_materialised_fp32_values_are_released_and_a_failure_puts_them_back_on_meta(monkeypatch):
+    """Under the 8-byte state a chunk holds only the bf16 rounding of an fp32 parameter; one that
+    enable() materialised from meta holds the initialiser's values only, so it is released all the
+    same (a 25B model's fp32 values would not fit beside its chunks), and a failure leaves it on meta."""
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("injected failure after the chunks were filled")
+
+    monkeypatch.setattr(gx.engine.GeminiEngine, "_finish_init", fail)
+    model = _meta_gpt()
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    cfg = config("sim", precision="bf16", optimizer_state_dtype="bf16", master_weights=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        gx.enable(model, cfg, param_init_fn=model.init_weights)
+    for name, p in model.named_parameters():
+        assert p.is_meta and p.shape == shapes[name] and p.dtype == torch.float32, (name, p.device, p.shape)
+
+
 def _sharded_meta_body(rank, world_size, device="sim"):
     """Each rank seeds differently: rank 0's initial values are the model's (as for a model built
     on a real device), and two ranks train it like one process on the global batch (accumulated
