@@ -221,7 +221,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peer-presets", default="6.7b,13b")
     p.add_argument("--peer-batches", default="1,16")
     p.add_argument("--peer-rows", default="", help="the peers' rows as preset/batch, comma-separated (in place of "
-                   "--peer-presets x --peer-batches; e.g. 6.7b/1,6.7b/16,13b/1)")
+                   "--peer-presets x --peer-batches; e.g. 6.7b/1,6.7b/16,13b/1), each for every peer or, "
+                   "as peer@preset/batch, for that one")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
     p.add_argument("--state", choices=sorted(STATES), default="fp32",
                    help="gemini_ext's optimizer state: fp32 (exact), bf16 moments, or the 8-byte state (both change "
@@ -240,9 +241,11 @@ def main(argv=None) -> list[dict]:
     print(f"rates: {rates}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
     jobs = [("gemini-auto", pr, b) for pr in presets for b in batches if f"{pr}/{b}" not in skip]
-    peer_rows = ([(r.split("/")[0], int(r.split("/")[1])) for r in args.peer_rows.split(",")] if args.peer_rows else
-                 [(pr, b) for pr in args.peer_presets.split(",") for b in map(int, args.peer_batches.split(","))])
-    jobs += [(peer, pr, b) for pr, b in peer_rows for peer in peers]
+    peer_rows = (args.peer_rows.split(",") if args.peer_rows else
+                 [f"{pr}/{b}" for pr in args.peer_presets.split(",") for b in args.peer_batches.split(",")])
+    for entry in peer_rows:
+        only, _, row = entry.rpartition("@")
+        jobs += [(peer, row.split("/")[0], int(row.split("/")[1])) for peer in peers if only in ("", peer)]
     rows, summaries = [], []
     for system, preset, batch in jobs:
         common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint"]
