@@ -14,7 +14,11 @@ A step is the GPU's work plus what the GPU waits for:
   checkpointing, 2 N + 2 N_trainable backward) at the GPU's dense 16-bit peak times an efficiency
   that grows with the tokens per step (GPU_EFFICIENCY: those FLOPs over the measured forward and
   backward time of GPT blocks of d 4096-5120 at 1024-token sequences on the H200, so attention's
-  work is inside it: 0.58 of peak at 1024 tokens, 0.67 from 16k).
+  work is inside it: 0.58 of peak at 1024 tokens, 0.67 from 16k). At few tokens per step the
+  host's dispatch of each pass (torch's operators and the engine's hooks) takes longer than the
+  GPU's work and bounds it: HOST_DISPATCH_S_PER_TENSOR_PASS per parameter tensor and pass
+  (forward, the recomputed forward, backward), from the wall time of the forward and backward of
+  the 6.7B GPT at 1024 tokens on the H200's host (0.168 s over 389 tensors and three passes).
 - device_optimizer: the fused Adam kernel over the device-held state, on the compute stream
   between backward and the next forward: 28 bytes per element (20 with bf16 moments, 14 with
   the 8-byte state) at
@@ -64,6 +68,7 @@ LANE_CONTENTION = (0.84, 0.70)  # CPU, link: their rates while both step (H200 h
 ACTIVATION_RESERVE_RATIO = 1.22  # torch's reserved / peak allocated at the end of an iteration
 LOGIT_BYTES_PER_VOCAB = 12.6  # per token: bf16 logits, fp32 copy, fp32 and bf16 gradients (H200, 6.7B and 15.4B)
 DEVICE_OTHER_BYTES = 1536 << 20  # CUDA context and libraries, outside torch and the chunks
+HOST_DISPATCH_S_PER_TENSOR_PASS = 1.45e-4  # the host's share of a pass, per parameter tensor (H200 host)
 DEVICE_OPTIMIZER_BYTES_PER_S = 3.5e12  # the device Adam kernel's HBM traffic rate (H200: 4.8 TB/s peak)
 PROBE_ELEMENTS = 1 << 26
 SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on it
@@ -201,7 +206,10 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     forward_flops = rank_tokens * 2 * n_total
     flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
     rate = peak * 1e12 * gpu_efficiency(rank_tokens)
-    gpu_seconds, forward_seconds = flops / rate, forward_flops / rate
+    passes = 3 if checkpointing else 2
+    dispatch_per_pass = len(named) * HOST_DISPATCH_S_PER_TENSOR_PASS
+    gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
+    forward_seconds = max(forward_flops / rate, dispatch_per_pass)
     cpu_rate = float(cpu_optimizer_elements_per_s or cpu_elements_per_s())
     measured = Measurements(**base, non_model_peak_bytes=activations,
                             non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),

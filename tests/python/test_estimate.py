@@ -8,6 +8,7 @@ import torch
 
 import gemini_ext as gx
 from gemini_ext.__main__ import main as cli
+from gemini_ext.estimate import HOST_DISPATCH_S_PER_TENSOR_PASS
 from gemini_ext.models import GPT, GPT_PRESETS
 
 H200 = dict(device_bytes=150_109_880_320, device_name="NVIDIA H200", cpu_optimizer_elements_per_s=4.6e9)
@@ -82,3 +83,16 @@ def test_the_8_byte_state_fits_a_25b_model_the_full_state_does_not(capsys):
                 "--host-bytes", "120GiB", "--device-name", "H200", "--cpu-rate", "4.6e9",
                 "--optimizer-state-dtype", "bf16", "--no-master-weights"]) == 0
     assert "predicted" in capsys.readouterr().out
+
+
+def test_at_few_tokens_the_hosts_dispatch_bounds_the_gpu_part():
+    """Each pass costs the host a fixed time per parameter tensor: at 1024 tokens a 6.7B GPT's GPU
+    work (about 0.1 s) is shorter than three passes' dispatch; at 16k tokens the FLOPs bound."""
+    model = _meta_gpt("6.7b")
+    tensors = len(list(model.parameters()))
+    per_pass = tensors * HOST_DISPATCH_S_PER_TENSOR_PASS
+    for checkpointing, passes in ((True, 3), (False, 2)):
+        few = gx.estimate(model, tokens_per_step=1024, host_bytes="125.5GiB", checkpointing=checkpointing, **H200)
+        assert few["step_parts_s"]["gpu"] == pytest.approx(passes * per_pass)
+    many = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    assert many["step_parts_s"]["gpu"] > 5 * 3 * per_pass
