@@ -13,8 +13,8 @@
 // parameter against the fp32 kernel's 28.
 //
 // With a bf16 master (Bf16Moments::param, AdamBuffers::param null) the parameter itself is bf16
-// and takes the update stochastically rounded too, from its own stream (param_stream_key): 6
-// bytes of state per parameter with a bf16 gradient, 8 with the gradient, and 14 bytes of
+// and takes the update stochastically rounded too, from its own stream (param_stream_key): 8
+// bytes per parameter with its bf16 gradient (parameter, gradient, m, v) and 14 bytes of
 // traffic. Opt-in (GeminiConfig.master_weights=False with bf16 moments): it changes the numerics
 // further, as an update below half a bf16 step of the weight survives only on average.
 #pragma once
