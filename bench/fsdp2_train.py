@@ -16,6 +16,7 @@ reduces norms of host gradients. On a machine without CUDA it runs on the CPU ov
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -61,6 +62,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-budget", default=None,
                    help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="the loss over this many tokens at a time, each piece checkpointed (GPTConfig.loss_chunk_tokens; 0: at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
 
@@ -166,7 +169,7 @@ def main(argv=None) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     mesh = init_device_mesh(dev.type, (world,))
 
-    cfg = GPT_PRESETS[args.preset]
+    cfg = dataclasses.replace(GPT_PRESETS[args.preset], loss_chunk_tokens=args.loss_chunk_tokens)
     seq = args.seq or cfg.max_seq_len
     torch.manual_seed(args.seed)
     if args.init_device == "cuda" and not on_cuda:

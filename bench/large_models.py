@@ -6,7 +6,8 @@ batches, with the overlap bound of each row and the peers beside them, in one ru
         --extra "--init-device meta"                                            # the 8-byte state
     python3 bench/large_models.py --smoke                                       # tiny, sim (tests)
 Every row is a fresh process (examples/train_gpt.py, or the peers' scripts through bench/offload.py's
-runner): the model built on the GPU, full AdamW, activation checkpointing per block, clipping at 1.0.
+runner): the model built on the GPU, full AdamW, activation checkpointing per block and the loss over
+--loss-chunk-tokens tokens at a time (checkpointed pieces: one piece's logits live at once), clipping at 1.0.
 A first process measures the machine's rates in the same run: gemini_ext's CPU Adam kernel
 (parameters/s, bf16 gradient in and bf16 copy out, over the --state the rows use), pinned H2D and D2H bandwidth, and per preset and
 batch the GPU's forward + backward time of the bf16 model held whole on the device (the GPU work
@@ -38,12 +39,12 @@ STATES = {"fp32": [], "bf16": ["--optimizer-state-dtype", "bf16"],
           "8byte": ["--optimizer-state-dtype", "bf16", "--no-master-weights"]}
 
 RATES = r"""
-import json, sys, time
+import dataclasses, json, sys, time
 import torch
 sys.path.insert(0, REPO)
 import gemini_ext as gx
 from gemini_ext.models import GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks
-presets, batches, seq_arg, smoke, state = ARGS
+presets, batches, seq_arg, smoke, state, loss_chunk = ARGS
 out = {"gpu_compute_s": {}}
 n = 1 << 20 if smoke else 1 << 26
 # the state the rows train with: fp32 master and moments, bf16 moments, or the 8-byte state
@@ -81,7 +82,7 @@ if torch.cuda.is_available():
         out[name + "_bytes_per_s"] = 8 * host.numel() / (time.perf_counter() - t0)
     del host, gpu
     for preset in presets:
-        cfg = GPT_PRESETS[preset]
+        cfg = dataclasses.replace(GPT_PRESETS[preset], loss_chunk_tokens=loss_chunk)
         torch.manual_seed(0)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -107,8 +108,9 @@ print(json.dumps(out))
 
 
 def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke: bool, state: str,
-                  timeout: int) -> dict:
-    code = RATES.replace("REPO", repr(offload.REPO)).replace("ARGS", repr((presets, batches, seq, smoke, state)))
+                  loss_chunk_tokens: int, timeout: int) -> dict:
+    code = RATES.replace("REPO", repr(offload.REPO)).replace(
+        "ARGS", repr((presets, batches, seq, smoke, state, loss_chunk_tokens)))
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=offload.REPO,
                               timeout=timeout)
@@ -119,10 +121,10 @@ def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def predict(preset: str, batch: int, state: str, rates: dict, timeout: int) -> dict:
+def predict(preset: str, batch: int, state: str, loss_chunk_tokens: int, rates: dict, timeout: int) -> dict:
     """gx.estimate's prediction of a row (gemini-ext estimate on the preset built on meta)."""
     cmd = [sys.executable, "-m", "gemini_ext", "estimate", "--preset", preset, "--tokens-per-step", str(batch * 1024),
-           "--json", *STATES[state]]
+           "--loss-chunk-tokens", str(loss_chunk_tokens), "--json", *STATES[state]]
     if "cpu_adam_params_per_s" in rates:
         cmd += ["--cpu-rate", str(rates["cpu_adam_params_per_s"])]
     try:
@@ -227,6 +229,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--state", choices=sorted(STATES), default="fp32",
                    help="gemini_ext's optimizer state: fp32 (exact), bf16 moments, or the 8-byte state (both change "
                         "the numerics); the peers keep fp32")
+    p.add_argument("--loss-chunk-tokens", type=int, default=2048,
+                   help="every system's loss over this many tokens at a time, checkpointed (0: the whole batch)")
     p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
     p.add_argument("--skip", default="", help="rows to leave out, as preset/batch, comma-separated (e.g. 15b/16)")
     p.add_argument("--out", default=None, help="path prefix for .md and .json (rewritten after every row)")
@@ -237,7 +241,7 @@ def main(argv=None) -> list[dict]:
     seq = None
     if args.smoke:
         presets, batches, peers, args.steps, seq = ["tiny"], [1, 2], [], 3, 16
-    rates = measure_rates(presets, batches, seq, args.smoke, args.state, args.timeout)
+    rates = measure_rates(presets, batches, seq, args.smoke, args.state, args.loss_chunk_tokens, args.timeout)
     print(f"rates: {rates}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
     jobs = [("gemini-auto", pr, b) for pr in presets for b in batches if f"{pr}/{b}" not in skip]
@@ -248,7 +252,8 @@ def main(argv=None) -> list[dict]:
         jobs += [(peer, row.split("/")[0], int(row.split("/")[1])) for peer in peers if only in ("", peer)]
     rows, summaries = [], []
     for system, preset, batch in jobs:
-        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint"]
+        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint",
+                  "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
         if seq:
             common += ["--seq", str(seq)]
         script, extra = offload.systems(None)[system]
@@ -261,7 +266,7 @@ def main(argv=None) -> list[dict]:
         s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
         row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
         if script == offload.GEMINI and "error" not in row and not args.smoke:
-            row["estimate"] = predict(preset, batch, args.state, rates, args.timeout)
+            row["estimate"] = predict(preset, batch, args.state, args.loss_chunk_tokens, rates, args.timeout)
         rows.append(row)
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
         write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout

@@ -19,6 +19,7 @@ and CUDA kernels on first use, which takes minutes; set TORCH_EXTENSIONS_DIR to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -121,7 +122,7 @@ def main(argv=None) -> dict:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
 
-    cfg = GPT_PRESETS[args.preset]
+    cfg = dataclasses.replace(GPT_PRESETS[args.preset], loss_chunk_tokens=args.loss_chunk_tokens)
     seq = args.seq or cfg.max_seq_len
     torch.manual_seed(args.seed)
     if args.device_budget:

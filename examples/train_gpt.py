@@ -15,6 +15,7 @@ HSDP with --extra-dp-size), and rank 0 prints the summary with global tokens/s a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import concurrent.futures
 import json
 import os
@@ -57,6 +58,8 @@ def parse_args(argv=None):
                    help="search_range_m of the chunk search (default: 128, or a quarter of a small model)")
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="the loss over this many tokens at a time, each piece checkpointed (GPTConfig.loss_chunk_tokens; 0: at once)")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on every block's linear layers; the base is frozen")
     p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
@@ -157,7 +160,7 @@ def main(argv=None) -> dict:
     if rank != 0:
         args.no_progress, args.json_out = True, None
     preset = args.preset or ("125m" if device_kind == "cuda" else "small")
-    model_cfg = GPT_PRESETS[preset]
+    model_cfg = dataclasses.replace(GPT_PRESETS[preset], loss_chunk_tokens=args.loss_chunk_tokens)
     # Chunks of about an eighth of the model (at most the 32 Mi-element default), so that even a
     # small model spreads over several chunks.
     model_m = model_cfg.num_parameters() / 2**20

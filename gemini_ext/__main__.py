@@ -2,6 +2,7 @@
 | estimate (--preset NAME | --hf-config config.json) --tokens-per-step N [--world-size N] [machine options]"""
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     est.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step, all ranks")
     est.add_argument("--world-size", type=int, default=1)
     est.add_argument("--no-checkpointing", action="store_true", help="activations kept (default: checkpointed per block)")
+    est.add_argument("--loss-chunk-tokens", type=int, default=None,
+                     help="the loss over this many tokens at a time, checkpointed (default: the preset's, 0)")
     est.add_argument("--policy", default="auto")
     est.add_argument("--max-norm", type=float, default=1.0)
     est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -79,7 +82,10 @@ def _estimate(args) -> None:
 
             if args.preset not in GPT_PRESETS:
                 raise SystemExit(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}")
-            model = GPT(GPT_PRESETS[args.preset])
+            preset = GPT_PRESETS[args.preset]
+            if args.loss_chunk_tokens is not None:
+                preset = dataclasses.replace(preset, loss_chunk_tokens=args.loss_chunk_tokens)
+            model = GPT(preset)
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,7 +95,8 @@ def _estimate(args) -> None:
     device_bytes = int(args.device_bytes) if args.device_bytes and args.device_bytes.isdigit() else args.device_bytes
     host_bytes = int(args.host_bytes) if args.host_bytes and args.host_bytes.isdigit() else args.host_bytes
     e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,
-                 checkpointing=not args.no_checkpointing, device_bytes=device_bytes, host_bytes=host_bytes,
+                 checkpointing=not args.no_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
+                 device_bytes=device_bytes, host_bytes=host_bytes,
                  peak_tflops=args.peak_tflops, device_name=args.device_name,
                  cpu_optimizer_elements_per_s=args.cpu_rate)
     if args.json:

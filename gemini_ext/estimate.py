@@ -29,14 +29,15 @@ A step is the GPU's work plus what the GPU waits for:
   list-scheduled as placement/optimizer_lanes.py does, with the forward's share of `gpu` as the
   window. The CPU rate is measured here (the kernel over PROBE_ELEMENTS, host memory only), the
   link lane's is LINK_ELEMENTS_PER_S; with both lanes each runs at the share of its rate the
-  H200's host gave them together (LANE_CONTENTION).
+  H200's host gave them together (placement/optimizer_lanes.py, which splits with the same shares).
 - fetch_stall: parameter chunks the device budget cannot hold beside the device-held state are
   evicted and fetched again; the fetch of those bytes at the link's rate is counted once.
 PCIe traffic (host sets' parameters up, their gradients down) overlaps compute on this machine;
 it is reported as a bound, not added. Activation memory, per token: under checkpointing each
 block's input (L d bf16) and the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16 logits, their
 fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B and 6.7B, where
-the formula gives 895 and 665); without it, 34 d bytes per layer (flash attention, no s^2 term). torch's
+the formula gives 895 and 665) and only for one piece of tokens where the loss is computed in
+checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash attention, no s^2 term). torch's
 allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and DEVICE_OTHER_BYTES sits outside it.
 """
 
@@ -56,6 +57,7 @@ from .config import GeminiConfig
 from .optim.rules import MAX_STATE_KINDS
 from .placement.costs import set_bytes_per_element
 from .placement.host_memory import host_budget
+from .placement.optimizer_lanes import lanes_wait_seconds
 from .placement.optimizer_split import predicted_exposed_optimizer_seconds
 from .placement.policies import Measurements, make_policy
 from .search import unique_parameters
@@ -64,7 +66,6 @@ from .search import unique_parameters
 GPU_EFFICIENCY = ((1024, 0.58), (4096, 0.65), (8192, 0.665), (16384, 0.672))
 H2D_BYTES_PER_S = 55e9          # pinned copies over PCIe 5 x16, either direction (the H200 machine)
 LINK_ELEMENTS_PER_S = 2.8e9     # the device's Adam kernel over mapped host state (bench/link_adam.py)
-LANE_CONTENTION = (0.84, 0.70)  # CPU, link: their rates while both step (H200 host, 15.4B at 16k tokens)
 ACTIVATION_RESERVE_RATIO = 1.22  # torch's reserved / peak allocated at the end of an iteration
 LOGIT_BYTES_PER_VOCAB = 12.6  # per token: bf16 logits, fp32 copy, fp32 and bf16 gradients (H200, 6.7B and 15.4B)
 DEVICE_OTHER_BYTES = 1536 << 20  # CUDA context and libraries, outside torch and the chunks
@@ -92,10 +93,23 @@ def model_shape(model: torch.nn.Module) -> Shape | None:
     return Shape(max(len(m) for m in lists), vocab.embedding_dim, vocab.num_embeddings)
 
 
-def activation_bytes_per_token(shape: Shape, checkpointing: bool) -> int:
-    logits = int(shape.vocab * LOGIT_BYTES_PER_VOCAB)
+def activation_bytes(shape: Shape, checkpointing: bool, tokens: int, loss_chunk_tokens: int = 0) -> int:
+    """The activations' bytes of `tokens` tokens per step; the logits' part counts only the loss's
+    piece of `loss_chunk_tokens` tokens where the loss is computed that many at a time."""
+    logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
     per_layer = shape.width * (2 if checkpointing else 34)
-    return shape.layers * per_layer + logits
+    return tokens * shape.layers * per_layer + int(logit_tokens * shape.vocab * LOGIT_BYTES_PER_VOCAB)
+
+
+def _loss_chunk_tokens(model: torch.nn.Module, given: int | None) -> int:
+    """`given`, else the chunk of gemini_ext's GPT (GPTConfig.loss_chunk_tokens), else 0."""
+    if given is not None:
+        if not isinstance(given, int) or given < 0:
+            raise ValueError(f"gx.estimate: loss_chunk_tokens must be an int >= 0 (0: the loss over the whole batch "
+                             f"at once), got {given!r}.")
+        return given
+    from .models.gpt import GPT
+    return model.cfg.loss_chunk_tokens if isinstance(model, GPT) else 0
 
 
 def gpu_efficiency(tokens: int) -> float:
@@ -145,7 +159,7 @@ def _device_figures(config: GeminiConfig, device_bytes, peak_tflops, device_name
 
 
 def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, tokens_per_step: int,
-             world_size: int = 1, checkpointing: bool = True,
+             world_size: int = 1, checkpointing: bool = True, loss_chunk_tokens: int | None = None,
              activation_bytes_per_token_override: int | None = None, device_bytes=None, host_bytes=None,
              peak_tflops: float | None = None, device_name: str | None = None,
              cpu_optimizer_elements_per_s: float | None = None) -> dict:
@@ -153,7 +167,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     training `model` under `config` with `tokens_per_step` tokens per optimizer step over
     `world_size` ranks (one host). Nothing is allocated on the device; the model may be on meta.
     device_bytes, host_bytes, peak_tflops, device_name and cpu_optimizer_elements_per_s (the CPU
-    Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine."""
+    Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine.
+    loss_chunk_tokens: the loss's logits are computed this many tokens at a time (checkpointed
+    pieces); None reads it from gemini_ext's GPT, 0 is the whole batch at once."""
     config = config or GeminiConfig(placement_policy="auto")
     if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
         raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
@@ -161,6 +177,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
         raise ValueError(f"gx.estimate: tokens_per_step must be a positive int, got {tokens_per_step!r}.")
     if world_size < 1:
         raise ValueError(f"gx.estimate: world_size must be >= 1, got {world_size}.")
+    loss_chunk_tokens = _loss_chunk_tokens(model, loss_chunk_tokens)
     capacity, peak, name = _device_figures(config, device_bytes, peak_tflops, device_name)
     compute_dtype = COMPUTE_DTYPES[config.precision]
     named = unique_parameters(model)
@@ -194,15 +211,15 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     n_total = sum(p.numel() for _, p in named)
     n_trainable = sum(p.numel() for _, p in named if p.requires_grad)
     shape = model_shape(model)
+    rank_tokens = tokens_per_step // world_size
     if activation_bytes_per_token_override is not None:
-        per_token = int(activation_bytes_per_token_override)
+        activations = rank_tokens * int(activation_bytes_per_token_override)
     elif shape is not None:
-        per_token = activation_bytes_per_token(shape, checkpointing)
+        activations = activation_bytes(shape, checkpointing, rank_tokens, loss_chunk_tokens)
     else:
         raise ValueError("gx.estimate: the model has no embedding and ModuleList of blocks to read its shape from; "
                          "pass activation_bytes_per_token_override= (bytes of activations per token).")
-    rank_tokens = tokens_per_step // world_size
-    activations = rank_tokens * per_token
+    per_token = activations // max(rank_tokens, 1)
     forward_flops = rank_tokens * 2 * n_total
     flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
     rate = peak * 1e12 * gpu_efficiency(rank_tokens)
@@ -235,19 +252,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
     displaced = max(0, param_bytes + device_state - budget)
     # the optimizer's wait: list scheduling over the lanes, at their rates while both run
     if link:
-        cpu = cpu_rate * LANE_CONTENTION[0]
-        via_link = LINK_ELEMENTS_PER_S * LANE_CONTENTION[1]
-        total, before, waited, cpu_free, link_free = sum(elements) or 1, 0, 0.0, 0.0, 0.0
-        for k, (n, h) in enumerate(zip(elements, on_host)):
-            if h:
-                if k in link:
-                    link_free += n / via_link
-                    done = link_free
-                else:
-                    cpu_free += n / cpu
-                    done = cpu_free
-                waited = max(waited, done - forward_seconds * before / total)
-            before += n
+        waited = lanes_wait_seconds(elements, on_host, link, forward_seconds, cpu_rate, LINK_ELEMENTS_PER_S)
     else:
         waited = predicted_exposed_optimizer_seconds(elements, on_host, forward_seconds, cpu_rate,
                                                      during_backward=False)

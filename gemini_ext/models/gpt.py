@@ -25,6 +25,10 @@ class GPTConfig:
     # to every score), so Adam turns its rounding noise into full-size updates; parity tests that
     # compare two implementations element by element turn it off.
     qkv_bias: bool = True
+    # The loss over this many tokens at a time, each piece under activation checkpointing: its
+    # logits (with their fp32 copy and gradients, about 12.6 bytes per vocabulary entry and token)
+    # live for one piece only, recomputed in backward. 0: over the whole batch at once.
+    loss_chunk_tokens: int = 0
 
     def num_parameters(self) -> int:
         d, f = self.d_model, self.d_model * self.mlp_ratio
@@ -79,6 +83,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if not isinstance(cfg.loss_chunk_tokens, int) or cfg.loss_chunk_tokens < 0:
+            raise ValueError(f"GPTConfig.loss_chunk_tokens must be an int >= 0 (0: the loss over the whole batch at "
+                             f"once), got {cfg.loss_chunk_tokens!r}.")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
@@ -116,10 +123,21 @@ class GPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            return self.head(x)
+        hidden, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        chunk = self.cfg.loss_chunk_tokens
+        if chunk <= 0 or hidden.shape[0] <= chunk:
+            return F.cross_entropy(self.head(hidden).float(), targets)
+        # the mean over the targets F.cross_entropy counts (ignore_index -100 left out)
+        total = sum(torch.utils.checkpoint.checkpoint(self._loss_sum, hidden[i:i + chunk], targets[i:i + chunk],
+                                                      use_reentrant=False)
+                    for i in range(0, hidden.shape[0], chunk))
+        return total / (targets != -100).sum()
+
+    def _loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(hidden).float(), targets, reduction="sum")
 
 
 class Checkpointed(nn.Module):

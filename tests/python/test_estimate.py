@@ -3,6 +3,9 @@ built on meta, with the machine described by arguments (this machine has no GPU)
 model's accuracy is measured on the H200 (docs/BENCHMARKS.md); here: the plan is the one enable()
 would make, the parts add up, the figures move the way the model says, and bad input is refused."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -46,6 +49,26 @@ def test_a_15b_model_on_one_h200_splits_its_state_and_waits_for_the_host():
     assert all(p.is_meta for p in model.parameters()), "nothing was materialised"
 
 
+def test_a_loss_in_token_pieces_counts_one_pieces_logits():
+    """loss_chunk_tokens (given, or read from gemini_ext's GPT): the logits' bytes count for one
+    piece of tokens, not the batch; at 15.4B and 16k tokens that frees the device of about 6 GB
+    of logits, so no parameter chunk is evicted (the plan of 7.3 GB evicted at once), and the
+    command line takes it too."""
+    model = _meta_gpt("15b")
+    whole = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    pieces = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", loss_chunk_tokens=2048, **H200)
+    vocab_bytes = (16384 - 2048) * 32000 * gx.estimate.__globals__["LOGIT_BYTES_PER_VOCAB"]
+    assert whole["activation_bytes"] - pieces["activation_bytes"] == pytest.approx(vocab_bytes, abs=2)
+    assert whole["plan"]["evicted_param_bytes"] > 0 == pieces["plan"]["evicted_param_bytes"]
+    assert pieces["step_time_s"] < whole["step_time_s"]
+    with torch.device("meta"):
+        chunked = GPT(dataclasses.replace(GPT_PRESETS["15b"], loss_chunk_tokens=2048))
+    assert gx.estimate(chunked, tokens_per_step=16384, host_bytes="125.5GiB", **H200)["activation_bytes"] == \
+        pieces["activation_bytes"]
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be an int >= 0"):
+        gx.estimate(model, tokens_per_step=16384, loss_chunk_tokens=-1, **H200)
+
+
 def test_refusals_name_the_argument():
     model = _meta_gpt("tiny")
     with pytest.raises(ValueError, match="tokens_per_step"):
@@ -65,6 +88,13 @@ def test_the_command_line_prints_the_estimate(capsys):
                 "--host-bytes", "64GiB", "--device-name", "H100", "--cpu-rate", "4e9"]) == 0
     out = capsys.readouterr().out
     assert "plan" in out and "predicted" in out and "MFU" in out
+    args = ["estimate", "--preset", "small", "--tokens-per-step", "2048", "--device-bytes", "80GB", "--host-bytes",
+            "64GiB", "--device-name", "H100", "--cpu-rate", "4e9", "--json"]
+    activations = []
+    for extra in ([], ["--loss-chunk-tokens", "512"]):
+        assert cli(args + extra) == 0
+        activations.append(json.loads(capsys.readouterr().out)["activation_bytes"])
+    assert activations[1] < activations[0]
 
 
 def test_the_8_byte_state_fits_a_25b_model_the_full_state_does_not(capsys):

@@ -2,6 +2,7 @@
 evaluation without grad, two forwards before one backward, and what must be refused."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -45,6 +46,37 @@ def test_non_reentrant_checkpointing_matches_plain_pytorch(device, budget_chunks
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
     if budget_chunks:
         assert stats["counters"]["evictions"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_in_checkpointed_token_chunks_matches_plain_pytorch(device):
+    """GPTConfig.loss_chunk_tokens: the head and the loss over 24 of the batch's 64 tokens at a
+    time (24, 24, 16), each piece checkpointed, so the head runs three times in forward and again
+    in backward. In plain PyTorch the loss and gradients equal the loss over the whole batch at
+    once; under the engine, with blocks checkpointed too and chunks evicted, training matches
+    plain PyTorch of the same model. A negative size is refused."""
+    chunked = dataclasses.replace(SMALL, loss_chunk_tokens=24)
+    whole, _ = make_models()
+    pieces, _ = make_models(chunked)
+    x, y = batch(SMALL, 0, torch.device("cpu"))
+    y = y.clone()  # a view of the inputs' storage
+    y[0, :3] = -100  # ignored targets stay out of the mean, as in F.cross_entropy
+    losses = [m(x, y) for m in (whole, pieces)]
+    for loss in losses:
+        loss.backward()
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
+    for (name, a), b in zip(whole.named_parameters(), pieces.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    model, reference = make_models(chunked)
+    _checkpoint_blocks(model, reentrant=False)
+    _checkpoint_blocks(reference, reentrant=False)
+    train_reference(reference, 8, torch_device(device))
+    _, stats = train_gemini(model, 8, config(device, **chunk_cap(device, 5 * 4096 * 4)))
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+    assert stats["counters"]["evictions"] > 0
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be an int >= 0"):
+        GPT(dataclasses.replace(SMALL, loss_chunk_tokens=-1))
 
 
 def test_reentrant_checkpointing_is_refused_clearly():

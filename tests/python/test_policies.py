@@ -669,20 +669,27 @@ def test_auto_weighs_state_beyond_what_fits_with_the_measured_rates(window):
 
 def test_the_link_lane_takes_host_sets_where_the_cpu_alone_would_be_waited_for():
     """optimizer_lanes.py on figures: four host sets of 100 elements behind four device sets, a
-    1 s next forward (it reaches the host sets at 0.5, 0.625, 0.75 and 0.875 s), the CPU at 100
-    elements/s and the link lane at 50. The CPU alone ends at 4 s: the forward waits 3.125 s.
-    By list scheduling (each set to the lane that would finish it first; a tie stays on the CPU)
-    the sets go CPU, CPU, link, CPU, done at 1, 2, 2 and 3 s: a wait of 2.125 s. A CPU fast
-    enough for the window takes none,
-    and without a link rate, or with steps during backward (speculation), nothing changes."""
-    from gemini_ext.placement.optimizer_lanes import link_lane_sets
+    1 s next forward (it reaches the host sets at 0.5, 0.625, 0.75 and 0.875 s), the CPU probed at
+    100 elements/s and the link lane at 50. The CPU alone ends at 4 s: the forward waits 3.125 s.
+    While both step they keep the shares s_cpu, s_link of those rates (0.84 and 0.70: 84 and 35
+    elements/s). By list scheduling (each set to the lane that would finish it first; a tie stays on
+    the CPU) the sets go CPU, CPU, link, CPU, done at 1.19, 2.38, 2.86 and 3.57 s: the last one
+    waits 3.57 - 0.875 s. With the probed rates the link lane would have ended last. A CPU fast
+    enough for the window takes none, and without a link rate, or with steps during backward
+    (speculation), nothing changes."""
+    from gemini_ext.placement.optimizer_lanes import RATE_SHARES_WHILE_BOTH_RUN, link_lane_sets
+    s_cpu, s_link = RATE_SHARES_WHILE_BOTH_RUN
     on_host = [False] * 4 + [True] * 4
     figures = dict(set_shard_bytes=(200,) * 8, trainable=(True,) * 8, forward_seconds=1.0,
                    cpu_optimizer_elements_per_s=100.0, link_optimizer_elements_per_s=50.0)
     chosen, decision = link_lane_sets(_measured(**figures), on_host)
     assert chosen == (6,)
     assert decision["predicted_exposed_cpu_only_s"] == pytest.approx(3.125)
-    assert decision["predicted_exposed_with_link_s"] == pytest.approx(2.125)
+    assert decision["predicted_exposed_with_link_s"] == pytest.approx(3 * 100 / (100 * s_cpu) - 0.875)
+    # a link lane that keeps all its rate and a CPU that loses half: the link lane takes two sets
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("gemini_ext.placement.optimizer_lanes.RATE_SHARES_WHILE_BOTH_RUN", (0.5, 1.0))
+        assert link_lane_sets(_measured(**figures), on_host)[0] == (5, 7)
     chosen, decision = link_lane_sets(_measured(**{**figures, "cpu_optimizer_elements_per_s": 1e4}), on_host)
     assert chosen == () and decision["link_lane_sets"] == 0
     assert link_lane_sets(_measured(**{**figures, "link_optimizer_elements_per_s": 0.0}), on_host) == ((), {})
