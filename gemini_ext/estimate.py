@@ -37,8 +37,9 @@ it is reported as a bound, not added. Activation memory, per token: under checkp
 block's input (L d bf16) and the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16 logits, their
 fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B and 6.7B, where
 the formula gives 895 and 665) and only for one piece of tokens where the loss is computed in
-checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash attention, no s^2 term). torch's
-allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and DEVICE_OTHER_BYTES sits outside it.
+checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash
+attention, no s^2 term). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
+DEVICE_OTHER_BYTES sits outside it.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ parameters; on the H200's host, in the 15.4B GPT's step at 16k tokens, the CPU k
 probed rate and the link lane 0.70. Splitting with the probed rates gave the link lane one set
 too many there (it ended last, about 0.1 s after the CPU). The shares vary with the host: in a
 later run on the same kind of machine they were 0.58-0.65 and 0.61-0.68, both lanes together
-stepping 4.5G parameters/s against 6.2G in the first. No lane where the CPU alone is predicted not to be waited
-for (the link carries the forward's fetches too), where steps start during backward
-(speculation: the CPU lane's spares), or where a rate was not measured.
+stepping 4.5G parameters/s against 6.2G in the first. No lane where the CPU alone is predicted
+not to be waited for (the link carries the forward's fetches too), where steps start during
+backward (speculation: the CPU lane's spares), or where a rate was not measured.
 """
 
 from __future__ import annotations
