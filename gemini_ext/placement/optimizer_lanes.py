@@ -22,6 +22,17 @@ later run on the same kind of machine they were 0.58-0.65 and 0.61-0.68, both la
 stepping 4.5G parameters/s against 6.2G in the first. No lane where the CPU alone is predicted
 not to be waited for (the link carries the forward's fetches too), where steps start during
 backward (speculation: the CPU lane's spares), or where a rate was not measured.
+
+After the step of a split ran, the split is checked again from what that step measured
+(rebalanced_link_sets): each lane's elements over its kernel seconds in the step, and the next
+forward's duration less the time it was blocked on the host steps (the first forward's wall
+time, which the first split reads, carries the first iteration's one-off costs: between 0.3 and
+1.8 s for a 0.76 s forward on the same row). Where both lanes stepped, their rates are those
+while both ran; a lane that had no sets gets its rate (measured alone in the step, or probed)
+times its share. Where the CPU alone would not be waited for, the lane is given up; otherwise
+a new split is taken only where it predicts a wait shorter by REBALANCE_MARGIN of the forward
+(at least REBALANCE_MARGIN_MIN_S). At most REBALANCES checks per decision; which lane steps a
+set moves no data, so a change costs nothing but the next step's time.
 """
 
 from __future__ import annotations
@@ -29,14 +40,18 @@ from __future__ import annotations
 from .optimizer_split import predicted_exposed_optimizer_seconds
 
 RATE_SHARES_WHILE_BOTH_RUN = (0.84, 0.70)  # (CPU, link lane): of each probed rate, while both step (H200 host)
+REBALANCES = 3              # checks of a split against its measured step, per decision
+REBALANCE_MARGIN = 0.02     # of the forward: the least predicted gain a new split must bring
+REBALANCE_MARGIN_MIN_S = 0.01
 
 
 def lanes_wait_seconds(elements: list[int], on_host: list[bool], link_sets, window_seconds: float,
-                       cpu_elements_per_s: float, link_elements_per_s: float) -> float:
+                       cpu_elements_per_s: float, link_elements_per_s: float,
+                       shares: tuple = RATE_SHARES_WHILE_BOTH_RUN) -> float:
     """The next forward's wait for host sets stepped by the CPU and (`link_sets`) the link lane,
-    each lane in forward order at its probed rate times its share while both run."""
-    cpu = cpu_elements_per_s * RATE_SHARES_WHILE_BOTH_RUN[0]
-    link = link_elements_per_s * RATE_SHARES_WHILE_BOTH_RUN[1]
+    each lane in forward order at its rate times its share while both run (`shares`; (1, 1)
+    for rates measured while both ran)."""
+    cpu, link = cpu_elements_per_s * shares[0], link_elements_per_s * shares[1]
     total, before, waited, cpu_free, link_free = sum(elements) or 1, 0, 0.0, 0.0, 0.0
     for index, (n, host) in enumerate(zip(elements, on_host)):
         if host:
@@ -51,6 +66,21 @@ def lanes_wait_seconds(elements: list[int], on_host: list[bool], link_sets, wind
     return waited
 
 
+def _list_scheduled(elements: list[int], on_host: list[bool], cpu: float, link: float) -> tuple:
+    """The host sets, in forward order, each to the lane that would finish it first (a tie stays
+    on the CPU), at the rates `cpu` and `link` (elements/s, while both run): the link lane's."""
+    cpu_free = link_free = 0.0  # when each lane finishes what it was given so far
+    chosen = []
+    for index, (n, host) in enumerate(zip(elements, on_host)):
+        if host:
+            if link_free + n / link < cpu_free + n / cpu:
+                link_free += n / link
+                chosen.append(index)
+            else:
+                cpu_free += n / cpu
+    return tuple(chosen)
+
+
 def link_lane_sets(m, on_host: list[bool]) -> tuple[tuple, dict]:
     """(the sets the link lane steps, the figures of the decision) for measurements `m`
     (policies.Measurements) and the host sets `on_host` (per set, in execution order)."""
@@ -62,15 +92,38 @@ def link_lane_sets(m, on_host: list[bool]) -> tuple[tuple, dict]:
     figures = {"link_optimizer_elements_per_s": link, "predicted_exposed_cpu_only_s": cpu_only}
     if cpu_only <= 0:
         return (), {**figures, "link_lane_sets": 0}
-    cpu_shared, link_shared = cpu * RATE_SHARES_WHILE_BOTH_RUN[0], link * RATE_SHARES_WHILE_BOTH_RUN[1]
-    cpu_free = link_free = 0.0  # when each lane finishes what it was given so far
-    chosen = []
-    for index, (n, host) in enumerate(zip(elements, on_host)):
-        if host:
-            if link_free + n / link_shared < cpu_free + n / cpu_shared:
-                link_free += n / link_shared
-                chosen.append(index)
-            else:
-                cpu_free += n / cpu_shared
+    shares = RATE_SHARES_WHILE_BOTH_RUN
+    chosen = _list_scheduled(elements, on_host, cpu * shares[0], link * shares[1])
     waited = lanes_wait_seconds(elements, on_host, set(chosen), window, cpu, link)
-    return tuple(chosen), {**figures, "link_lane_sets": len(chosen), "predicted_exposed_with_link_s": waited}
+    return chosen, {**figures, "link_lane_sets": len(chosen), "predicted_exposed_with_link_s": waited}
+
+
+def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple, dict]:
+    """(the sets the link lane steps from the next step on, the figures of the check) after a
+    step under the split `current`, from that step's lane rates and the forward that followed
+    it in `m` (the module's note); `current` itself, with no figures, where nothing was measured."""
+    window = m.forward_seconds - m.forward_optimizer_wait_seconds
+    cpu_in, link_in = m.cpu_lane_elements_per_s_in_step, m.link_lane_elements_per_s_in_step
+    if m.optimizer_steps_during_backward or window <= 0 or not any(on_host) or not (cpu_in > 0 or link_in > 0):
+        return tuple(current), {}
+    s_cpu, s_link = RATE_SHARES_WHILE_BOTH_RUN
+    if cpu_in > 0 and link_in > 0:  # both stepped: their rates while both ran
+        cpu, link, cpu_alone = cpu_in, link_in, cpu_in / s_cpu
+    else:
+        cpu_alone = cpu_in or m.cpu_optimizer_elements_per_s
+        cpu, link = cpu_alone * s_cpu, (link_in or m.link_optimizer_elements_per_s) * s_link
+    if not (cpu > 0 and link > 0):
+        return tuple(current), {}
+    elements = [b // m.compute_itemsize for b in m.set_shard_bytes]
+    cpu_only = predicted_exposed_optimizer_seconds(elements, on_host, window, cpu_alone, during_backward=False)
+    chosen = _list_scheduled(elements, on_host, cpu, link) if cpu_only > 0 else ()
+    both = (1.0, 1.0)
+    now = (lanes_wait_seconds(elements, on_host, set(current), window, cpu, link, both) if current else
+           predicted_exposed_optimizer_seconds(elements, on_host, window, cpu_alone, during_backward=False))
+    new = lanes_wait_seconds(elements, on_host, set(chosen), window, cpu, link, both) if chosen else cpu_only
+    if chosen and new >= now - max(REBALANCE_MARGIN * window, REBALANCE_MARGIN_MIN_S):
+        chosen = tuple(current)  # not worth a change (a CPU alone that is not waited for needs no lane)
+    return chosen, {"forward_without_optimizer_wait_s": window, "measured_optimizer_wait_s":
+                    m.forward_optimizer_wait_seconds, "cpu_lane_elements_per_s_in_step": cpu_in,
+                    "link_lane_elements_per_s_in_step": link_in, "predicted_wait_kept_split_s": now,
+                    "predicted_wait_rebalanced_s": new, "link_lane_sets": len(chosen)}

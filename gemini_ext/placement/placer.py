@@ -31,6 +31,7 @@ class Placer:
         self._frozen = False
         self._accumulating = False  # no_sync() was entered in the iteration under way
         self._steps_during_backward = False  # the optimizer armed CPU steps during this backward
+        self._after_steps_done = False  # the policy wants no more after_step calls for this decision
 
     def note_accumulation(self) -> None:
         """Gradients of this iteration accumulate on the device (engine.no_sync)."""
@@ -112,6 +113,7 @@ class Placer:
             return
         rerecordings = report["trace_rerecordings"]
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
+            self._after_step(runtime, tracer, rerecordings)
             return
         figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
         if self.policy.reads_rates:
@@ -124,6 +126,29 @@ class Placer:
                             link_sets=self.current.link_sets)
         chosen = self.policy.after_iteration(measured, current)
         self._apply(runtime, current, chosen)
+        self.current = chosen
+        self._after_steps_done = False
+        self._report(chosen)
+
+    def _after_step(self, runtime, tracer, rerecordings: int) -> None:
+        """Between decisions: the policy's look at the step under the current placement, once
+        every host set of it was settled on every rank (optimizer_lanes.rebalanced_link_sets)."""
+        if self._after_steps_done:
+            return
+        last = runtime.last_step()
+        if not self._groups.all_agree(last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0):
+            return
+        lanes = {"cpu_lane_elements_per_s_in_step": (last["host_params"], last["host_seconds"]),
+                 "link_lane_elements_per_s_in_step": (last["link_params"], last["link_seconds"])}
+        figures = {k: self._groups.reduce(n / s if n and s > 0 else 0.0, "min") for k, (n, s) in lanes.items()}
+        figures["forward_optimizer_wait_seconds"] = self._groups.reduce(tracer.last_optimizer_wait_seconds(), "max")
+        measured = self._measure(trace_rerecordings=rerecordings, **self._rates(tracer), **figures)
+        chosen = self.policy.after_step(measured, self.current)
+        if chosen is None:
+            self._after_steps_done = True
+            return
+        if tuple(chosen.link_sets) != tuple(self.current.link_sets):
+            runtime.set_link_sets(list(chosen.link_sets))
         self.current = chosen
         self._report(chosen)
 

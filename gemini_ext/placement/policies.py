@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import _C
-from .optimizer_lanes import link_lane_sets
+from .optimizer_lanes import REBALANCES, link_lane_sets, rebalanced_link_sets
 from .optimizer_split import beyond_fit_by_rates
 from .._units import format_bytes
 
@@ -114,6 +114,11 @@ class Measurements:
     cpu_optimizer_elements_per_s: float = 0.0  # the CPU optimizer kernel, measured (0: not), the least of any rank
     h2d_bytes_per_s: float = 0.0        # a host-to-device copy, measured (0: not), the least of any rank
     link_optimizer_elements_per_s: float = 0.0  # the device kernel over mapped host state (0: not), least of any rank
+    # The last step's lanes (optimizer_lanes.rebalanced_link_sets): elements over kernel seconds (0: no
+    # sets), the least of any rank; and the time the forward after it was blocked on them, the most.
+    cpu_lane_elements_per_s_in_step: float = 0.0
+    link_lane_elements_per_s_in_step: float = 0.0
+    forward_optimizer_wait_seconds: float = 0.0
 
     def trainable_shard_bytes(self) -> list[int]:
         return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
@@ -223,6 +228,11 @@ class PlacementPolicy:
         """A placement from the iteration just measured (called after the first iteration and
         whenever the access trace was re-recorded: other control flow, eval vs train)."""
         return current
+
+    def after_step(self, m: Measurements, current: Placement) -> Placement | None:
+        """A placement from the step under `current` and the forward after it, moving no data, at
+        the iterations between decisions; None: no more such calls for `current`."""
+        return None
 
 
 def host_reserve_bytes(available: int) -> int:
@@ -452,6 +462,16 @@ class AutoPolicy(PlacementPolicy):
                     "optim_sets_kept_on_device_for_host": host_bound_sets, **rates, **lanes,
                     "move_seconds": 0.0}  # the engine times the moves it makes
         return Placement(current.with_optim_on_host(on_host), budget, decision, tuple(warnings), link_sets=link_sets)
+
+    def after_step(self, m: Measurements, current: Placement) -> Placement | None:
+        # Which lane steps each host set, from the step just measured (optimizer_lanes.py).
+        done = current.decision.get("lane_rebalances", 0)
+        if "link_optimizer_elements_per_s" not in current.decision or done >= REBALANCES:
+            return None  # no link lane was weighed (no rate, speculation), or checked enough
+        on_host = [s.optim_on_host and t for s, t in zip(current.sets, m.trainable)]
+        link_sets, figures = rebalanced_link_sets(m, on_host, current.link_sets)
+        decision = {**current.decision, "lane_rebalances": done + 1, **{f"rebalance_{k}": v for k, v in figures.items()}}
+        return dataclasses.replace(current, decision=decision, link_sets=link_sets, warnings=())
 
 
 @register

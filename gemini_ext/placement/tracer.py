@@ -81,13 +81,19 @@ class MemoryTracer:
         keys = ("forward_seconds", "backward_seconds")
         return {k: self.steps[-1][k] for k in keys} if self.steps else dict.fromkeys(keys, 0.0)
 
+    def last_optimizer_wait_seconds(self) -> float:
+        """Host time the last iteration was blocked on host optimizer steps still running (0.0 before
+        the first ends): with overlapped steps, the forward's wait for the step before it."""
+        return self.steps[-1]["optimizer_wait_seconds"] if self.steps else 0.0
+
     def _totals(self, c: dict) -> dict:
         self._chunks.poll()  # collects the copy waits measured so far
         t = self._chunks.traffic()
         return {"h2d_bytes": t["h2d_bytes"], "d2h_bytes": t["d2h_bytes"], "evictions": c["evictions"],
                 "prefetches": t["prefetches"], "prefetch_hits": t["prefetch_hits"],
                 "prefetch_wasted": t["prefetch_wasted"], "sync_fetches": c["sync_fetch_waits"],
-                "wait_seconds": c["wait_seconds"], "copy_wait_seconds": t["copy_wait_seconds"],
+                "wait_seconds": c["wait_seconds"], "optimizer_wait_seconds": c["optimizer_wait_seconds"],
+                "copy_wait_seconds": t["copy_wait_seconds"],
                 "copy_waits": t["copy_waits"]}
 
     def timeline(self) -> dict:

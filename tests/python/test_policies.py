@@ -696,6 +696,62 @@ def test_the_link_lane_takes_host_sets_where_the_cpu_alone_would_be_waited_for()
     assert link_lane_sets(_measured(**figures, optimizer_steps_during_backward=True), on_host) == ((), {})
 
 
+def test_a_split_is_checked_against_the_step_it_ran():
+    """optimizer_lanes.rebalanced_link_sets on the figures above, with a 1.5 s forward of which
+    0.5 s waited for the step (a 1 s window). The first split gave the link lane nothing (a long
+    first forward), and the step measured the CPU alone at 100 elements/s: at the shares the link
+    lane takes set 6, as it would have first. Both lanes measured at 60/s while both ran: sets 5
+    and 7 go to the link lane, the wait falls from 5 - 0.875 to 3.33 - 0.75 s. A fast CPU needs no
+    lane; a gain under the margin keeps the split; a window the wait filled, or steps during
+    backward, leave it unchecked."""
+    from gemini_ext.placement import optimizer_lanes as lanes
+    on_host = [False] * 4 + [True] * 4
+    figures = dict(set_shard_bytes=(200,) * 8, trainable=(True,) * 8, forward_seconds=1.5,
+                   forward_optimizer_wait_seconds=0.5, cpu_optimizer_elements_per_s=1e4,
+                   link_optimizer_elements_per_s=50.0)
+    chosen, checked = lanes.rebalanced_link_sets(_measured(**figures, cpu_lane_elements_per_s_in_step=100.0),
+                                                 on_host, ())
+    assert chosen == (6,) and checked["forward_without_optimizer_wait_s"] == pytest.approx(1.0)
+    assert checked["predicted_wait_kept_split_s"] == pytest.approx(3.125)
+    both = dict(cpu_lane_elements_per_s_in_step=60.0, link_lane_elements_per_s_in_step=60.0)
+    chosen, checked = lanes.rebalanced_link_sets(_measured(**figures, **both), on_host, (6,))
+    assert chosen == (5, 7) and checked["link_lane_sets"] == 2
+    assert checked["predicted_wait_kept_split_s"] == pytest.approx(5 - 0.875)
+    assert checked["predicted_wait_rebalanced_s"] == pytest.approx(200 / 60 - 0.75)
+    assert lanes.rebalanced_link_sets(_measured(**figures, **both), on_host, (5, 7))[0] == (5, 7)
+    fast = dict(cpu_lane_elements_per_s_in_step=1e4, link_lane_elements_per_s_in_step=60.0)
+    assert lanes.rebalanced_link_sets(_measured(**figures, **fast), on_host, (6,))[0] == ()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lanes, "REBALANCE_MARGIN", 2.0)  # 2 s of the 1 s window: no gain is enough
+        assert lanes.rebalanced_link_sets(_measured(**figures, **both), on_host, (6,))[0] == (6,)
+    filled = {**figures, "forward_optimizer_wait_seconds": 1.5}
+    assert lanes.rebalanced_link_sets(_measured(**filled, **both), on_host, (6,)) == ((6,), {})
+    during = _measured(**figures, **both, optimizer_steps_during_backward=True)
+    assert lanes.rebalanced_link_sets(during, on_host, (6,)) == ((6,), {})
+
+
+def test_auto_gives_up_the_link_lane_when_the_step_shows_the_cpu_keeps_up(monkeypatch):
+    """End to end on sim with the probes replaced: a CPU probed at 10k elements/s and a link lane
+    at 10k make the first decision split the host sets between them; the steps then run at the
+    host's real speed, the CPU alone keeps up with the forward, and the check after the next step
+    takes the lane away again (stats() and the runtime agree). Clipping keeps the steps at step();
+    the copy probe's 0 keeps the state at what fits. Training matches torch throughout."""
+    from gemini_ext.placement import optimizer_lanes, rates as _rates
+    monkeypatch.setitem(_rates._cache, "cpu", 1e4)
+    monkeypatch.setattr(_rates, "link_optimizer_elements_per_s", lambda device: 1e4)
+    monkeypatch.setattr(_rates, "h2d_bytes_per_s", lambda device: 0.0)
+    model, reference = make_models()
+    train_reference(reference, 6, torch.device("cpu"), max_norm=0.05)
+    _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES,
+                                             max_norm=0.05))
+    decision = stats["placement"]["decision"]
+    assert decision["link_lane_sets"] > 0 and decision["predicted_exposed_cpu_only_s"] > 0, decision
+    assert decision["lane_rebalances"] == optimizer_lanes.REBALANCES
+    assert decision["rebalance_link_lane_sets"] == 0 and stats["placement"]["optim_chunks_link_lane"] == 0
+    assert decision["rebalance_cpu_lane_elements_per_s_in_step"] > 1e4
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
 def _predicted_at_fit(elements, sets, on_device, window_seconds, rate, during_backward):
     from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds
     return predicted_exposed_optimizer_seconds([elements] * sets, [i >= on_device for i in range(sets)],
