@@ -62,6 +62,20 @@ def test_every_isa_and_any_thread_split_give_identical_bits():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd-offset"])
+def test_the_16_bit_copy_is_the_masters_rounding_wherever_it_starts(offset):
+    """In place the 16-bit copy is streamed (non-temporal stores) where it is aligned and stored
+    plainly where it is not: the same bits on every ISA either way."""
+    numel = 1 << 18
+    for isa in ISAS:
+        p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+        backing = torch.empty(numel + 1, dtype=torch.bfloat16)
+        out = backing[offset:offset + numel]
+        _C.cpu_adam_step(p, m, v, (torch.randn(numel) * 0.1).bfloat16(), out, step=1, lr=1e-2, beta1=0.9,
+                         beta2=0.999, eps=1e-8, weight_decay=0.1, isa=isa)
+        assert torch.equal(out, p.to(torch.bfloat16)), isa
+
+
 def test_bad_arguments_name_the_problem():
     p = torch.zeros(8)
     with pytest.raises(ValueError, match="exp_avg has 4 elements, expected 8"):

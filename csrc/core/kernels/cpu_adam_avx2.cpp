@@ -28,6 +28,7 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
     cpu_adam_scalar(c, b, begin, first);
     i = first;
   }
+  const bool nt16 = out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 16 == 0;  // never read here
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(simd_avx2::load_grad(b.grad, b.grad_dtype, i), gs);
     __m256 p = _mm256_loadu_ps(b.param + i);
@@ -49,10 +50,14 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
     }
     if (out16 != nullptr) {
       const __m128i h = bf16_out ? simd_avx2::to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), h);
+      if (nt16) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(out16 + i), h);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), h);
+      }
     }
   }
-  if (nt) _mm_sfence();
+  if (nt || nt16) _mm_sfence();
   cpu_adam_scalar(c, b, i, end);
 }
 

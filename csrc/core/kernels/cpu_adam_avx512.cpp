@@ -29,7 +29,8 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
     cpu_adam_scalar(c, b, begin, first);
     i = first;
   }
-  const bool nt16 = nt && out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 32 == 0;
+  // The 16-bit copy is never read here, in place or not: streamed wherever it is aligned.
+  const bool nt16 = out16 != nullptr && reinterpret_cast<uintptr_t>(out16 + i) % 32 == 0;
   for (; i + 16 <= end; i += 16) {
     __m512 g = _mm512_mul_ps(simd_avx512::load_grad(b.grad, b.grad_dtype, i), gs);
     __m512 p = _mm512_loadu_ps(b.param + i);
@@ -58,7 +59,7 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
       }
     }
   }
-  if (nt) _mm_sfence();  // the streamed lines are visible before this range counts as done
+  if (nt || nt16) _mm_sfence();  // the streamed lines are visible before this range counts as done
   cpu_adam_scalar(c, b, i, end);
 }
 
