@@ -9,7 +9,9 @@ Every row is a fresh process (examples/train_gpt.py, or the peers' scripts throu
 runner): the model built on the GPU, full AdamW, activation checkpointing per block and the loss over
 --loss-chunk-tokens tokens at a time (checkpointed pieces: one piece's logits live at once), clipping at 1.0.
 A first process measures the machine's rates in the same run: gemini_ext's CPU Adam kernel
-(parameters/s, bf16 gradient in and bf16 copy out, over the --state the rows use), pinned H2D and D2H bandwidth, and per preset and
+(parameters/s, bf16 gradient in and bf16 copy out, over the --state the rows use), the device's kernel
+over the same pinned arrays (the link lane), both at once on disjoint parts, a host memory copy
+(2 GiB read and written), pinned H2D and D2H bandwidth, and per preset and
 batch the GPU's forward + backward time of the bf16 model held whole on the device (the GPU work
 an offloading system cannot do without; built on the device, so it fits up to about 30B).
 The overlap bound of a row is max(GPU, the host's state of the last step over the CPU Adam rate (plus
@@ -68,8 +70,29 @@ if torch.cuda.is_available():  # the device's kernel over the same pinned host a
     link(1)
     best = min((lambda t0: (link(2), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(3))
     out["link_adam_params_per_s"] = n / best
+    # both lanes at once on disjoint parts (the link lane's share as in the 15.4B rows' split): each
+    # lane's rate while the other runs, over its own time (the one done first then runs alone)
+    k = int(n * 0.3) // 64 * 64
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    gx._C.device_adam_step(*(t if t is None else t[:k] for t in mapped), step=3, lr=1e-4, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=0.1, max_blocks=gx._C.LINK_LANE_BLOCKS)
+    end.record()
+    t0 = time.perf_counter()
+    gx._C.cpu_adam_step(*(t if t is None else t[k:] for t in (p, m, v, g, p16)), step=3, lr=1e-4, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, grad_scale=1.0, isa="")
+    cpu_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    out["together_cpu_params_per_s"] = (n - k) / cpu_s
+    out["together_link_params_per_s"] = k / (start.elapsed_time(end) / 1e3)
     del mapped
 del p, m, v, g, p16
+# the host's memory: a copy between two 1 GiB arrays (2 GiB read and written; 8 MiB under --smoke)
+a = torch.ones(1 << (21 if smoke else 28))
+b = torch.empty_like(a)
+best = min((lambda t0: (b.copy_(a), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(4))
+out["host_copy_bytes_per_s"] = 2 * a.numel() * 4 / best
+del a, b
 if torch.cuda.is_available():
     dev = torch.device("cuda")
     host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
@@ -169,6 +192,12 @@ def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
         last = s["per_step"][-1]
         row["forward_s"], row["backward_s"] = last.get("forward_seconds"), last.get("backward_seconds")
         row["exposed_optimizer_s"] = s.get("exposed_optimizer_s_median")
+        step = s.get("last_optimizer_step") or {}  # each lane's rate in the step (parameters/s)
+        row["lanes_in_step"] = {lane: step[f"{key}_params"] / step[f"{key}_seconds"]
+                                for lane, key in (("cpu", "host"), ("link", "link"))
+                                if step.get(f"{key}_params") and step.get(f"{key}_seconds")}
+        row["lane_rebalances"] = {k: v for k, v in (placement.get("decision") or {}).items()
+                                  if k.startswith("rebalance_") or k == "lane_rebalances"}
     return row
 
 
