@@ -7,7 +7,8 @@ batches, with the overlap bound of each row and the peers beside them, in one ru
     python3 bench/large_models.py --smoke                                       # tiny, sim (tests)
 Every row is a fresh process (examples/train_gpt.py, or the peers' scripts through bench/offload.py's
 runner): the model built on the GPU, full AdamW, activation checkpointing per block and the loss over
---loss-chunk-tokens tokens at a time (checkpointed pieces: one piece's logits live at once), clipping at 1.0.
+--loss-chunk-tokens tokens at a time (checkpointed pieces: one piece's logits live at once), clipping at
+--max-norm (1.0); --step-in-backward (with --max-norm 0) starts gemini_ext's host steps during backward.
 A first process measures the machine's rates in the same run: gemini_ext's CPU Adam kernel
 (parameters/s, bf16 gradient in and bf16 copy out, over the --state the rows use), the device's kernel
 over the same pinned arrays (the link lane), both at once on disjoint parts, a host memory copy
@@ -144,10 +145,13 @@ def measure_rates(presets: list[str], batches: list[int], seq: int | None, smoke
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def predict(preset: str, batch: int, state: str, loss_chunk_tokens: int, rates: dict, timeout: int) -> dict:
+def predict(preset: str, batch: int, state: str, loss_chunk_tokens: int, rates: dict, timeout: int,
+            max_norm: float = 1.0, step_in_backward: bool = False) -> dict:
     """gx.estimate's prediction of a row (gemini-ext estimate on the preset built on meta)."""
     cmd = [sys.executable, "-m", "gemini_ext", "estimate", "--preset", preset, "--tokens-per-step", str(batch * 1024),
-           "--loss-chunk-tokens", str(loss_chunk_tokens), "--json", *STATES[state]]
+           "--loss-chunk-tokens", str(loss_chunk_tokens), "--max-norm", str(max_norm), "--json", *STATES[state]]
+    if step_in_backward:
+        cmd.append("--step-in-backward")
     if "cpu_adam_params_per_s" in rates:
         cmd += ["--cpu-rate", str(rates["cpu_adam_params_per_s"])]
     try:
@@ -260,6 +264,10 @@ def main(argv=None) -> list[dict]:
                         "the numerics); the peers keep fp32")
     p.add_argument("--loss-chunk-tokens", type=int, default=2048,
                    help="every system's loss over this many tokens at a time, checkpointed (0: the whole batch)")
+    p.add_argument("--max-norm", type=float, default=1.0, help="every system's gradient clipping (0: off)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="gemini_ext steps host-held state in place during backward (optimizer_step_in_backward; "
+                        "needs --max-norm 0)")
     p.add_argument("--extra", default="", help="more arguments for examples/train_gpt.py, space-separated")
     p.add_argument("--skip", default="", help="rows to leave out, as preset/batch, comma-separated (e.g. 15b/16)")
     p.add_argument("--out", default=None, help="path prefix for .md and .json (rewritten after every row)")
@@ -281,21 +289,23 @@ def main(argv=None) -> list[dict]:
         jobs += [(peer, row.split("/")[0], int(row.split("/")[1])) for peer in peers if only in ("", peer)]
     rows, summaries = [], []
     for system, preset, batch in jobs:
-        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", "1.0", "--checkpoint",
+        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", str(args.max_norm),
+                  "--checkpoint",
                   "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
         if seq:
             common += ["--seq", str(seq)]
         script, extra = offload.systems(None)[system]
         if script == offload.GEMINI:
             extra = extra + (["--device", "sim"] if args.smoke else ["--init-device", "cuda"]) + STATES[args.state]
-            extra += args.extra.split()
+            extra += args.extra.split() + (["--step-in-backward"] if args.step_in_backward else [])
         elif script == offload.PEER:
             extra = extra + ["--init-device", "cuda"]
         why_not = offload.peer_unavailable(system) if script == offload.OTHER_PEERS else None
         s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
         row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
         if script == offload.GEMINI and "error" not in row and not args.smoke:
-            row["estimate"] = predict(preset, batch, args.state, args.loss_chunk_tokens, rates, args.timeout)
+            row["estimate"] = predict(preset, batch, args.state, args.loss_chunk_tokens, rates, args.timeout,
+                                      args.max_norm, args.step_in_backward)
         rows.append(row)
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
         write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout

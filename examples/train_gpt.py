@@ -77,6 +77,9 @@ def parse_args(argv=None):
                         "one core and takes minutes at 13B). 0: torch's constructor")
     p.add_argument("--no-overlap", action="store_true",
                    help="overlap_optimizer=False: the CPU optimizer step finishes inside optimizer.step()")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="optimizer_step_in_backward=True: host-held sets step in place during backward "
+                        "(needs --max-norm 0 and bf16/fp32; exact)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-dp-size", type=int, default=1, help="under torchrun: replicas of the ZeRO group (HSDP)")
     p.add_argument("--json-out", default=None, help="also write the summary as JSON here")
@@ -176,7 +179,8 @@ def main(argv=None) -> dict:
                           search_range_m=args.search_range_m or min(128.0, model_m / 4),
                           extra_dp_size=args.extra_dp_size, overlap_optimizer=not args.no_overlap,
                           optimizer_state_dtype=args.optimizer_state_dtype,
-                          master_weights=not args.no_master_weights, **budget)
+                          master_weights=not args.no_master_weights,
+                          optimizer_step_in_backward=args.step_in_backward, **budget)
     seq = args.seq or (model_cfg.max_seq_len if device_kind == "cuda" else min(256, model_cfg.max_seq_len))
     torch.manual_seed(args.seed)
     init_started = time.perf_counter()
@@ -256,7 +260,7 @@ def main(argv=None) -> dict:
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         **step_figures(losses, step_seconds, world * args.batch * seq),
         "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],
-        "overlap_optimizer": not args.no_overlap,
+        "overlap_optimizer": not args.no_overlap, "optimizer_step_in_backward": args.step_in_backward,
         "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],
         "chunk_wasted_bytes": stats["wasted_bytes"],
         "peak_chunk_device_bytes": stats["tier_bytes"]["device"]["peak"],

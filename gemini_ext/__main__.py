@@ -40,6 +40,8 @@ def main(argv=None) -> int:
                      help="the loss over this many tokens at a time, checkpointed (default: the preset's, 0)")
     est.add_argument("--policy", default="auto")
     est.add_argument("--max-norm", type=float, default=1.0)
+    est.add_argument("--step-in-backward", action="store_true",
+                     help="GeminiConfig.optimizer_step_in_backward (needs --max-norm 0)")
     est.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     est.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default="fp32")
     est.add_argument("--no-master-weights", action="store_true",
@@ -91,7 +93,8 @@ def _estimate(args) -> None:
 
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
     config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm, precision=args.precision,
-                          optimizer_state_dtype=args.optimizer_state_dtype, master_weights=not args.no_master_weights)
+                          optimizer_state_dtype=args.optimizer_state_dtype, master_weights=not args.no_master_weights,
+                          optimizer_step_in_backward=args.step_in_backward)
     device_bytes = int(args.device_bytes) if args.device_bytes and args.device_bytes.isdigit() else args.device_bytes
     host_bytes = int(args.host_bytes) if args.host_bytes and args.host_bytes.isdigit() else args.host_bytes
     e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,

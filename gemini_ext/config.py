@@ -53,6 +53,13 @@ class GeminiConfig:
     # result is the serial step's, bit for bit. False: step() returns only once every chunk is
     # stepped (the serial step, for comparison).
     overlap_optimizer: bool = True
+    # Extension (not in the original): each host-held chunk set's optimizer step starts during
+    # backward, in place, as soon as its gradients reach the host, with the hyperparameters of the
+    # backward's start; optimizer.step() steps the rest. Exact (the same bits as step()) for what it
+    # accepts: no clipping that scales and no fp16 loss scaling, one backward per optimizer step
+    # (accumulate under engine.no_sync() or enable_gradient_accumulation), hyperparameters changed
+    # only after step(). What it refuses raises (docs/USAGE.md).
+    optimizer_step_in_backward: bool = False
     # Extension (not in the original), changes the numerics: "bf16" keeps Adam's moments (m, v) in
     # bf16 with stochastic rounding, 12 instead of 16 bytes per trainable parameter under bf16
     # (the fp32 master stays). Adam / AdamW only. With master_weights=False and precision="bf16"
@@ -113,7 +120,7 @@ class GeminiConfig:
         if self.growth_factor <= 1.0:
             raise ValueError(f"growth_factor: expected > 1, got {self.growth_factor!r}.")
         for name in ("overlap_optimizer", "enable_async_reduce", "pin_memory", "master_weights",
-                     "enable_gradient_accumulation", "cast_buffers"):
+                     "enable_gradient_accumulation", "cast_buffers", "optimizer_step_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}.")
         for name in ("flops_per_token", "peak_tflops"):
@@ -122,6 +129,11 @@ class GeminiConfig:
                 raise ValueError(f"{name}: expected a number > 0 or None (computed), got {value!r}.")
         if not self.max_norm >= 0.0:
             raise ValueError(f"max_norm: expected >= 0 (0 disables clipping), got {self.max_norm!r}.")
+        if self.optimizer_step_in_backward and (self.max_norm > 0 or self.precision == "fp16"):
+            what = f"max_norm={self.max_norm}" if self.max_norm > 0 else "precision='fp16' (loss scaling)"
+            raise ValueError(f"optimizer_step_in_backward=True steps the host-held state during backward, before the "
+                             f"gradient norm is known; {what} needs that norm first. Use max_norm=0 and bf16/fp32, "
+                             "or optimizer_step_in_backward=False.")
         if self.placement_policy == "const" and self.const_gpu_budget is None:
             raise ValueError("const_gpu_budget: placement_policy='const' needs a byte budget, got None. "
                              "Pass e.g. const_gpu_budget='8GiB'.")

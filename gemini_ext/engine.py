@@ -293,6 +293,7 @@ class GeminiEngine:
     def zero_grad(self) -> None:
         """Clears every gradient chunk (optimizer.zero_grad() and model.zero_grad() call it)."""
         self.internal.check_open("zero_grad")
+        self.internal.check_no_steps_in_backward("zero_grad()")
         self.internal.runtime.zero_grad()
         self.internal.clipper.reset()
 

@@ -23,7 +23,10 @@ A step is the GPU's work plus what the GPU waits for:
   between backward and the next forward: 28 bytes per element (20 with bf16 moments, 14 with
   the 8-byte state) at
   DEVICE_OPTIMIZER_BYTES_PER_S.
-- optimizer_wait: the host-held optimizer state is stepped from step() on, by the CPU and where
+- optimizer_wait: with GeminiConfig.optimizer_step_in_backward the host sets are stepped by the CPU
+  from the backward pass on, each once its gradients are complete (the back of the execution
+  order first), and what runs past the backward's end is waited for. Otherwise the host-held
+  optimizer state is stepped from step() on, by the CPU and where
   the policy gives it sets by the link lane, and the next forward, which reaches those sets last
   (the back of the execution order), waits wherever it arrives before a set's step ended:
   list-scheduled as placement/optimizer_lanes.py does, with the forward's share of `gpu` as the
@@ -233,7 +236,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                             non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),
                             device_other_bytes=DEVICE_OTHER_BYTES, forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
-                            h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S)
+                            h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S,
+                            optimizer_steps_during_backward=config.optimizer_step_in_backward)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
@@ -252,7 +256,10 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
     budget = chosen.device_budget_bytes or m.device_capacity_bytes
     displaced = max(0, param_bytes + device_state - budget)
     # the optimizer's wait: list scheduling over the lanes, at their rates while both run
-    if link:
+    if m.optimizer_steps_during_backward:  # from backward on, in the order the gradients complete
+        waited = predicted_exposed_optimizer_seconds(elements, on_host, gpu_seconds - forward_seconds, cpu_rate,
+                                                     during_backward=True)
+    elif link:
         waited = lanes_wait_seconds(elements, on_host, link, forward_seconds, cpu_rate, LINK_ELEMENTS_PER_S)
     else:
         waited = predicted_exposed_optimizer_seconds(elements, on_host, forward_seconds, cpu_rate,

@@ -78,6 +78,16 @@ void def_manager_optimizer(py::module_& m) {
              return g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
            },
            py::arg("groups"), py::arg("spare_limit_bytes"), nogil())
+      .def("arm_in_backward",
+           [](GeminiManager& g, const std::vector<HyperValues>& groups) {
+             return g.with_optimizer([&](HybridOptimizer& o) { return o.arm_in_place(groups); });
+           },
+           py::arg("groups"), nogil())
+      .def("sets_stepped_in_backward",
+           [](GeminiManager& g) {
+             return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
+           },
+           nogil())
       .def("spare_bytes", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
            nogil())
       .def("set_link_sets",

@@ -40,6 +40,11 @@ class GradClipper:
                                f"non-finite ({total}), so it cannot be clipped. Set error_if_nonfinite=False to "
                                "skip this check.")
         coef = max_norm / (total + 1e-6)
+        if coef < 1.0 and engine.config.optimizer_step_in_backward:
+            raise RuntimeError(f"engine.clip_grad_norm_(max_norm={max_norm}): the gradients' norm is {total:.6g}, so "
+                               "they would be scaled, but GeminiConfig(optimizer_step_in_backward=True) stepped the "
+                               "host-held state during backward with them unscaled. Clip with "
+                               "optimizer_step_in_backward=False, or only read the norm (max_norm=float('inf')).")
         self.clipped_last = coef < 1.0
         if self._backwards is None:
             self._backwards = gm.counters()["backward_passes"]

@@ -123,13 +123,13 @@ class HookSet:
             raise RuntimeError("gemini_ext: compiled autograd is not supported (the chunk hooks must run eagerly "
                                "during backward); run backward without torch._dynamo.compiled_autograd.")
         if self._graph_task is None:
+            if self._on_backward_start is not None:
+                self._on_backward_start()  # may refuse the backward: then nothing of it is recorded
             self._graph_task = task
             self._backward_began = time.perf_counter()
             if self._forward_began:
                 self.last_forward_seconds = self._backward_began - self._forward_began
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            if self._on_backward_start is not None:
-                self._on_backward_start()
         elif task != self._graph_task:
             raise RuntimeError("gemini_ext: a backward pass started inside another one. This is what reentrant "
                                "activation checkpointing does, which gemini_ext does not support: use "

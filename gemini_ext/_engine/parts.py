@@ -50,6 +50,17 @@ class EngineParts:
                                    "requires_grad changed after gx.enable, or .grad assigned by hand?). Set "
                                    "requires_grad before gx.enable; gradients must come from backward.")
 
+    def check_no_steps_in_backward(self, what: str) -> None:
+        """Raises where the last backward stepped host chunk sets in place (the step in backward)
+        and `what` would leave them without the optimizer.step() that completes the step."""
+        stepped = self.optimizer.steps_started_in_backward() if self.optimizer is not None else 0
+        if stepped:
+            raise RuntimeError(
+                f"gemini_ext: {what} after a backward pass that stepped {stepped} chunk sets in place "
+                "(GeminiConfig(optimizer_step_in_backward=True)): their parameters and optimizer state already "
+                "changed, and only optimizer.step() completes the step for the others. Call optimizer.step() "
+                "before it, or set optimizer_step_in_backward=False to be able to drop a step's gradients.")
+
     def end_iteration(self) -> dict:
         report = self.runtime.end_iteration()
         self.tracer.end_iteration(report, self.hooks.last_pass_seconds())

@@ -22,6 +22,12 @@ follows is common to every rule.
    csrc/torch/optim/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
    can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
    host has room for the spares (at most half of the host budget, placement/host_memory.py).
+7. The step in backward (GeminiConfig.optimizer_step_in_backward): armed at every backward with
+   the hyperparameters of that moment, each host chunk's step runs in place once its gradients
+   reach the host, and step() steps the others. Nothing can undo it, so what would make it differ
+   from step()'s is refused: the config refuses clipping and fp16, engine.clip_grad_norm_ raises
+   where it would scale, a second backward or zero_grad() before step() raises, and step() with
+   other hyperparameters than the backward's completes the step with the backward's and raises.
 `param_groups` hold the same Parameter objects the model uses, so LR schedulers edit `lr` as
 usual; hyperparameters are read from the groups at every step. Gradients live in chunks, not on
 `p.grad` (which stays None), and `zero_grad()` clears them.
@@ -88,6 +94,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
             raise ValueError(f"gemini_ext optimizer: optimizer_state_dtype={state_dtype!r} keeps Adam's moments in "
                              f"{state_dtype}; {getattr(opt_cls, '__name__', opt_cls)} has no such kernel. Use "
                              "torch.optim.Adam or AdamW, or optimizer_state_dtype='fp32'.")
+        if engine.config.optimizer_step_in_backward and not rule.native:
+            raise ValueError(f"gemini_ext optimizer: optimizer_step_in_backward=True runs the engine's own kernels in "
+                             f"backward; {getattr(opt_cls, '__name__', opt_cls)} has none (torch.optim.Adam, AdamW, "
+                             "SGD, Adagrad and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
         if params is None:
             params = [p for p in engine.parameters() if p.requires_grad]
         self.engine = engine
@@ -134,6 +144,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if not rule.native:
             engine.internal.placer.freeze()
         self.last_grad_norm = None
+        self._in_backward_hyper = None  # the hyperparameters armed for the step in backward
 
     @staticmethod
     def _native_defaults(rule, opt_cls, params, kwargs) -> dict:
@@ -178,7 +189,19 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return loss
         if self._generic is not None:
             self._generic.sync_hyperparameters(self.param_groups)
-        parts.runtime.optimizer_step(self._hyper(), multiplier)
+        hyper, changed = self._hyper(), None
+        if self._in_backward_hyper is not None:  # steps ran during backward with these: the rest must match
+            if hyper != self._in_backward_hyper:
+                changed, hyper = hyper, self._in_backward_hyper
+            self._in_backward_hyper = None
+        parts.runtime.optimizer_step(hyper, multiplier)
+        if changed is not None:
+            raise RuntimeError(
+                "optimizer.step(): the hyperparameters changed after backward began (now "
+                f"{changed}, at backward's start {hyper}). Under GeminiConfig(optimizer_step_in_backward=True) the "
+                "host-held state was stepped during backward with the earlier values, so this step used them for "
+                "every parameter. Change learning rates and other hyperparameters after optimizer.step() (an LR "
+                "scheduler's step() there), or set optimizer_step_in_backward=False.")
         parts.counters.optimizer_steps += 1
         if self._wrapped is not None:
             self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
@@ -215,6 +238,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
         parts = self.engine.internal
         cfg = parts.config
         parts.placer.note_optimizer_overlap(False)
+        if cfg.optimizer_step_in_backward and self.rule.native:
+            self._arm_in_backward()
+            return
         if not cfg.overlap_optimizer or parts.scaler is not None or not self.rule.native:
             return
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
@@ -224,6 +250,23 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # The spares may take at most half of the host budget (unreadable: no speculation).
         if parts.runtime.arm_speculation(self._hyper(), (host_available_bytes(parts.groups.ranks_on_host()) or 0) // 2):
             parts.placer.note_optimizer_overlap(True)
+
+    def _arm_in_backward(self) -> None:
+        parts = self.engine.internal
+        stepped = parts.runtime.sets_stepped_in_backward()
+        if stepped:
+            raise RuntimeError(
+                f"gemini_ext: a backward pass began while {stepped} chunk sets that the previous backward stepped "
+                "(GeminiConfig(optimizer_step_in_backward=True)) wait for optimizer.step(): call optimizer.step() "
+                "after every backward. To accumulate gradients over several backward passes, run all but the last "
+                "under engine.no_sync() or set enable_gradient_accumulation=True.")
+        self._in_backward_hyper = self._hyper()
+        if parts.runtime.arm_in_backward(self._in_backward_hyper):
+            parts.placer.note_optimizer_overlap(True)
+
+    def steps_started_in_backward(self) -> int:
+        """Host chunk sets stepped during the last backward and not yet followed by step()."""
+        return self.engine.internal.runtime.sets_stepped_in_backward()
 
     def grad_norm_sq(self) -> float:
         """The sum of squares of every gradient in the chunks (over every rank when sharded)."""

@@ -233,7 +233,8 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   DeviceContext& ctx = ctx_;
   // Speculative steps started during backward: confirmed when they used what this step uses,
   // else settled (waited for) and dropped, and those sets are stepped below like the others.
-  stats_ = StepStats{};
+  stats_ = backward_stats_;  // the sets stepped in place during backward count to this step
+  backward_stats_ = StepStats{};
   const std::set<int> confirmed = judge_speculations(groups, grad_multiplier);
   // Steps of an earlier call still pending (an unusual loop: normally forward settled them).
   for (int s : std::vector<int>(pipeline_.pending_sets().begin(), pipeline_.pending_sets().end()))
@@ -248,8 +249,8 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   for (const int set_index : order_.sets) {
     const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
-    if (confirmed.count(set_index) != 0) continue;  // stepped speculatively during backward, confirmed above
-    step_set(set_index, groups, grad_multiplier);
+    if (confirmed.count(set_index) != 0) continue;  // stepped during backward (speculatively, or in place)
+    step_set(set_index, groups, grad_multiplier, stats_);
   }
 }
 
@@ -285,7 +286,8 @@ void HybridOptimizer::finish_device_set(ChunkSet& set) {
   residency_.unpin_all();
 }
 
-void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier) {
+void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier,
+                               StepStats& stats, std::shared_ptr<Event> grads_landed) {
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const std::vector<Run> runs = runs_of(set, groups.size());
@@ -313,14 +315,14 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
       const RunViews views = run_views(whole, set, begin, n, step);
       if (link) {
         host_work.push_back(link_run(views, step, h, grad_multiplier));
-        stats_.link_params += n;
+        stats.link_params += n;
       } else if (on_host) {
         host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
-        stats_.host_params += n;
+        stats.host_params += n;
       } else {
         const bool wrote_param16 = rule_->device_run(views, step, h, grad_multiplier);
         if (has_master && !wrote_param16) views.param16.copy_(views.master);  // the rounded copy for compute
-        stats_.device_params += n;
+        stats.device_params += n;
       }
     }
     for (size_t k = r.first_slot; k <= r.last_slot; ++k)
@@ -330,7 +332,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   const ChunkId p = set.spec.param;
   if (!on_host) {
     finish_device_set(set);
-    stats_.device_seconds += seconds_since(t0);
+    stats.device_seconds += seconds_since(t0);
     return;
   }
   // [Note: the overlapped CPU step]
@@ -345,6 +347,8 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   ChunkManager* chunks = &mgr;
   const bool home_on_host = set.spec.param_home_on_host;
   auto complete = [chunks, p, host, home_on_host] { refresh_device_param_copy(*chunks, p, host, home_on_host); };
+  if (grads_landed && !host_work.empty())  // the step started during backward: its gradients may still be on the way
+    host_work.insert(host_work.begin(), [grads_landed] { grads_landed->synchronize(); });
   if (host_work.empty()) {
     complete();
   } else if (link) {
@@ -354,7 +358,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
       for (const auto& run : work) run();
     }, std::move(complete));
   }
-  stats_.launch_seconds += seconds_since(t0);
+  stats.launch_seconds += seconds_since(t0);
 }
 
 void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier) {

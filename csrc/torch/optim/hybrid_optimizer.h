@@ -91,6 +91,13 @@ class HybridOptimizer {
   // allocated between steps: a double buffer of the host optimizer state.
   // Arms unless the spares it would still need exceed `spare_limit_bytes`; true when armed.
   bool arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes);
+  // The step in backward (GeminiConfig.optimizer_step_in_backward): armed the same way, but each
+  // host set's step runs in place, as step() would run it, with `groups` and a multiplier of 1,
+  // and step() leaves those sets alone. No spares and nothing to undo: Python arms it only where
+  // the caller promised what makes it final (no clipping or loss scaling, one backward per step,
+  // the hyperparameters unchanged until step()), and step() refuses other values as a bug.
+  bool arm_in_place(const std::vector<HyperValues>& groups);
+  int64_t sets_stepped_in_backward() const { return static_cast<int64_t>(stepped_in_backward_.size()); }
   bool armed() const { return armed_.has_value(); }
   size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
   size_t spare_bytes() const;
@@ -127,13 +134,17 @@ class HybridOptimizer {
   RunViews run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n, int64_t step) const;
   // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.
   RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
-  void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier);
+  // `grads_landed`: the host steps wait for it first (the gradients' copy to the host, still in
+  // flight when the step starts during backward); the set's figures go to `stats`.
+  void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier, StepStats& stats,
+                std::shared_ptr<Event> grads_landed = nullptr);
   // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
   void step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
   void ready_set(ChunkSet& set);           // a host set's gradients are on the host; a device set prepared
   void finish_device_set(ChunkSet& set);   // P's stale host copies dropped, pins released
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
+  void step_in_backward(int set_index);  // arm_in_place: the set's step as step() runs it, started now
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
   // Hands a host set's step to the pipeline with its forward position as priority.
   void launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
@@ -156,6 +167,9 @@ class HybridOptimizer {
   std::shared_ptr<OptimizerRule> rule_;  // shared with link-lane tasks in flight
   std::set<int> link_sets_;
   std::optional<std::vector<HyperValues>> armed_;
+  bool armed_in_place_ = false;
+  std::set<int> stepped_in_backward_;  // this backward's in-place steps (arm_in_place), until step()
+  StepStats backward_stats_;           // their figures, added to the step's
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
   int64_t confirmed_total_ = 0;

@@ -68,6 +68,17 @@ bool HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_l
   return true;
 }
 
+bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
+  if (rule_->steps_whole_sets()) return false;  // no host kernel to start early
+  GX_CHECK(stepped_in_backward_.empty(), "optimizer step in backward: a backward pass began while ",
+           stepped_in_backward_.size(), " chunk sets stepped during the previous one wait for optimizer.step(); "
+           "call optimizer.step() after every backward (accumulate under engine.no_sync() or with "
+           "GeminiConfig(enable_gradient_accumulation=True)).");
+  armed_ = groups;
+  armed_in_place_ = true;
+  return true;
+}
+
 size_t HybridOptimizer::spare_bytes_needed() const {
   ChunkManager& mgr = mgr_;
   size_t bytes = 0;
@@ -100,6 +111,10 @@ void HybridOptimizer::speculate(int set_index) {
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   if (!set.trainable || !set.spec.optim_on_host || set.grad_place != GradPlace::kHost) return;
   if (pipeline_.pending(set_index) || speculations_.count(set_index) != 0) return;
+  if (armed_in_place_) {
+    step_in_backward(set_index);
+    return;
+  }
   for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: no guess
     const int group = group_of_param_[static_cast<size_t>(set.params[k])];
     if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
@@ -184,8 +199,32 @@ void HybridOptimizer::finish_speculation(int set_index, const std::shared_ptr<Sp
   confirmed_total_ += 1;
 }
 
+void HybridOptimizer::step_in_backward(int set_index) {
+  ChunkManager& mgr = mgr_;
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  if (stepped_in_backward_.count(set_index) != 0) return;  // gradients sent again in this backward: refused at step()
+  for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: stepped by step()
+    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+    if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
+  }
+  if (mgr.in_flight(set.spec.param)) mgr.wait(set.spec.param);  // a fetch may still read P's host copy
+  stepped_in_backward_.insert(set_index);
+  step_set(set_index, *armed_, 1.0, backward_stats_, mgr.copy_event(set.spec.grad));
+}
+
 std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier) {
   std::set<int> confirmed;
+  if (armed_in_place_ || !stepped_in_backward_.empty()) {
+    // Python checked the promise before this call (optim/wrapper.py): other values here are a bug.
+    GX_INTERNAL_ASSERT(stepped_in_backward_.empty() || (grad_multiplier == 1.0 && armed_ && *armed_ == groups),
+                       "optimizer step in backward: ", stepped_in_backward_.size(), " chunk sets were stepped during "
+                       "backward with other hyperparameters or a gradient multiplier of 1 where step() got ",
+                       grad_multiplier);
+    confirmed.swap(stepped_in_backward_);
+    armed_.reset();
+    armed_in_place_ = false;
+    return confirmed;
+  }
   const bool guess_holds = armed_.has_value() && grad_multiplier == 1.0 && *armed_ == groups;
   armed_.reset();
   for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) {
