@@ -232,9 +232,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
     forward_seconds = max(forward_flops / rate, dispatch_per_pass)
     cpu_rate = float(cpu_optimizer_elements_per_s or cpu_elements_per_s())
-    measured = Measurements(**base, non_model_peak_bytes=activations,
-                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),
-                            device_other_bytes=DEVICE_OTHER_BYTES, forward_seconds=forward_seconds,
+    measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
+                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO), forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
                             h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S,
                             optimizer_steps_during_backward=config.optimizer_step_in_backward)
