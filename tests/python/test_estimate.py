@@ -69,6 +69,25 @@ def test_a_loss_in_token_pieces_counts_one_pieces_logits():
         gx.estimate(model, tokens_per_step=16384, loss_chunk_tokens=-1, **H200)
 
 
+def test_the_step_in_backward_hides_the_host_steps_behind_a_long_backward(capsys):
+    """With optimizer_step_in_backward (no clipping) the host sets step from the backward pass on:
+    at 16k tokens the 15.4B GPT's backward outlasts the host's 8G parameters, so nothing is waited
+    for, no set goes to the link lane, and the command line takes it too; at 1k it is too short."""
+    model = _meta_gpt("15b")
+    config = gx.GeminiConfig(placement_policy="auto", optimizer_step_in_backward=True)
+    big = gx.estimate(model, config, tokens_per_step=16384, host_bytes="125.5GiB", loss_chunk_tokens=2048, **H200)
+    clipped = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", loss_chunk_tokens=2048, **H200)
+    assert big["plan"]["optim_sets_on_host"] == clipped["plan"]["optim_sets_on_host"] > 30
+    assert big["step_parts_s"]["optimizer_wait"] == 0.0 < clipped["step_parts_s"]["optimizer_wait"]
+    assert big["plan"]["link_lane_sets"] == 0 and big["mfu"] > clipped["mfu"]
+    small = gx.estimate(model, config, tokens_per_step=1024, host_bytes="125.5GiB", **H200)
+    assert small["step_parts_s"]["optimizer_wait"] > 1.0
+    assert cli(["estimate", "--preset", "15b", "--tokens-per-step", "16384", "--max-norm", "0", "--step-in-backward",
+                "--host-bytes", "125.5GiB", "--device-bytes", str(H200["device_bytes"]), "--device-name", "H200",
+                "--cpu-rate", "4.6e9", "--loss-chunk-tokens", "2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_parts_s"]["optimizer_wait"] == 0.0
+
+
 def test_refusals_name_the_argument():
     model = _meta_gpt("tiny")
     with pytest.raises(ValueError, match="tokens_per_step"):
