@@ -88,6 +88,7 @@ CASES = {
     "auto": ({"placement_policy": "auto", "sim_capacity": 40 * CHUNK_BYTES_FP32}, 1e-5),
     "const": ({"placement_policy": "const", "const_gpu_budget": 8 * CHUNK_BYTES_FP32}, 1e-5),
     "fp16_loss_scaling": ({"precision": "fp16"}, 5e-3),
+    "step_in_backward": ({"optimizer_step_in_backward": True, "offload_optim_frac": 0.5}, 1e-5),
 }
 
 
