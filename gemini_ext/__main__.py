@@ -113,7 +113,8 @@ def _estimate(args) -> None:
     print(f"memory       device {format_bytes(e['device_bytes'])} (activations {format_bytes(e['activation_bytes'])}), "
           f"host {format_bytes(e['host_bytes'])} per rank")
     print(f"step         {e['step_time_s']:.3f} s predicted (GPU {parts['gpu']:.3f}, device optimizer "
-          f"{parts['device_optimizer']:.3f}, wait for the host's {parts['optimizer_wait']:.3f}, "
+          f"{parts['device_optimizer']:.3f}, gradients' copy {parts['gradients_tail']:.3f}, wait for the host's "
+          f"{parts['optimizer_wait']:.3f}, "
           f"fetches {parts['fetch_stall']:.3f}): {e['tokens_per_s']:,.0f} tokens/s, "
           f"MFU {e['mfu']:.1%} of {e['inputs']['peak_tflops']:.0f} TFLOP/s")
 

@@ -9,7 +9,7 @@ what enable() would plan, given the predicted activations.
 
 [Note: the step-time model]
 A step is the GPU's work plus what the GPU waits for:
-  step = gpu + device_optimizer + optimizer_wait + fetch_stall
+  step = gpu + device_optimizer + gradients_tail + optimizer_wait + fetch_stall
 - gpu: the model's FLOPs per step (2 N forward, 2 N of recomputation under activation
   checkpointing, 2 N + 2 N_trainable backward) at the GPU's dense 16-bit peak times an efficiency
   that grows with the tokens per step (GPU_EFFICIENCY: those FLOPs over the measured forward and
@@ -33,6 +33,9 @@ A step is the GPU's work plus what the GPU waits for:
   window. The CPU rate is measured here (the kernel over PROBE_ELEMENTS, host memory only), the
   link lane's is LINK_ELEMENTS_PER_S; with both lanes each runs at the share of its rate the
   H200's host gave them together (placement/optimizer_lanes.py, which splits with the same shares).
+- gradients_tail: step() starts the host steps once every gradient is on the host; the host
+  sets' gradients leave during backward, and what their copy (at the link's rate) takes beyond
+  the backward pass comes first (a few tokens per step of a model with most state on the host).
 - fetch_stall: parameter chunks the device budget cannot hold beside the device-held state are
   evicted and fetched again; the fetch of those bytes at the link's rate is counted once.
 PCIe traffic (host sets' parameters up, their gradients down) overlaps compute on this machine;
@@ -264,10 +267,14 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         waited = predicted_exposed_optimizer_seconds(elements, on_host, forward_seconds, cpu_rate,
                                                      during_backward=False)
     stall = displaced / H2D_BYTES_PER_S
+    # step() starts the host steps once every gradient is on the host: what of the host sets' copies
+    # down a short backward pass cannot cover comes first
+    grads_tail = 0.0 if m.optimizer_steps_during_backward else max(
+        0.0, host_elements * itemsize / H2D_BYTES_PER_S - (gpu_seconds - forward_seconds))
     device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)
     per_element = {"fp32": 28, "bf16": 20 if config.master_weights else 14}[config.optimizer_state_dtype]
     device_optimizer = device_elements * per_element / DEVICE_OPTIMIZER_BYTES_PER_S
-    step = gpu_seconds + device_optimizer + waited + stall
+    step = gpu_seconds + device_optimizer + grads_tail + waited + stall
     pcie = 2 * host_elements * itemsize + 2 * displaced  # host sets' parameters up and gradients down
     host_bytes = host_elements * m.set_bytes_per_element + (
         host_elements * itemsize if initial.params_born_on_device else param_bytes)
@@ -284,8 +291,8 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "host_bytes": host_bytes,
         "activation_bytes": facts["activation_bytes"],
         "step_time_s": step,
-        "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "optimizer_wait": waited,
-                         "fetch_stall": stall},
+        "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "gradients_tail": grads_tail,
+                         "optimizer_wait": waited, "fetch_stall": stall},
         "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / H2D_BYTES_PER_S,
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
