@@ -127,6 +127,9 @@ def test_refusals_name_the_fix():
         assert opt.steps_started_in_backward() == 0
         model(x, y).backward()  # the engine goes on as usual after the refusals
         opt.step()
+        model(x, y)  # settles every host set
+        stats = opt.last_step_stats()  # the sets stepped during backward count to the step
+        assert stats["host_params"] > 0 and stats["host_seconds"] > 0 and stats["pending_sets"] == 0, stats
 
 
 def test_hyperparameters_changed_after_backward_complete_the_step_with_the_backwards_and_raise():

@@ -235,6 +235,7 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   // else settled (waited for) and dropped, and those sets are stepped below like the others.
   stats_ = backward_stats_;  // the sets stepped in place during backward count to this step
   backward_stats_ = StepStats{};
+  const bool started_in_backward = !stepped_in_backward_.empty();  // their seconds count from arm_in_place
   const std::set<int> confirmed = judge_speculations(groups, grad_multiplier);
   // Steps of an earlier call still pending (an unusual loop: normally forward settled them).
   for (int s : std::vector<int>(pipeline_.pending_sets().begin(), pipeline_.pending_sets().end()))
@@ -243,7 +244,7 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   wait_grads();
   // The CPU kernel writes P's host copies: every H2D copy still reading them must be done.
   ctx.backend().synchronize(StreamKind::kHostToDevice);
-  pipeline_.reset_host_step_seconds();
+  if (!started_in_backward) pipeline_.reset_host_step_seconds();
   residency_.unpin_all();
   residency_.ungather_all_kept();  // a gathered parameter buffer would go stale
   for (const int set_index : order_.sets) {

@@ -76,6 +76,7 @@ bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
            "GeminiConfig(enable_gradient_accumulation=True)).");
   armed_ = groups;
   armed_in_place_ = true;
+  pipeline_.reset_host_step_seconds();  // this step's lanes' seconds count from here
   return true;
 }
 
