@@ -25,7 +25,8 @@ A step is the GPU's work plus what the GPU waits for:
   DEVICE_OPTIMIZER_BYTES_PER_S.
 - optimizer_wait: with GeminiConfig.optimizer_step_in_backward the host sets are stepped by the CPU
   from the backward pass on, each once its gradients are complete (the back of the execution
-  order first), and what runs past the backward's end is waited for. Otherwise the host-held
+  order first), and what runs past the backward's end overlaps the next forward, which waits
+  wherever it reaches a set before its step ended. Otherwise the host-held
   optimizer state is stepped from step() on, by the CPU and where
   the policy gives it sets by the link lane, and the next forward, which reaches those sets last
   (the back of the execution order), waits wherever it arrives before a set's step ended:
@@ -260,7 +261,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
     # the optimizer's wait: list scheduling over the lanes, at their rates while both run
     if m.optimizer_steps_during_backward:  # from backward on, in the order the gradients complete
         waited = predicted_exposed_optimizer_seconds(elements, on_host, gpu_seconds - forward_seconds, cpu_rate,
-                                                     during_backward=True)
+                                                     during_backward=True, forward_seconds=forward_seconds)
     elif link:
         waited = lanes_wait_seconds(elements, on_host, link, forward_seconds, cpu_rate, LINK_ELEMENTS_PER_S)
     else:

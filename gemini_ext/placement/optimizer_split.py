@@ -31,11 +31,16 @@ DISPLACED_FETCH_COST = 8  # two fetches per iteration, each about 4x a bare copy
 
 
 def predicted_exposed_optimizer_seconds(set_elements: list[int], on_host: list[bool], window_seconds: float,
-                                        cpu_elements_per_s: float, during_backward: bool = True) -> float:
+                                        cpu_elements_per_s: float, during_backward: bool = True,
+                                        forward_seconds: float = 0.0) -> float:
     """The CPU optimizer's time on the critical path (the module's note). `set_elements` and
     `on_host` in execution order; `window_seconds` the backward pass (`during_backward`) or the
-    next forward pass that the steps overlap."""
+    next forward pass that the steps overlap. During backward with `forward_seconds`, the steps
+    still running when backward ends overlap the next forward too, which waits wherever it
+    reaches a set before its step ended (without: what runs past the backward is exposed)."""
     total = sum(set_elements) or 1
+    if during_backward and forward_seconds > 0:
+        return _waited_from_backward(set_elements, on_host, window_seconds, forward_seconds, cpu_elements_per_s)
     if during_backward:  # gradients complete from the back; the steps follow them
         done, finished = 0, 0.0
         for n, host in zip(reversed(set_elements), reversed(on_host)):
@@ -49,6 +54,30 @@ def predicted_exposed_optimizer_seconds(set_elements: list[int], on_host: list[b
             finished += n / cpu_elements_per_s
             waited = max(waited, finished - window_seconds * before / total)
         before += n
+    return waited
+
+
+def _waited_from_backward(set_elements, on_host, backward_s, forward_s, cpu_rate) -> float:
+    """Host sets ready as backward completes them (from the back, at their share of the pass), the
+    CPU taking the ready set the next forward reaches first (the optimizer thread's order); the
+    forward starts when backward ends and waits wherever it reaches a set before its step ended."""
+    total = sum(set_elements) or 1
+    ready, done = {}, 0
+    for i in reversed(range(len(set_elements))):
+        done += set_elements[i]
+        if on_host[i]:
+            ready[i] = backward_s * done / total
+    clock, waited = 0.0, 0.0
+    before = [sum(set_elements[:i]) for i in range(len(set_elements))]
+    while ready:
+        now = [i for i, t in ready.items() if t <= clock]
+        if not now:
+            clock = min(ready.values())
+            continue
+        i = min(now)  # the most urgent for the next forward
+        del ready[i]
+        clock += set_elements[i] / cpu_rate
+        waited = max(waited, clock - (backward_s + forward_s * before[i] / total))
     return waited
 
 
