@@ -145,3 +145,13 @@ def test_at_few_tokens_the_hosts_dispatch_bounds_the_gpu_part():
         assert few["step_parts_s"]["gpu"] == pytest.approx(passes * per_pass)
     many = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", **H200)
     assert many["step_parts_s"]["gpu"] > 5 * 3 * per_pass
+
+
+def test_steps_from_backward_overlap_the_next_forward_in_its_order():
+    """Two host sets at the back of four equal ones, a 1 s backward and forward, 1 element/s: the
+    back set is ready at 0.25 s and done at 1.25 s, the other at 2.25 s, which the forward reaches
+    at 1.5 s: 0.75 s waited, where counting all past the backward as exposed says 1.25 s."""
+    from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds as exposed
+    args = ([1, 1, 1, 1], [False, False, True, True], 1.0, 1.0)
+    assert exposed(*args, during_backward=True, forward_seconds=1.0) == pytest.approx(0.75)
+    assert exposed(*args, during_backward=True) == pytest.approx(1.25)
