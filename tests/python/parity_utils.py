@@ -37,6 +37,16 @@ def chunk_cap(device: str, nbytes: int) -> dict:
     return {"sim_capacity": nbytes}
 
 
+def host_sets_with_link_lane(engine, link_every: int) -> list[int]:
+    """The chunk sets whose optimizer state is on the host; every `link_every`-th of them is
+    given to the link lane (0: none)."""
+    runtime = engine.internal.runtime
+    host_sets = [k for k, p in enumerate(runtime.set_placements()) if p["trainable"] and p["optim_on_host"]]
+    if link_every:
+        runtime.set_link_sets(host_sets[::link_every])
+    return host_sets
+
+
 def batch(cfg, step, device, batch_size=4, seq=16):
     return synthetic_batch(cfg, batch_size, seq, step, device)
 

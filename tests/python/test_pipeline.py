@@ -13,7 +13,7 @@ import torch
 
 import gemini_ext as gx
 from conftest import DEVICES
-from parity_utils import CHUNK, LR, SMALL, WD, batch, chunk_cap, make_models
+from parity_utils import CHUNK, LR, SMALL, WD, batch, chunk_cap, host_sets_with_link_lane, make_models
 
 CHUNK_BYTES_FP32 = 4096 * 4
 
@@ -181,10 +181,7 @@ def _train_lanes(device, case, link_every, steps=4):
     losses = []
     with gx.enable(model, _config(device, case, overlap=True)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        runtime = engine.internal.runtime
-        host_sets = [k for k, p in enumerate(runtime.set_placements()) if p["trainable"] and p["optim_on_host"]]
-        if link_every:
-            runtime.set_link_sets(host_sets[::link_every])
+        host_sets = host_sets_with_link_lane(engine, link_every)
         for step in range(steps):
             x, y = batch(model.cfg, step, engine.compute_device)
             loss = model(x, y)

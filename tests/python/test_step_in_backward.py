@@ -17,7 +17,7 @@ import torch
 
 import gemini_ext as gx
 from conftest import DEVICES
-from parity_utils import CHUNK, LR, WD, batch, chunk_cap, make_models
+from parity_utils import CHUNK, LR, WD, batch, chunk_cap, host_sets_with_link_lane, make_models
 
 CASES = {
     "fp32_on_host": {"precision": "fp32"},
@@ -42,10 +42,7 @@ def _train(device, case, in_backward, steps=4, micro_batches=1, link_every=0, lr
     losses, started = [], []
     with gx.enable(model, _config(device, case, in_backward, **extra)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
-        runtime = engine.internal.runtime
-        host_sets = [k for k, p in enumerate(runtime.set_placements()) if p["trainable"] and p["optim_on_host"]]
-        if link_every:
-            runtime.set_link_sets(host_sets[::link_every])
+        host_sets = host_sets_with_link_lane(engine, link_every)
         for step in range(steps):
             if lrs is not None:
                 for g in opt.param_groups:
