@@ -24,10 +24,11 @@ CASES = {
     "bf16_split": {"precision": "bf16", "offload_optim_frac": 0.5, "offload_param_frac": 0.5},
     "tiny_budget": {"precision": "fp32", "budget_chunks": 5},
 }
+AUTO = {"precision": "bf16", "placement_policy": "auto", "sim_capacity": 40 * 4096 * 4}  # sim: keeps host sets
 
 
 def _config(device, case, in_backward, **extra):
-    kw = {**CASES[case], **extra}
+    kw = {**(AUTO if case == "auto" else CASES[case]), **extra}
     chunks = kw.pop("budget_chunks", None)
     if chunks is not None:
         kw.update(chunk_cap(device, chunks * 4096 * 4))
@@ -94,6 +95,20 @@ def test_the_link_lane_and_accumulation_keep_it_exact(device):
     by_config = _train(device, "bf16_split", in_backward=True, micro_batches=2, enable_gradient_accumulation=True)
     _assert_same(serial, by_config)
     assert by_config[2] == [0] * 4, "gradients kept on the device until step(): the steps start there"
+
+
+def test_auto_plans_for_the_backward_window_and_stays_exact():
+    serial = _train("sim", "auto", in_backward=False)
+    in_backward = _train("sim", "auto", in_backward=True)
+    _assert_same(serial, in_backward)
+    assert min(in_backward[2]) > 0, in_backward[2]
+    model, _ = make_models()
+    with gx.enable(model, _config("sim", "auto", True)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        x, y = batch(model.cfg, 0, engine.compute_device)
+        model(x, y).backward()
+        opt.step()
+        assert engine.stats()["placement"]["decision"]["optimizer_window"] == "backward"
 
 
 def test_refusals_name_the_fix():
