@@ -203,7 +203,9 @@ void HybridOptimizer::finish_speculation(int set_index, const std::shared_ptr<Sp
 void HybridOptimizer::step_in_backward(int set_index) {
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
-  if (stepped_in_backward_.count(set_index) != 0) return;  // gradients sent again in this backward: refused at step()
+  GX_INTERNAL_ASSERT(stepped_in_backward_.count(set_index) == 0, "optimizer step in backward: chunk set ", set_index,
+                     " sent gradients to the host twice before optimizer.step() (a second backward is refused when "
+                     "it begins)");
   for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: stepped by step()
     const int group = group_of_param_[static_cast<size_t>(set.params[k])];
     if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
