@@ -11,7 +11,7 @@ data loaders and loop; the strategy gives the engine what concerns the parameter
   engine's precision and Fabric's own autocast is off; a config asking for another precision is
   an error;
 - `fabric.clip_gradients(model, optimizer, max_norm=...)` clips through the engine;
-  `fabric.no_backward_sync(model)` is the engine's `no_sync()` when sharded;
+  `fabric.no_backward_sync(model)` is the engine's `no_sync()` when sharded or stepping in backward;
 - `fabric.save(path, state)` writes Fabric's file (the model's state from the masters, the
   optimizer's torch-format state, the rest of `state`) and the engine's checkpoint in
   `<path>.gemini/`; `fabric.load(path, state)` restores from the latter, so training resumes
@@ -41,7 +41,8 @@ class _EngineNoSync(_BackwardSyncControl):
 
     def no_backward_sync(self, module, enabled: bool):
         engine = self._strategy.engine
-        if not enabled or engine is None or engine.closed or engine.world_size == 1:
+        if not enabled or engine is None or engine.closed or (engine.world_size == 1 and
+                                                              not engine.config.optimizer_step_in_backward):
             return contextlib.nullcontext()
         return engine.no_sync()
 

@@ -13,7 +13,8 @@ group); the strategy gives the engine what concerns the parameters:
   is an error;
 - `gradient_clip_val` (by norm) clips through the engine (torch's clip_grad_norm_ over every
   parameter is routed there); `accumulate_grad_batches` runs the micro-batches before the last
-  under `no_sync()` when sharded (in one process gradients accumulate through their host copies);
+  under `no_sync()` when sharded or stepping in backward (otherwise, in one process, gradients
+  accumulate through their host copies);
 - modules built in `configure_model` (or under `Trainer.init_module()`) are built on the meta
   device: shapes only, and `setup` gives each module storage as the engine reaches it, running
   `param_init_fn(module)` (default: the module's own `reset_parameters()`), so the model is never
@@ -131,8 +132,10 @@ class GeminiStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def block_backward_sync(self):
-        if self.engine is not None and not self.engine.closed and self.engine.world_size > 1:
-            with self.engine.no_sync():
+        engine = self.engine
+        if engine is not None and not engine.closed and (engine.world_size > 1 or
+                                                         engine.config.optimizer_step_in_backward):
+            with engine.no_sync():
                 yield
         else:
             yield

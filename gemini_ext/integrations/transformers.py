@@ -21,7 +21,8 @@ takes what concerns the parameters:
   Trainer's;
 - `max_grad_norm` clips through the engine (torch's clip_grad_norm_ over every parameter is
   routed there); gradient accumulation, sharded over ranks, runs the micro-batches before the
-  last under `no_sync()` (no reduce-scatter until the last); in one process the gradients
+  last under `no_sync()` (no reduce-scatter until the last; in one process too under
+  `optimizer_step_in_backward`, whose steps must see the whole step's gradients); in one process the gradients
   accumulate through their host copies instead, so each gradient chunk leaves the device once
   its backward is done rather than waiting there for the last micro-batch;
 - `save_model` writes an ordinary `save_pretrained` directory (safetensors, fp32 masters) that
@@ -175,8 +176,9 @@ class GeminiTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         last = self.accelerator.sync_gradients  # the micro-batch whose backward completes the step
-        sharded = self.engine.world_size > 1
-        with self.engine.no_sync() if sharded and not last else contextlib.nullcontext():
+        # sharded, or stepping in backward (which must see the whole step's gradients at once)
+        hold = self.engine.world_size > 1 or self.engine.config.optimizer_step_in_backward
+        with self.engine.no_sync() if hold and not last else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
     # --- saving and resuming ----------------------------------------------------------------

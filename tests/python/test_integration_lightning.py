@@ -49,9 +49,9 @@ class GPTModule(pl.LightningModule):
 
 
 def _fit(module, strategy, root, max_steps=STEPS, ckpt_path=None, callbacks=(), batches=STEPS * ACCUM, devices=1,
-         device="sim"):
+         device="sim", clip=0.05):
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", devices=devices, precision="32-true", max_steps=max_steps,
-                         gradient_clip_val=0.05, accumulate_grad_batches=ACCUM, logger=False,
+                         gradient_clip_val=clip or None, accumulate_grad_batches=ACCUM, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
                          enable_checkpointing=bool(callbacks), default_root_dir=str(root), num_sanity_val_steps=0,
                          # in one process a distributed strategy (as DDP's) injects a DistributedSampler and
@@ -80,6 +80,19 @@ def test_strategy_matches_the_default_strategy(tmp_path, device):
     assert strategy.engine.stats()["counters"]["evictions"] > 0
     assert strategy.engine.stats()["optimizer_steps"] == STEPS
     assert max(max_relative_difference(module, reference).values()) <= 1e-5
+
+
+def test_the_step_in_backward_with_accumulate_grad_batches_is_exact(tmp_path):
+    """optimizer_step_in_backward in one process: Lightning's micro-batches before the last run
+    under no_sync(), and the result equals the step from step() bit for bit (no clipping)."""
+    modules = []
+    for in_backward in (False, True):
+        module = GPTModule()
+        _fit(module, GeminiStrategy(_config(optimizer_step_in_backward=in_backward)), tmp_path / str(in_backward),
+             max_steps=6, clip=0.0)
+        modules.append(module)
+    for (name, a), (_, b) in zip(modules[0].named_parameters(), modules[1].named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def _fit_then_resume(strategy_factory, root, devices=1, device="sim"):

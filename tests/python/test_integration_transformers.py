@@ -94,6 +94,24 @@ def test_trainer_matches_a_plain_trainer_and_saves_a_plain_model(tmp_path, devic
         assert torch.equal(value, expected[key].cpu()), key
 
 
+def test_the_step_in_backward_under_the_trainer_with_accumulation_is_exact(tmp_path):
+    """optimizer_step_in_backward with gradient accumulation in one process: the micro-batches
+    before the last run under no_sync(), so the steps see the whole step's gradients, and the
+    parameters equal those of the step from step(), bit for bit (no clipping: max_grad_norm=0)."""
+    params = []
+    for in_backward in (False, True):
+        model = _llama()
+        trainer = GeminiTrainer(model=model, args=_args(tmp_path / str(in_backward), max_grad_norm=0.0),
+                                train_dataset=Tokens(),
+                                gemini_config=_gemini_config(optimizer_step_in_backward=in_backward))
+        trainer.train()
+        assert trainer.engine.stats()["optimizer_steps"] == STEPS
+        trainer.close()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for name, value in params[0].items():
+        assert torch.equal(params[1][name], value), name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_from_a_trainer_checkpoint_is_bit_exact(tmp_path, device):
     straight = _llama()
