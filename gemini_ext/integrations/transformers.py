@@ -22,9 +22,9 @@ takes what concerns the parameters:
 - `max_grad_norm` clips through the engine (torch's clip_grad_norm_ over every parameter is
   routed there); gradient accumulation, sharded over ranks, runs the micro-batches before the
   last under `no_sync()` (no reduce-scatter until the last; in one process too under
-  `optimizer_step_in_backward`, whose steps must see the whole step's gradients); in one process the gradients
-  accumulate through their host copies instead, so each gradient chunk leaves the device once
-  its backward is done rather than waiting there for the last micro-batch;
+  `optimizer_step_in_backward`, whose steps must see the whole step's gradients); otherwise in one
+  process the gradients accumulate through their host copies, so each gradient chunk leaves the
+  device once its backward is done rather than waiting there for the last micro-batch;
 - `save_model` writes an ordinary `save_pretrained` directory (safetensors, fp32 masters) that
   `from_pretrained` loads without gemini_ext; checkpoints add the engine's own checkpoint
   (`gemini/` in the checkpoint folder: masters, optimizer state, loss scale, RNG), from which

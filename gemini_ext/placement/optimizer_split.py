@@ -27,6 +27,8 @@ hold every state (those sets' parameter chunks are never evicted) or the paramet
 
 from __future__ import annotations
 
+import itertools
+
 DISPLACED_FETCH_COST = 8  # two fetches per iteration, each about 4x a bare copy under eviction
 
 
@@ -68,7 +70,7 @@ def _waited_from_backward(set_elements, on_host, backward_s, forward_s, cpu_rate
         if on_host[i]:
             ready[i] = backward_s * done / total
     clock, waited = 0.0, 0.0
-    before = [sum(set_elements[:i]) for i in range(len(set_elements))]
+    before = [0, *itertools.accumulate(set_elements)]  # elements ahead of each set in forward order
     while ready:
         now = [i for i, t in ready.items() if t <= clock]
         if not now:

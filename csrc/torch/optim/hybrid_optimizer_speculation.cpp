@@ -112,13 +112,13 @@ void HybridOptimizer::speculate(int set_index) {
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   if (!set.trainable || !set.spec.optim_on_host || set.grad_place != GradPlace::kHost) return;
   if (pipeline_.pending(set_index) || speculations_.count(set_index) != 0) return;
+  for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: step() steps it
+    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
+    if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
+  }
   if (armed_in_place_) {
     step_in_backward(set_index);
     return;
-  }
-  for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: no guess
-    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
-    if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
   }
   const std::vector<Run> runs = runs_of(set, armed_->size());
   if (runs.empty()) return;
@@ -206,10 +206,6 @@ void HybridOptimizer::step_in_backward(int set_index) {
   GX_INTERNAL_ASSERT(stepped_in_backward_.count(set_index) == 0, "optimizer step in backward: chunk set ", set_index,
                      " sent gradients to the host twice before optimizer.step() (a second backward is refused when "
                      "it begins)");
-  for (size_t k = 0; k < set.params.size(); ++k) {  // a parameter outside the armed groups: stepped by step()
-    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
-    if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= armed_->size()) return;
-  }
   if (mgr.in_flight(set.spec.param)) mgr.wait(set.spec.param);  // a fetch may still read P's host copy
   stepped_in_backward_.insert(set_index);
   step_set(set_index, *armed_, 1.0, backward_stats_, mgr.copy_event(set.spec.grad));
@@ -221,8 +217,8 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
     // Python checked the promise before this call (optim/wrapper.py): other values here are a bug.
     GX_INTERNAL_ASSERT(stepped_in_backward_.empty() || (grad_multiplier == 1.0 && armed_ && *armed_ == groups),
                        "optimizer step in backward: ", stepped_in_backward_.size(), " chunk sets were stepped during "
-                       "backward with other hyperparameters or a gradient multiplier of 1 where step() got ",
-                       grad_multiplier);
+                       "backward with a gradient multiplier of 1 and the backward's hyperparameters, and step() got "
+                       "other hyperparameters or a multiplier of ", grad_multiplier);
     confirmed.swap(stepped_in_backward_);
     armed_.reset();
     armed_in_place_ = false;
