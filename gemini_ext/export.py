@@ -141,8 +141,8 @@ def _write_safetensors(path: str, entries: list, src: "_Source", bar, peak: int)
             for key, _, out_dtype, nbytes in entries:
                 value = src.tensor(key).to(out_dtype).contiguous()
                 f.write(value.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+                peak = max(peak, anon_rss_bytes() or 0)  # while the tensor is still held
                 del value
-                peak = max(peak, anon_rss_bytes() or 0)
                 bar.update(nbytes)
             f.flush()
             os.fsync(f.fileno())
