@@ -70,10 +70,9 @@ bool HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_l
 
 bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
   if (rule_->steps_whole_sets()) return false;  // no host kernel to start early
-  GX_CHECK(stepped_in_backward_.empty(), "optimizer step in backward: a backward pass began while ",
-           stepped_in_backward_.size(), " chunk sets stepped during the previous one wait for optimizer.step(); "
-           "call optimizer.step() after every backward (accumulate under engine.no_sync() or with "
-           "GeminiConfig(enable_gradient_accumulation=True)).");
+  // Python refuses a backward that begins before step() completed the last one (optim/wrapper.py).
+  GX_INTERNAL_ASSERT(stepped_in_backward_.empty(), "optimizer step in backward: armed while ",
+                     stepped_in_backward_.size(), " chunk sets stepped during the previous backward wait for step()");
   armed_ = groups;
   armed_in_place_ = true;
   pipeline_.reset_host_step_seconds();  // this step's lanes' seconds count from here
