@@ -1,21 +1,15 @@
 #include "memory_resource.h"
 
-#include <cstdlib>
-
 #include "errors.h"
+#include "host_pages.h"
 
 namespace gx {
 
 void* HostMemoryResource::do_allocate(size_t bytes) {
   GX_INTERNAL_ASSERT(bytes > 0, "allocate(0) on the host resource");
-  void* ptr = nullptr;
-  if (posix_memalign(&ptr, kResourceAlignmentBytes, bytes) != 0 || ptr == nullptr) {
-    throw OutOfMemoryError(detail::concat("host memory: could not allocate ", bytes,
-                                          " bytes. Free host memory or lower the offloaded fraction."));
-  }
-  return ptr;
+  return map_host_pages(bytes);  // page-aligned, zeroed, not inherited by forked children
 }
 
-void HostMemoryResource::do_deallocate(void* ptr, size_t /*bytes*/) { std::free(ptr); }
+void HostMemoryResource::do_deallocate(void* ptr, size_t bytes) { unmap_host_pages(ptr, bytes); }
 
 }  // namespace gx

@@ -32,7 +32,7 @@ class MemoryResource {
   virtual void do_deallocate(void* ptr, size_t bytes) = 0;
 };
 
-// Pageable host memory from the C allocator, aligned to kResourceAlignmentBytes.
+// Pageable host memory: whole anonymous pages kept out of forked children (host_pages.h).
 class HostMemoryResource final : public MemoryResource {
  public:
   std::string name() const override { return "host"; }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/host_pages.h"
 #include "core/thread_pool.h"
 #include "cuda/cuda_backend.h"
 
@@ -92,6 +93,7 @@ void* PinnedHostMemoryResource::map_touch_and_register(size_t bytes) {
                                           std::strerror(err), "). Free host memory or lower the offloaded fraction."));
   }
   madvise(ptr, bytes, MADV_HUGEPAGE);  // advice only: ignored where transparent huge pages are off
+  keep_out_of_forks(ptr, bytes);       // before the first touch: a fork never shares these pages
   try {
     touch_in_parallel(static_cast<uint8_t*>(ptr), bytes);
   } catch (...) {
@@ -127,6 +129,7 @@ void* PinnedHostMemoryResource::do_allocate(size_t bytes) {
                                           "pin_memory=False."));
   }
   GX_CUDA_CHECK(status);
+  keep_out_of_forks(ptr, bytes);  // as the CUDA runtime does for its own pages; marked here too, not assumed
   return ptr;
 }
 

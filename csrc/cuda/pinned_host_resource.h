@@ -18,6 +18,8 @@
 //    out-of-memory killer, which ends the process without an exception. mmap or cudaHostRegister
 //    failing for lack of memory is an OutOfMemoryError as well; cudaHostRegister failing for any
 //    other reason (a system that does not support it) falls back to cudaHostAlloc.
+//  * Forks. Both paths' pages are marked MADV_DONTFORK (core/host_pages.h): a forked child
+//    (a DataLoader worker) does not share them, so the parent's writes copy nothing.
 //  * Freeing. Registered ranges are remembered (pointer to length): cudaHostUnregister and munmap;
 //    everything else cudaFreeHost.
 //  * Threads. The first touch uses its own short-lived threads (GEMINI_EXT_CPU_THREADS or the

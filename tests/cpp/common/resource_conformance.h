@@ -3,6 +3,8 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <functional>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_pages.h"
 #include "core/memory_resource.h"
 
 namespace gx::testing {
@@ -20,6 +23,7 @@ struct ResourceFactory {
   // Returns the resource to test; `keepalive` owns whatever it needs (upstreams).
   std::function<MemoryResource*(std::vector<std::shared_ptr<void>>& keepalive)> make;
   size_t max_bytes;  // largest request the resource accepts
+  bool host = false;  // host memory: must not be inherited by forked children (core/host_pages.h)
 };
 
 class ResourceConformance : public ::testing::TestWithParam<ResourceFactory> {
@@ -59,6 +63,28 @@ TEST_P(ResourceConformance, ReuseAfterDeallocateWorks) {
     ASSERT_NE(p, nullptr);
     mr_->deallocate(p, bytes);
   }
+}
+
+// A forked child (a DataLoader worker) does not get the resource's host memory: the pages are
+// absent there, so nothing the parent writes later is copied for the child. The child only makes
+// system calls (mincore, _exit): safe after fork in a threaded process.
+TEST_P(ResourceConformance, HostMemoryIsNotInheritedByForkedChildren) {
+  if (!GetParam().host) GTEST_SKIP() << GetParam().name << ": not host memory";
+  const size_t bytes = GetParam().max_bytes;
+  auto* p = static_cast<unsigned char*>(mr_->allocate(bytes));
+  p[0] = 1;
+  p[bytes / 2] = 2;
+  ASSERT_TRUE(host_page_mapped(p + bytes / 2));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(host_page_mapped(p + bytes / 2) ? 1 : 0);  // 0: absent in the child, as wanted
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << GetParam().name << ": the child inherited the page at the middle of a "
+                                    << bytes << "-byte allocation";
+  EXPECT_EQ(p[bytes / 2], 2);  // the parent's pages are untouched
+  mr_->deallocate(p, bytes);
 }
 
 TEST_P(ResourceConformance, HasAName) { EXPECT_FALSE(mr_->name().empty()); }

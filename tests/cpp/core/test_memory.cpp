@@ -22,21 +22,21 @@ INSTANTIATE_TEST_SUITE_P(
                           auto r = std::make_shared<HostMemoryResource>();
                           keep.push_back(r);
                           return r.get();
-                        }, 1 << 20},
+                        }, 1 << 20, true},
         ResourceFactory{"statistics", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<StatisticsAdaptor>(*up);
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();
-                        }, 1 << 20},
+                        }, 1 << 20, true},
         ResourceFactory{"limiting", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<LimitingAdaptor>(*up, 64 << 20, "test_limit");
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();
-                        }, 1 << 20},
+                        }, 1 << 20, true},
         ResourceFactory{"arena", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<ArenaResource>(*up);
@@ -44,14 +44,14 @@ INSTANTIATE_TEST_SUITE_P(
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();
-                        }, 1 << 20},
+                        }, 1 << 20, true},
         ResourceFactory{"fixed_size_pool", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<FixedSizePool>(*up, 1 << 20);
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();
-                        }, 1 << 20}),
+                        }, 1 << 20, true}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Stat, TracksCurrentPeakAllocatedFreed) {

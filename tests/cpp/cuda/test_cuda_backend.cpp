@@ -54,9 +54,9 @@ INSTANTIATE_TEST_SUITE_P(
                                         keep.push_back(r);
                                         return r.get();
                                       }, 1 << 20},
-                      ResourceFactory{"pinned_host", make_pinned, 1 << 20},
+                      ResourceFactory{"pinned_host", make_pinned, 1 << 20, true},
                       // requests this large take the mapped + registered path
-                      ResourceFactory{"pinned_host_mapped", make_pinned, PinnedHostMemoryResource::kRegisterMinBytes}),
+                      ResourceFactory{"pinned_host_mapped", make_pinned, PinnedHostMemoryResource::kRegisterMinBytes, true}),
     [](const auto& info) { return info.param.name; });
 
 TEST(CudaChunkManager, MovesBetweenGpuAndPinnedHostPreserveBytes) {
