@@ -66,6 +66,7 @@ void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
       .def("register_module", &GeminiManager::register_module, nogil())
       .def("watch_params", &GeminiManager::watch_params, nogil())
       .def("written_params", &GeminiManager::written_params)
+      .def("rebound_params", &GeminiManager::rebound_params)
       .def("note_param_versions", &GeminiManager::note_param_versions)
       .def("pre_forward", &GeminiManager::pre_forward, nogil())
       .def("post_forward", &GeminiManager::post_forward, nogil())

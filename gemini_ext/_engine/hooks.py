@@ -26,6 +26,8 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import input_hints
+
 
 class _PostBackward(torch.autograd.Function):
     @staticmethod
@@ -78,6 +80,8 @@ class HookSet:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._post_accumulate, i)))
         if scale_fn is not None:
             self._handles.append(model.register_forward_hook(self._scale_outputs))
+        if params:  # a failed forward whose inputs differ in dtype or device from the parameters says so
+            self._handles.append(input_hints.register(model, params[0].dtype, params[0].device))
 
     def remove(self) -> None:
         for h in self._handles:

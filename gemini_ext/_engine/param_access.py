@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -68,8 +69,11 @@ class ParamAccess:
         self._gm = None  # and this object of the manager (the engine is closing)
 
     # --- writes ------------------------------------------------------------------------------
-    def absorb_writes(self) -> None:
-        """Moves values written to parameters in place since the last call into the masters."""
+    def absorb_writes(self, refuse_rebinding: bool = True) -> None:
+        """Moves values written to parameters in place since the last call into the masters.
+        First, parameters whose `.data` was replaced (model.half(), .to(dtype or device)) are
+        given their chunk views back, and with `refuse_rebinding` that raises (see check_bindings)."""
+        self.check_bindings(refuse_rebinding)
         written = self._gm.written_params()
         if not written:
             return
@@ -82,6 +86,40 @@ class ParamAccess:
                     continue  # not readable here (sharded): the write itself raised
                 self._write_back(i, value)
         self._gm.note_param_versions()
+
+    def check_bindings(self, refuse: bool = True) -> None:
+        """[Note: a dtype or device change inside the block] `model.half()`, `.float()`,
+        `.to(dtype)`, `.to(device)` and the Trainer's `*_full_eval` casts replace each parameter's
+        `.data` with a converted copy, which no chunk holds: the forward would compute from the
+        stale copy while the optimizer updates the masters, and training would silently stop. The
+        compute dtype and device are the engine's (GeminiConfig.precision, device), so the
+        parameters get their chunk views back and this raises, naming the fix. Inside
+        `gathered()` the parameters hold gathered values on purpose and are not checked."""
+        if self._gathered_depth:
+            return
+        rebound = self._gm.rebound_params()
+        if not rebound:
+            return
+        seen = [(self._engine.parameter_name(i), self._params[i].dtype, self._params[i].device) for i in rebound[:3]]
+        views = self._gm.param_views()
+        for i in rebound:
+            self._params[i].data = views[i]
+        named = ", ".join(f"{name!r} (now {dtype}, {device})" for name, dtype, device in seen)
+        more = f" and {len(rebound) - 3} more" if len(rebound) > 3 else ""
+        if not refuse:
+            warnings.warn(f"gemini_ext: {len(rebound)} managed parameter(s) were converted inside the gx.enable block "
+                          f"({named}{more}); the conversion was undone and close() restores each parameter's original "
+                          "dtype and device from its fp32 master. Convert the model after the block.", stacklevel=4)
+            return
+        precision = self._engine.config.precision
+        raise RuntimeError(
+            f"gemini_ext: {len(rebound)} managed parameter(s) were converted inside the gx.enable block: {named}{more}. "
+            "model.half(), .float(), .bfloat16(), .to(dtype) or .to(device) replace each parameter with a copy that no "
+            f"chunk holds, so training would go on from a stale copy. The engine computes in {precision} on "
+            f"{self._engine.compute_device} from its chunks and has put the parameters back. To compute in another "
+            "dtype, pass GeminiConfig(precision='bf16' | 'fp16' | 'fp32') to gx.enable; for evaluation in that dtype "
+            "use torch.autocast; to move or cast the model itself, leave the block first (close() restores ordinary "
+            "parameters).")
 
     def _write_back(self, i: int, value: torch.Tensor, only_if_changed: bool = False) -> None:
         master = self._gm.read("param", i)

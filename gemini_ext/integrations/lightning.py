@@ -27,7 +27,9 @@ group); the strategy gives the engine what concerns the parameters:
   with `ckpt_path=` load the model only. `gemini-ext export <file>.gemini OUT` gives a plain
   model;
 - `teardown` closes the engine: after `fit` the module holds the trained values as ordinary
-  parameters.
+  parameters, and `trainer.save_checkpoint()` then writes the default strategy's file with the
+  model in `state_dict` and no optimizer state (with a warning); `validate`/`test`/`predict` load
+  it, `fit(ckpt_path=)` refuses it.
 Importing this module registers the strategy under names in Lightning's StrategyRegistry, so that
 `Trainer(strategy="gemini")` works: STRATEGY_NAMES lists each name with the config it stands for.
 """
@@ -38,6 +40,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -141,13 +144,29 @@ class GeminiStrategy(DDPStrategy):
             yield
 
     # --- checkpoints ---------------------------------------------------------------------------
+    def _engine_open(self) -> bool:
+        return self.engine is not None and not self.engine.closed
+
     def lightning_module_state_dict(self) -> dict:
+        if not self._engine_open():  # after fit: the module holds ordinary parameters, saved as usual
+            return super().lightning_module_state_dict()
         return {}  # the model is in the engine's checkpoint (save_checkpoint): no second copy
 
     def optimizer_state(self, optimizer) -> dict:
-        return {}  # likewise the optimizer's state
+        return {}  # likewise the optimizer's state (after fit there is none: it ended with the engine)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if not self._engine_open():
+            # trainer.save_checkpoint() after fit: teardown closed the engine and the module holds the
+            # trained values, so the file is the default strategy's, with the model and no optimizer state.
+            if self.engine is not None and self.is_global_zero:
+                warnings.warn("GeminiStrategy: saving after fit ended: the checkpoint holds the trained model "
+                              "(checkpoint['state_dict'], as the default strategy writes it) but no optimizer "
+                              "state, which ended with the engine at teardown. To resume training with its "
+                              "optimizer state, save during fit (a ModelCheckpoint callback).", stacklevel=2)
+            checkpoint[CHECKPOINT_KEY] = {"model_only": True}
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
         engine_dir = os.fspath(filepath) + ENGINE_SUFFIX
         self.engine.save_checkpoint(engine_dir)  # collective when sharded: every rank writes its shard
         checkpoint[CHECKPOINT_KEY] = {"engine_checkpoint": os.path.basename(engine_dir),
@@ -168,10 +187,20 @@ class GeminiStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Lightning restores the model first: the engine's checkpoint is loaded here, with the
         optimizer's state when fitting (the optimizer exists from setup() on)."""
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if checkpoint.get(CHECKPOINT_KEY, {}).get("model_only"):
+            # saved after fit: the model alone, as a plain state dict
+            if fitting:
+                raise ValueError(f"GeminiStrategy: {self._restore_from[:-len(ENGINE_SUFFIX)]} was saved after fit "
+                                 "ended and holds no optimizer state, so training cannot resume from it exactly. "
+                                 "Resume from a checkpoint saved during fit (ModelCheckpoint), or start a new fit "
+                                 "from these weights (load_from_checkpoint, or module.load_state_dict(...)).")
+            self.engine.load_state_dict(checkpoint["state_dict"], strict=strict)
+            self._restored = True
+            return
         if self._restore_from is None or not os.path.isfile(os.path.join(self._restore_from, "index.json")):
             raise ValueError(f"GeminiStrategy: no engine checkpoint at {self._restore_from}; load a checkpoint a "
                              "GeminiStrategy saved (its model and optimizer are in the directory beside the file).")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         self.engine.load_checkpoint(self._restore_from, model_only=not fitting)  # masters, optimizer, steps, RNG
         self._restored = True
 

@@ -47,6 +47,19 @@ from .lion import Lion  # noqa: F401  (gx.optim.Lion)
 from .rules import ADAM, MAX_STATE_KINDS, rule_for
 
 
+def _as_param_list(params) -> list:
+    """torch.optim's `params` argument taken once: a generator (model.parameters()) is read here,
+    before anything else iterates it, and a lone tensor is refused as torch refuses it."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("gemini_ext optimizer: params must be an iterable of tensors or of dicts (parameter groups), "
+                        f"got a single {type(params).__name__}; pass [tensor] or model.parameters().")
+    try:
+        return list(params)
+    except TypeError:
+        raise TypeError("gemini_ext optimizer: params must be an iterable of tensors or of dicts (parameter groups), "
+                        f"got {type(params).__name__}; pass model.parameters() or a list of groups.") from None
+
+
 def _as_groups(params) -> list[dict]:
     """torch.optim's `params` argument (tensors, or dicts of options with "params") as group dicts."""
     params = list(params)
@@ -100,6 +113,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                              "SGD, Adagrad and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
         if params is None:
             params = [p for p in engine.parameters() if p.requires_grad]
+        else:
+            params = _as_param_list(params)
         self.engine = engine
         self.opt_class = opt_cls
         self.rule = rule

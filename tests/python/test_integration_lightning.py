@@ -209,3 +209,26 @@ def test_strategy_names_select_the_strategy_from_lightnings_registry(tmp_path, n
     assert isinstance(strategy, GeminiStrategy)
     assert (strategy.config.placement_policy, strategy.config.offload_param_frac) == (policy, param_frac)
     assert strategy.engine.closed and strategy.engine.stats()["optimizer_steps"] == 2
+
+
+def test_save_checkpoint_after_fit_writes_the_trained_model_as_the_default_strategy_does(tmp_path):
+    """After fit, teardown closed the engine: trainer.save_checkpoint() writes the module's ordinary
+    state dict (no optimizer state, said in a warning); validate(ckpt_path=) loads it and
+    fit(ckpt_path=) refuses it, naming the fix."""
+    module = GPTModule()
+    trainer = _fit(module, GeminiStrategy(_config()), tmp_path / "fit", max_steps=2, batches=2 * ACCUM)
+    path = tmp_path / "final.ckpt"
+    with pytest.warns(UserWarning, match="no optimizer state"):
+        trainer.save_checkpoint(path)
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    trained = module.state_dict()
+    assert saved["state_dict"].keys() == trained.keys()
+    assert all(torch.equal(saved["state_dict"][k], trained[k]) for k in trained)
+    evaluated = GPTModule()
+    evaluated.validation_step = lambda data, *_: evaluated.log("val_loss", evaluated.training_step(data, 0))
+    pl.Trainer(strategy=GeminiStrategy(_config()), accelerator="cpu", devices=1, precision="32-true", logger=False,
+               enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path / "eval")
+               ).validate(evaluated, torch.utils.data.DataLoader(Batches(2), batch_size=1), ckpt_path=str(path))
+    assert max(max_relative_difference(evaluated, module).values()) == 0.0
+    with pytest.raises(ValueError, match="saved after fit ended.*ModelCheckpoint"):
+        _fit(GPTModule(), GeminiStrategy(_config()), tmp_path / "resume", max_steps=4, ckpt_path=str(path))

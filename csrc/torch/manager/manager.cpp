@@ -197,6 +197,18 @@ void GeminiManager::watch_params(std::vector<at::Tensor> params) {
   watched_ = std::move(params);
   watched_versions_.assign(watched_.size(), 0);
   for (size_t i = 0; i < watched_.size(); ++i) watched_versions_[i] = watched_[i]._version();
+  watched_storages_.assign(watched_.size(), nullptr);
+  for (size_t i = 0; i < watched_.size(); ++i)
+    if (watched_[i].has_storage()) watched_storages_[i] = watched_[i].storage().unsafeGetStorageImpl();
+}
+
+std::vector<int> GeminiManager::rebound_params() const {
+  std::vector<int> out;
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    const c10::StorageImpl* now = watched_[i].has_storage() ? watched_[i].storage().unsafeGetStorageImpl() : nullptr;
+    if (now != watched_storages_[i]) out.push_back(static_cast<int>(i));
+  }
+  return out;
 }
 
 std::vector<int> GeminiManager::written_params() const {

@@ -130,9 +130,11 @@ class GeminiManager {
 
   // Writes made to parameters outside the hooks: the manager remembers each parameter's version
   // counter (torch bumps it at every in-place change); written_params() lists those that moved
-  // since note_param_versions().
+  // since note_param_versions(). rebound_params() lists those whose `.data` no longer views the
+  // storage it viewed when watched (model.half(), .to(dtype or device) replace it with a copy).
   void watch_params(std::vector<at::Tensor> params);
   std::vector<int> written_params() const;
+  std::vector<int> rebound_params() const;
   void note_param_versions();
 
   // Hook bodies.
@@ -291,6 +293,7 @@ class GeminiManager {
   std::vector<Module> modules_;
   std::vector<at::Tensor> watched_;          // the parameters themselves, by index (watch_params)
   std::vector<int64_t> watched_versions_;
+  std::vector<const c10::StorageImpl*> watched_storages_;  // what each watched parameter viewed
   std::unique_ptr<ParamStorages> storages_;
   AccessTrace trace_;
   Communicator* replicas_ = nullptr;
