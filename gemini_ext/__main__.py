@@ -50,7 +50,14 @@ def main(argv=None) -> int:
     est.add_argument("--host-bytes", default=None, help="another machine's available host memory, e.g. 125GiB")
     est.add_argument("--peak-tflops", type=float, default=None)
     est.add_argument("--device-name", default=None, help="e.g. H200 (its peak from the table)")
-    est.add_argument("--cpu-rate", type=float, default=None, help="CPU Adam elements/s there (default: measured here)")
+    est.add_argument("--cpu-rate", type=float, default=None,
+                     help="CPU Adam elements/s there (default: measured here, and printed; it varies with the host's "
+                          "load from run to run, so pass it to compare runs)")
+    est.add_argument("--search-range-m", type=float, default=None,
+                     help="GeminiConfig.search_range_m: the chunk search's range in 2**20 elements (default 128)")
+    est.add_argument("--min-chunk-size-m", type=float, default=None,
+                     help="GeminiConfig.min_chunk_size_m (default 32)")
+    est.add_argument("--gpu-memory-limit", default=None, help="GeminiConfig.gpu_memory_limit, e.g. 24GiB")
     est.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -66,16 +73,39 @@ def main(argv=None) -> int:
         print(f"wrote {summary['path']}: {summary['tensors']} tensors{files}, {summary['bytes'] / 2**20:.1f} MiB "
               f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")
     elif args.command == "estimate":
-        _estimate(args)
+        return _estimate(args)
     return 0
 
 
-def _estimate(args) -> None:
+# gx.estimate's and GeminiConfig's keywords as the estimate command spells them, for its messages.
+ESTIMATE_FLAGS = {"device_bytes": "--device-bytes", "host_bytes": "--host-bytes", "peak_tflops": "--peak-tflops",
+                  "device_name": "--device-name", "cpu_optimizer_elements_per_s": "--cpu-rate",
+                  "tokens_per_step": "--tokens-per-step", "world_size": "--world-size",
+                  "loss_chunk_tokens": "--loss-chunk-tokens", "search_range_m": "--search-range-m",
+                  "min_chunk_size_m": "--min-chunk-size-m", "gpu_memory_limit": "--gpu-memory-limit",
+                  "max_norm": "--max-norm", "optimizer_step_in_backward": "--step-in-backward",
+                  "optimizer_state_dtype": "--optimizer-state-dtype", "master_weights": "--no-master-weights",
+                  "placement_policy": "--policy", "chunk_config_dict": "--search-range-m",
+                  "activation_bytes_per_token_override": "--hf-config of a model with an embedding and blocks"}
+
+
+def in_flags(message: str) -> str:
+    """`message` with gx.estimate's keywords (`device_bytes=`, `gx.estimate(device_bytes=...)`) as the flags."""
+    import re
+
+    message = re.sub(r"gx\.estimate\((\w+)=\.\.\.\)", r"\1", message).replace("gx.estimate: ", "")
+    for key, flag in sorted(ESTIMATE_FLAGS.items(), key=lambda kv: -len(kv[0])):
+        message = re.sub(rf"\b{key}=?(?=\W|$)", flag, message)
+    return message
+
+
+def _estimate(args) -> int:
     import json
+    import warnings
 
     import torch
 
-    from . import GeminiConfig, format_bytes
+    from . import GeminiConfig, _C, format_bytes
     from .estimate import estimate
 
     with torch.device("meta"):
@@ -92,19 +122,32 @@ def _estimate(args) -> None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
-    config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm, precision=args.precision,
-                          optimizer_state_dtype=args.optimizer_state_dtype, master_weights=not args.no_master_weights,
-                          optimizer_step_in_backward=args.step_in_backward)
-    device_bytes = int(args.device_bytes) if args.device_bytes and args.device_bytes.isdigit() else args.device_bytes
-    host_bytes = int(args.host_bytes) if args.host_bytes and args.host_bytes.isdigit() else args.host_bytes
-    e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,
-                 checkpointing=not args.no_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
-                 device_bytes=device_bytes, host_bytes=host_bytes,
-                 peak_tflops=args.peak_tflops, device_name=args.device_name,
-                 cpu_optimizer_elements_per_s=args.cpu_rate)
+    def number(text):
+        return int(text) if text and text.isdigit() else text
+
+    search = {k: v for k, v in (("search_range_m", args.search_range_m), ("min_chunk_size_m", args.min_chunk_size_m))
+              if v is not None}
+    try:
+        config = GeminiConfig(placement_policy=args.policy, max_norm=args.max_norm, precision=args.precision,
+                              optimizer_state_dtype=args.optimizer_state_dtype,
+                              master_weights=not args.no_master_weights,
+                              optimizer_step_in_backward=args.step_in_backward,
+                              gpu_memory_limit=number(args.gpu_memory_limit), **search)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,
+                         checkpointing=not args.no_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
+                         device_bytes=number(args.device_bytes), host_bytes=number(args.host_bytes),
+                         peak_tflops=args.peak_tflops, device_name=args.device_name,
+                         cpu_optimizer_elements_per_s=args.cpu_rate)
+    except (ValueError, TypeError, NotImplementedError, _C.OutOfMemoryError, torch.OutOfMemoryError) as exc:
+        print(f"gemini-ext estimate: {in_flags(str(exc))}", file=sys.stderr)
+        return 2
+    for w in caught:
+        print(f"warning: {in_flags(str(w.message))}", file=sys.stderr)
     if args.json:
         print(json.dumps(e, indent=2))
-        return
+        return 0 if e["fits"]["device"] and e["fits"]["host"] is not False else 1
     plan, parts = e["plan"], e["step_parts_s"]
     print(f"plan         {plan['chunk_sets']} chunk sets of {plan['chunk_size']:,} elements; optimizer state of "
           f"{plan['optim_sets_on_device']} on the device, {plan['optim_sets_on_host']} on the host "
@@ -117,6 +160,23 @@ def _estimate(args) -> None:
           f"{parts['optimizer_wait']:.3f}, "
           f"fetches {parts['fetch_stall']:.3f}): {e['tokens_per_s']:,.0f} tokens/s, "
           f"MFU {e['mfu']:.1%} of {e['inputs']['peak_tflops']:.0f} TFLOP/s")
+    rates = e["rates"]
+    print(f"rates        GPU {rates['gpu_flops_per_s'] / 1e12:.0f} TFLOP/s achieved; CPU Adam "
+          f"{rates['cpu_optimizer_elements_per_s'] / 1e9:.2f} G elements/s ({rates['cpu_optimizer_source']}); "
+          f"host-to-device {rates['h2d_bytes_per_s'] / 1e9:.0f} GB/s")
+    fits = e["fits"]
+    if not fits["device"]:
+        over = e["device_bytes"] - fits["device_capacity_bytes"]
+        print(f"does not fit: the device needs {format_bytes(e['device_bytes'])} and has "
+              f"{format_bytes(fits['device_capacity_bytes'])} ({format_bytes(over)} over; activations "
+              f"{format_bytes(e['activation_bytes'])}): lower --tokens-per-step per rank, add ranks (--world-size) or "
+              "take a larger device (--device-bytes)")
+    if fits["host"] is False:
+        over = e["host_bytes"] - fits["host_available_bytes"]
+        print(f"does not fit: the host needs {format_bytes(e['host_bytes'])} per rank and has "
+              f"{format_bytes(fits['host_available_bytes'])} ({format_bytes(over)} over): add ranks (--world-size), "
+              "a larger host (--host-bytes) or a smaller state (--optimizer-state-dtype bf16)")
+    return 0 if fits["device"] and fits["host"] is not False else 1
 
 
 if __name__ == "__main__":

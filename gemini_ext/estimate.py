@@ -236,6 +236,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
     forward_seconds = max(forward_flops / rate, dispatch_per_pass)
     cpu_rate = float(cpu_optimizer_elements_per_s or cpu_elements_per_s())
+    cpu_source = "given" if cpu_optimizer_elements_per_s else "measured here"
     measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
                             non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO), forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
@@ -245,7 +246,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
                          activation_bytes=activations, activation_bytes_per_token=per_token, peak_tflops=peak,
-                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
+                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size,
+                         cpu_rate_source=cpu_source))
 
 
 def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, facts) -> dict:
@@ -281,15 +283,20 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         host_elements * itemsize if initial.params_born_on_device else param_bytes)
     model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])  # 4 N + 2 N_trainable
     rank_tokens_per_s = facts["rank_tokens"] / step
+    device_bytes = min(param_bytes + device_state, budget) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO) \
+        + DEVICE_OTHER_BYTES
     return {
         "plan": {"policy": config.placement_policy, "chunk_size": facts["chunk_size"], "chunk_sets": len(elements),
                  "optim_sets_on_device": sum(1 for h, t in zip(on_host, m.trainable) if t and not h),
                  "optim_sets_on_host": sum(on_host), "link_lane_sets": len(link),
                  "host_stepped_parameters": host_elements, "params_born_on_device": initial.params_born_on_device,
                  "chunk_budget_bytes": budget, "evicted_param_bytes": displaced},
-        "device_bytes": min(param_bytes + device_state, budget) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO)
-                        + DEVICE_OTHER_BYTES,
+        "device_bytes": device_bytes,
         "host_bytes": host_bytes,
+        # whether the plan fits the device (its capacity, or gpu_memory_limit) and the host (None: unknown)
+        "fits": {"device": device_bytes <= m.device_capacity_bytes, "device_capacity_bytes": m.device_capacity_bytes,
+                 "host": None if m.host_available_bytes is None else host_bytes <= m.host_available_bytes,
+                 "host_available_bytes": m.host_available_bytes},
         "activation_bytes": facts["activation_bytes"],
         "step_time_s": step,
         "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "gradients_tail": grads_tail,
@@ -298,7 +305,8 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
         "rates": {"gpu_flops_per_s": facts["peak_tflops"] * 1e12 * gpu_efficiency(facts["rank_tokens"]),
-                  "cpu_optimizer_elements_per_s": cpu_rate, "link_optimizer_elements_per_s": LINK_ELEMENTS_PER_S,
+                  "cpu_optimizer_elements_per_s": cpu_rate, "cpu_optimizer_source": facts["cpu_rate_source"],
+                  "link_optimizer_elements_per_s": LINK_ELEMENTS_PER_S,
                   "h2d_bytes_per_s": H2D_BYTES_PER_S},
         "inputs": {k: facts[k] for k in ("tokens_per_step", "world_size", "activation_bytes_per_token", "peak_tflops",
                                          "device_name")},

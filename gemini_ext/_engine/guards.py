@@ -14,6 +14,9 @@ the old gradients in, as transformers' Trainer calls it). While at least one eng
   parameters), and raises, naming engine.clip_grad_norm_, for any other mix of managed
   parameters; clip_grad_value_ on managed parameters raises. Unmanaged parameters go to torch's
   own functions untouched;
+- accelerate's Accelerator.clip_grad_norm_ (when accelerate is imported) goes to that same
+  clip_grad_norm_ when given managed parameters: its own code reads `p.grad`, skips the None
+  ones and would report 0 and clip nothing where `integrations.accelerate.prepare` was not called;
 - torch.nn.Module.zero_grad clears the engine's gradient chunks when the module holds every
   trainable parameter of one engine (the model, or a wrapper around it), and raises for a module
   holding only some of them; other parameters are cleared by torch as usual.
@@ -25,6 +28,7 @@ torch's function; engine.clip_grad_norm_ (or `max_norm`) is the direct way.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 
@@ -71,9 +75,15 @@ def _install() -> None:
     torch.nn.utils.clip_grad_value_ = _clip_grad_module.clip_grad_value_ = value
     _installed["zero_grad"] = torch.nn.Module.zero_grad
     torch.nn.Module.zero_grad = _module_zero_grad(_installed["zero_grad"])
+    accelerate = sys.modules.get("accelerate")
+    if accelerate is not None and hasattr(accelerate, "Accelerator"):
+        _installed["accelerate_clip"] = accelerate.Accelerator.clip_grad_norm_
+        accelerate.Accelerator.clip_grad_norm_ = _accelerate_clip(accelerate.Accelerator.clip_grad_norm_)
 
 
 def _uninstall() -> None:
+    if "accelerate_clip" in _installed:
+        sys.modules["accelerate"].Accelerator.clip_grad_norm_ = _installed.pop("accelerate_clip")
     torch.nn.Module.zero_grad = _installed.pop("zero_grad")
     _installed.pop("hook").remove()
     torch.nn.utils.clip_grad_norm_ = _clip_grad_module.clip_grad_norm_ = _installed.pop("clip_norm")
@@ -123,6 +133,16 @@ def _clip_norm(original):
             "of a managed model's parameters; their gradients live in chunks (p.grad is None), so torch would clip "
             "nothing. Clip all of the model's gradients with engine.clip_grad_norm_(max_norm) (or "
             "GeminiConfig(max_norm=...)), and other parameters in a separate call.")
+    return clip_grad_norm_
+
+
+def _accelerate_clip(original):
+    @functools.wraps(original)
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        params, owned = _managed(parameters)
+        if any(o is not None for o in owned):  # the engine's clipping, or the refusal of a mix
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return original(self, params, max_norm, norm_type=norm_type)
     return clip_grad_norm_
 
 

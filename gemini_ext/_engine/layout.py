@@ -48,9 +48,12 @@ def choose_chunk_size(model, named, config, world_size: int) -> int:
             f"and optimizer-state chunk; search_range_m={wider_range:g} finds {better['chunk_size']:,} "
             f"elements, wasting {better['wasted_frac']:.1%}. Pass search_range_m={wider_range:g} (or a "
             "chunk_config_dict) to use that memory.", stacklevel=4)
-    # A model smaller than the minimum chunk size needs no chunk larger than itself.
-    aligned_total = sum(-(-p.numel() // ALIGNMENT_NUMEL) * ALIGNMENT_NUMEL for _, p in named)
-    return min(chunk_size, aligned_total)
+    return _fitted(chunk_size, named)  # a model smaller than the minimum chunk size needs no larger chunk
+
+
+def _fitted(chunk_size: int, named) -> int:
+    """`chunk_size`, or the aligned elements of `named` when they are fewer."""
+    return min(chunk_size, sum(-(-p.numel() // ALIGNMENT_NUMEL) * ALIGNMENT_NUMEL for _, p in named))
 
 
 def check_parameters(model, named, config, compute_dtype: torch.dtype) -> None:
@@ -110,11 +113,15 @@ class ChunkLayout:
         frozen = [(n, p) for n, p in named if not p.requires_grad]
         group_dtype = {"param": compute_dtype, "grad": compute_dtype, "frozen": compute_dtype,
                        **{kind: state_dtype for kind in self.state_groups}}
+        # Each group's chunks are no larger than what the group holds: a LoRA adapter's few thousand
+        # trainable elements get chunks of their size, not the frozen base model's (whose gradient,
+        # master and state chunks would be mostly padding).
         if trainable:
             for kind in self.trainable_kinds:
-                chunks.create_group(kind, group_dtype.get(kind, STATE_DTYPE), chunk_size, host, ALIGNMENT_NUMEL)
+                chunks.create_group(kind, group_dtype.get(kind, STATE_DTYPE), _fitted(chunk_size, trainable), host,
+                                    ALIGNMENT_NUMEL)
         if frozen:
-            chunks.create_group("frozen", compute_dtype, chunk_size, host, ALIGNMENT_NUMEL)
+            chunks.create_group("frozen", compute_dtype, _fitted(chunk_size, frozen), host, ALIGNMENT_NUMEL)
         self.handles = {}  # (kind, parameter index) -> (chunk, slot)
         self.names, self.params, self.orig, self.numels = [], [], [], []
         for name, p in trainable + frozen:

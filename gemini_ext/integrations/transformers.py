@@ -13,8 +13,10 @@ takes what concerns the parameters:
 - `gradient_checkpointing=True` checkpoints non-reentrantly (`use_reentrant=False`, transformers
   5's default; the engine refuses the reentrant form at backward); asking for it reentrant is an
   error; `torch_compile=True` compiles the model with the arguments' backend and mode;
-- precision: `bf16` / `fp16` in the TrainingArguments choose the engine's `precision` (the Trainer's
-  own autocast is turned off); a GeminiConfig asking for another precision is an error;
+- precision: `bf16` / `fp16` in the TrainingArguments choose the engine's `precision`, neither
+  means fp32 as for a plain Trainer (with a warning when the GeminiConfig was left at its default
+  bf16); the Trainer's own autocast is turned off; a GeminiConfig asking for another precision is
+  an error, as is `fp16_full_eval` / `bf16_full_eval` in another dtype than the precision;
 - the optimizer is the engine's AdamW with the arguments' lr, betas, eps and weight decay, in the
   Trainer's two parameter groups (no decay for biases and norms); `optim="sgd"` or `"adagrad"`
   give torch's SGD or Adagrad with the arguments' lr (native kernels too); the scheduler is the
@@ -40,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 
 import torch
 import transformers
@@ -95,6 +98,28 @@ def _checked_args(args, who: str):
     return dataclasses.replace(args, **replaced)
 
 
+def _trainer_precision(args, config: GeminiConfig, who: str) -> str:
+    """The engine's precision from the TrainingArguments, as a plain Trainer would train: `bf16`,
+    `fp16`, else fp32. A config asking for another precision is refused, and a config left at
+    its default bf16 while the arguments ask for neither is told that fp32 wins. The `*_full_eval`
+    casts would convert the managed parameters, so one that differs from the precision is refused."""
+    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if wanted == "fp32" and config.precision == GeminiConfig().precision:
+        warnings.warn(f"{who}: the TrainingArguments set neither bf16 nor fp16, so the model trains in fp32 as a "
+                      f"plain Trainer would (GeminiConfig's default precision={config.precision!r} yields to them). "
+                      "Pass bf16=True (or fp16=True) in the TrainingArguments to compute in 16 bits.", stacklevel=3)
+        precision = wanted
+    else:
+        precision = agreed_precision(config, wanted, who, "TrainingArguments")
+    for flag, dtype in (("fp16_full_eval", "fp16"), ("bf16_full_eval", "bf16")):
+        if getattr(args, flag, False) and dtype != precision:
+            raise ValueError(f"{who}: {flag}=True casts the whole model to {dtype} for evaluation, and the engine's "
+                             f"parameters compute in {precision} from their chunks (a cast would be undone). Leave "
+                             f"{flag} out (evaluation runs in {precision}), or train in {dtype} "
+                             f"({'fp16' if dtype == 'fp16' else 'bf16'}=True in the TrainingArguments).")
+    return precision
+
+
 class GeminiTrainerMixin:
     """Put first in the bases of a `transformers.Trainer` subclass; takes `gemini_config=gx.GeminiConfig(...)`
     beside the trainer's own arguments (the model and the arguments by name or in the Trainer's order)."""
@@ -119,9 +144,8 @@ class GeminiTrainerMixin:
                              "hyperparameters); leave `optimizers` out.")
         train_args = kwargs.get("args") or transformers.TrainingArguments(output_dir="trainer_output")
         config = gemini_config if gemini_config is not None else GeminiConfig()
-        wanted = "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else None
+        config = dataclasses.replace(config, precision=_trainer_precision(train_args, config, who))
         train_args = _checked_args(train_args, who)
-        config = dataclasses.replace(config, precision=agreed_precision(config, wanted, who, "TrainingArguments"))
         _ = train_args.device  # under torchrun the Trainer's process group exists before the engine shards over it
         kwargs["args"] = train_args
         self.engine = enable(model, config)

@@ -155,3 +155,29 @@ def test_steps_from_backward_overlap_the_next_forward_in_its_order():
     args = ([1, 1, 1, 1], [False, False, True, True], 1.0, 1.0)
     assert exposed(*args, during_backward=True, forward_seconds=1.0) == pytest.approx(0.75)
     assert exposed(*args, during_backward=True) == pytest.approx(1.25)
+
+
+def test_the_command_line_speaks_in_flags_says_what_does_not_fit_and_prints_its_rates(capsys):
+    """User errors are one line naming the flags (no traceback, exit status 2); a plan larger than
+    the device is printed with how much it is over (exit status 1); the CPU rate used is printed
+    with its source; the chunk search's flags exist."""
+    if not torch.cuda.is_available():
+        assert cli(["estimate", "--preset", "tiny", "--tokens-per-step", "64"]) == 2
+        err = capsys.readouterr().err
+        assert "--device-bytes" in err and "--device-name" in err and "device_bytes=" not in err, err
+        assert "Traceback" not in err
+    assert cli(["estimate", "--preset", "tiny", "--tokens-per-step", "0", "--device-bytes", "80GB",
+                "--device-name", "H100", "--cpu-rate", "4e9"]) == 2
+    assert "--tokens-per-step must be a positive int" in capsys.readouterr().err
+    assert cli(["estimate", "--preset", "1.3b", "--tokens-per-step", "8192", "--device-bytes", "4GiB",
+                "--device-name", "H100", "--host-bytes", "64GiB", "--cpu-rate", "4e9"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the device needs" in out and "GiB over" in out and "--tokens-per-step" in out, out
+    assert "CPU Adam 4.00 G elements/s (given)" in out, out
+    assert cli(["estimate", "--preset", "small", "--tokens-per-step", "2048", "--device-bytes", "80GB",
+                "--host-bytes", "64GiB", "--device-name", "H100", "--search-range-m", "0.5",
+                "--min-chunk-size-m", "0.25", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["fits"] == {"device": True, "device_capacity_bytes": 80 * 10**9, "host": True,
+                         "host_available_bytes": 64 * 2**30}
+    assert e["plan"]["chunk_size"] <= 2**19 and e["rates"]["cpu_optimizer_source"] == "measured here"

@@ -56,6 +56,28 @@ def test_an_accelerate_loop_trains_as_without_gemini_ext(device):
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 
+def test_without_prepare_the_accelerators_clipping_still_clips_in_the_chunks():
+    """accelerate's clip_grad_norm_ reads p.grad, which is None for managed parameters: without
+    prepare() it would report 0 and clip nothing. While an engine is open it clips through the
+    engine, and a mix of managed and other parameters raises."""
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
+    plain_norms = _loop(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM), reference, ref_opt,
+                        torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5))
+    config = gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096})
+    with gx.enable(model, config) as engine:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        opt = engine.optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+        norms = _loop(accelerator, model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        with pytest.raises(RuntimeError, match="engine.clip_grad_norm_"):
+            accelerator.clip_grad_norm_([*model.parameters(), torch.nn.Parameter(torch.ones(2))], 1.0)
+    assert norms == pytest.approx(plain_norms, rel=1e-4) and min(plain_norms) > 0.05, "clipped, in the chunks"
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
+    assert accelerate.Accelerator.clip_grad_norm_.__module__.startswith("accelerate"), "put back at close"
+
+
 def test_prepare_refuses_what_is_not_an_open_engine():
     with pytest.raises(ValueError, match="must be an open engine"):
         prepare(accelerate.Accelerator(cpu=True), object())

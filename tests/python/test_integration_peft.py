@@ -88,6 +88,12 @@ def test_a_frozen_base_costs_its_compute_dtype_bytes_only():
         # bf16: 2 bytes per frozen parameter (padding aside); 2 + 2 (gradient) + 4 (master) + 8 (Adam) trainable
         assert 2.0 <= costs["frozen"]["bytes_per_parameter"] <= 2.0 + padding / frozen
         assert costs["trainable"]["bytes_per_parameter"] >= 16.0
+    # the default chunk search: the adapter's chunks are sized to it, not to the base model
+    _, again = _lora_models()
+    with gx.enable(again, gx.GeminiConfig(device="sim", precision="bf16")) as engine:
+        engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        assert 16.0 <= engine.stats()["parameters"]["trainable"]["bytes_per_parameter"] <= 32.0, \
+            engine.stats()["parameters"]
         frozen_sets = [s for s in engine.internal.layout.sets if not s.trainable]
         assert frozen_sets and all(s.optimizer_side() == {} for s in frozen_sets), "no gradient, master or state"
 

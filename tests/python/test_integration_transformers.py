@@ -144,6 +144,11 @@ def test_arguments_that_conflict_with_the_engine_are_refused(tmp_path):
     with pytest.raises(ValueError, match="fsdp=.*cannot manage them too"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path, fsdp="full_shard"), train_dataset=Tokens(),
                       gemini_config=_gemini_config())
+    for flag in ("fp16_full_eval", "bf16_full_eval"):  # the cast evaluate() makes would convert managed parameters
+        args = _args(tmp_path)
+        object.__setattr__(args, flag, True)  # as if given (TrainingArguments checks the hardware for it)
+        with pytest.raises(ValueError, match=f"{flag}=True casts the whole model.*Leave {flag} out"):
+            GeminiTrainer(model=_llama(), args=args, train_dataset=Tokens(), gemini_config=_gemini_config())
     args = _args(tmp_path)
     object.__setattr__(args, "deepspeed", "ds_config.json")  # as if given: building it needs deepspeed installed
     with pytest.raises(ValueError, match="deepspeed='ds_config.json'.*cannot manage them too"):
@@ -261,3 +266,17 @@ def test_the_mixin_over_trls_sft_trainer_trains_as_sft_trainer(tmp_path):
     ours.close()
     for (name, a), (_, b) in zip(plain_model.named_parameters(), model.named_parameters()):
         assert (a.detach() - b.detach()).abs().max() <= 1e-5 * a.abs().max(), name
+
+
+def test_the_precision_comes_from_the_training_arguments(tmp_path):
+    """Neither bf16 nor fp16 in the arguments: fp32, as a plain Trainer trains, and a warning when
+    the GeminiConfig was left at its default bf16; bf16=True gives bf16."""
+    with pytest.warns(UserWarning, match="neither bf16 nor fp16.*fp32"):
+        t = GeminiTrainer(model=_llama(), args=_args(tmp_path), train_dataset=Tokens(),
+                          gemini_config=gx.GeminiConfig(device="sim"))
+    assert t.engine.config.precision == "fp32" and next(t.model.parameters()).dtype == torch.float32
+    t.close()
+    t = GeminiTrainer(model=_llama(), args=_args(tmp_path, bf16=True), train_dataset=Tokens(),
+                      gemini_config=gx.GeminiConfig(device="sim"))
+    assert t.engine.config.precision == "bf16" and next(t.model.parameters()).dtype == torch.bfloat16
+    t.close()
