@@ -1,4 +1,5 @@
 """Trains a few steps under a device budget and plots the scheduler's memory timeline.
+Needs matplotlib: `pip install ".[plot]"` (or `pip install matplotlib`).
 
     python examples/plot_memory_timeline.py --out timeline.png            # sim, gpt-tiny
     python examples/plot_memory_timeline.py --preset 1.3b --budget 8GiB   # on the GPU
@@ -13,7 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:
+    raise SystemExit("plot_memory_timeline.py needs matplotlib: pip install \".[plot]\" (gemini_ext's plot extra) "
+                     "or pip install matplotlib.") from None
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

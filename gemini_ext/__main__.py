@@ -23,7 +23,8 @@ def main(argv=None) -> int:
     exp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                      help="floating tensors in this dtype (default fp32: the masters exactly)")
     exp.add_argument("--config", default=None,
-                     help="a HuggingFace config.json: OUT becomes a directory from_pretrained reads")
+                     help="a HuggingFace config.json (or the directory holding it), checked against the checkpoint: "
+                          "OUT becomes a directory from_pretrained reads")
     exp.add_argument("--max-shard-size", default=None,
                      help="shards of at most this size, e.g. 5GB, with model.safetensors.index.json (OUT is a "
                           "directory, as transformers' save_pretrained writes it)")
@@ -67,8 +68,12 @@ def main(argv=None) -> int:
     elif args.command == "export":
         from .export import export
 
-        summary = export(args.checkpoint, args.out, args.dtype, args.config, progress=not args.no_progress,
-                         max_shard_size=args.max_shard_size)
+        try:
+            summary = export(args.checkpoint, args.out, args.dtype, args.config, progress=not args.no_progress,
+                             max_shard_size=args.max_shard_size)
+        except (ValueError, TypeError, FileNotFoundError) as exc:  # the caller's input: one line, no traceback
+            print(f"{prog} export: {str(exc).removeprefix('export: ')}", file=sys.stderr)
+            return 2
         files = f" in {len(summary['files'])} files" if len(summary["files"]) > 1 else ""
         print(f"wrote {summary['path']}: {summary['tensors']} tensors{files}, {summary['bytes'] / 2**20:.1f} MiB "
               f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")

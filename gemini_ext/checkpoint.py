@@ -16,9 +16,11 @@ training continues bit-exactly.
 `path` always holds a loadable checkpoint once one was saved: the index is the commit point. A
 save writes its files under names of the next generation beside the current ones (fsynced),
 then the new index under a temporary name, and renames it over `index.json` (one atomic rename);
-only then are the files no index names removed (the previous generation's, and any left by a
-save killed before its commit). Killed before the rename, the previous index and its files are
-untouched; after it, the new ones are complete. `path` is never renamed away, so there is no
+only then are the files no index names removed (the previous generation's). Killed before the
+rename, the previous index and its files are untouched; after it, the new ones are complete. A
+save first removes the files no index names (a save killed before its commit left its own, one
+killed after it the previous generation's), so at most one killed save's files are ever beside
+the committed checkpoint, however many saves in a row are killed. `path` is never renamed away, so there is no
 moment without it (tests/python/test_checkpoint.py kills saves at random moments). Files are
 loaded with weights_only=True; a missing, truncated or corrupted one is refused naming it.
 `load(..., model_only=True)` (either version) restores the masters and buffers alone, for an
@@ -76,13 +78,19 @@ def rank_file(rank: int, generation: int) -> str:
     return f"rank{rank:05d}-g{generation}.pt"
 
 
-def _next_generation(path: str) -> int:
-    """One more than the generation of the checkpoint in `path` (1 when there is none)."""
+def _begin_generation(path: str) -> int:
+    """One more than the generation of the checkpoint in `path` (1 when there is none), after
+    removing what earlier saves killed before they finished left there (the Note above)."""
     try:
         with open(os.path.join(path, INDEX)) as f:
-            return int(json.load(f).get("generation", 0)) + 1
-    except (OSError, ValueError, AttributeError):
-        return 1
+            index = json.load(f)
+        generation, committed = int(index.get("generation", 0)), set(index["files"])
+    except FileNotFoundError:
+        generation, committed = 0, set()
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return 1  # an index this code cannot read: leave the directory's files alone
+    _remove_stale(path, keep=committed)
+    return generation + 1
 
 
 class _Checksummed:
@@ -195,7 +203,7 @@ def save(engine, path: str, frozen: bool = True) -> None:
                 "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None},
     }
     os.makedirs(path, exist_ok=True)
-    generation = _next_generation(path)
+    generation = _begin_generation(path)
     file = rank_file(0, generation)
     index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [file], "generation": generation,
              "precision": engine.config.precision, "optimizer_steps": engine.internal.counters.optimizer_steps,
@@ -269,7 +277,7 @@ def _save_zero_group(engine, path: str, frozen: bool) -> None:
     generation = [0]
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        generation = [_next_generation(path)]
+        generation = [_begin_generation(path)]
     dist.broadcast_object_list(generation, src=dist.get_global_rank(group, 0), group=group)
     generation = generation[0]
     own_file = os.path.join(path, rank_file(rank, generation))

@@ -105,6 +105,51 @@ class _Source:
         return full.view(entry["shape"])
 
 
+def _config_file(config: str) -> str:
+    """`config`, a config.json or a directory holding one (a from_pretrained directory)."""
+    if os.path.isdir(config):
+        inner = os.path.join(config, "config.json")
+        if not os.path.isfile(inner):
+            raise FileNotFoundError(f"export --config: the directory {config!r} has no config.json; pass the "
+                                    "model's config.json or the directory that holds it.")
+        return inner
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"export --config: {config!r} does not exist; pass the model's config.json or the "
+                                "directory that holds it.")
+    return config
+
+
+def check_config_matches(config: str, entries: list) -> None:
+    """Raises ValueError when the model `config` describes (built on meta with transformers) has
+    other state-dict keys or shapes than the checkpoint: from_pretrained would not load the export.
+    Without transformers the check is skipped (the copy of config.json is all that needs it)."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config)))
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:  # not a causal LM: the architecture's base model
+            model = transformers.AutoModel.from_config(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    saved = {key: tuple(shape) for key, shape, _ in entries}
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k}: {saved[k]} saved, {expected[k]} in the config" for k in expected
+              if k in saved and saved[k] != expected[k]]
+    if missing or unexpected or shapes:
+        def first(names):
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        found = [f"{len(missing)} key(s) of the config's model missing ({first(missing)})" if missing else "",
+                 f"{len(unexpected)} key(s) the config's model does not have ({first(unexpected)})" if unexpected else "",
+                 f"{len(shapes)} shape(s) differ ({first(shapes)})" if shapes else ""]
+        raise ValueError(f"export: the checkpoint does not match {config} ({type(model).__name__}): "
+                         + "; ".join(f for f in found if f) + ". Pass the config.json of the model that was trained "
+                         "(a model wrapped at training time, e.g. by PEFT, saves under other keys).")
+
+
 INDEX_NAME = "model.safetensors.index.json"  # the name transformers' from_pretrained looks for
 
 
@@ -168,8 +213,9 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = 
     max_shard_bytes = None if max_shard_size is None else parse_bytes(max_shard_size, "export: max_shard_size")
     target = EXPORT_DTYPES[dtype]
     src = _Source(checkpoint)
-    if config is not None and not os.path.isfile(config):
-        raise FileNotFoundError(f"export: config {config!r} does not exist; pass the model's config.json.")
+    if config is not None:
+        config = _config_file(config)
+        check_config_matches(config, src.entries)
     plan = []
     for key, shape, src_dtype in src.entries:
         out_dtype = target if src_dtype.is_floating_point else src_dtype

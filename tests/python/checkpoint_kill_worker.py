@@ -3,7 +3,8 @@ interpreter (torch is imported once; each trial is a forked child that trains a 
 saves to PATH in a loop until it is killed, at a random moment within its first three saves). After every kill this process checks what PATH
 holds, as a later run would find it: the directory and its index exist, every file the index
 names loads (weights_only, its size and CRC-32 as recorded) and agrees with the index. At the
-end the last checkpoint loads into an engine. Prints a JSON report."""
+end the last checkpoint loads into an engine. Prints a JSON report, with the most files ever found
+beside the committed checkpoint's."""
 
 import json
 import os
@@ -62,7 +63,7 @@ def main(path: str, trials: int) -> None:
         _step_and_save(model, engine, opt, step, path)
     period = (time.perf_counter() - started) / 3  # one step and save, on this machine now
     engine.close()
-    generations, steps = [], []
+    generations, steps, worst = [], [], []
     for _ in range(trials):
         ready_read, ready_write = os.pipe()
         child = os.fork()
@@ -85,6 +86,11 @@ def main(path: str, trials: int) -> None:
         os.waitpid(child, 0)
         assert os.path.isdir(path), "the checkpoint's directory is missing"
         index = _check(path)
+        # beside the committed checkpoint: at most what one killed save left (its rank file and,
+        # killed between the index's write and its rename, its temporary index; or, killed after the
+        # rename, the previous generation's file)
+        left = sorted(set(os.listdir(path)) - set(index["files"]) - {"index.json"})
+        worst = max(worst, left, key=len)
         generations.append(index["generation"])
         steps.append(index["optimizer_steps"])
     model, engine, opt = _engine()
@@ -92,7 +98,7 @@ def main(path: str, trials: int) -> None:
     loaded_steps = engine.stats()["optimizer_steps"]
     engine.close()
     print(json.dumps({"trials": trials, "generations": generations, "steps": steps, "loaded_steps": loaded_steps,
-                      "leftovers": sorted(os.listdir(path))}))
+                      "leftovers": sorted(os.listdir(path)), "most_left_beside": worst}))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,18 @@ def test_huggingface_directory_loads_with_from_pretrained(tmp_path):
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, expected[key]), key
+    # --config takes the directory holding config.json; a config of another model is refused in one line
+    from gemini_ext.__main__ import main
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--config", str(tmp_path / "cfg"),
+                 "--no-progress"]) == 0
+    assert (tmp_path / "hf2" / "config.json").is_file()
+    cfg.num_hidden_layers, cfg.hidden_size = 3, 48
+    cfg.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="does not match.*missing \\(model.layers.2.*shape"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf3"), config=str(tmp_path / "other"), progress=False)
+    assert not (tmp_path / "hf3").exists(), "nothing written"
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf3"), "--config", str(tmp_path / "nowhere"),
+                 "--no-progress"]) == 2
 
 
 def test_sharded_export_with_an_index_loads_with_from_pretrained(tmp_path):
