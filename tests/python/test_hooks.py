@@ -300,3 +300,24 @@ def test_chunks_homed_on_the_host_are_fetched_about_once_per_pass():
     # forward and backward each walk the chunks once; the tied embedding/head chunk and chunks
     # shared by neighbouring modules may come back once more
     assert 2 * steps * n <= fetches <= steps * (2 * n + 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_forward_that_fails_on_its_inputs_says_the_engine_does_not_cast_them(device):
+    """fp32 inputs to a bf16 model fail inside torch ("mat1 and mat2 must have the same dtype");
+    the exception carries a note naming the inputs' dtype, the parameters' and the fix. A forward
+    that succeeds (under autocast) gets nothing, and a failure unrelated to inputs no note."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    dev = torch_device(device)
+    with gx.enable(model, gx.GeminiConfig(device=device, precision="bf16", chunk_config_dict={"chunk_size": 1024})):
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(8, 16, device=dev))
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "does not cast or move" in notes and "torch.float32" in notes and "torch.bfloat16" in notes, notes
+        assert "torch.autocast" in notes
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            assert model(torch.randn(8, 16, device=dev)).dtype == torch.bfloat16
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(8, 15, device=dev, dtype=torch.bfloat16))  # a shape error, inputs of the right dtype
+        assert not getattr(info.value, "__notes__", []), info.value.__notes__

@@ -245,3 +245,37 @@ def test_a_step_makes_at_most_four_calls_into_the_manager(precision, max_norm):
         parts.runtime.hold_optimizer_thread(False)
         engine.synchronize()
         assert all(torch.isfinite(p.detach()).all() for p in model.parameters())
+
+
+def test_parameters_are_taken_as_torch_takes_them():
+    """engine.optimizer(cls, model.parameters()) (a generator, positionally or by name) and groups
+    given as a generator of dicts train as torch.optim does; a lone tensor is refused as torch
+    refuses it."""
+    model, reference = make_models()
+    ref_opt = torch.optim.AdamW([{"params": [p for n, p in reference.named_parameters() if "ln" in n], "lr": 2 * LR},
+                                 {"params": [p for n, p in reference.named_parameters() if "ln" not in n]}],
+                                lr=LR, weight_decay=WD)
+    for step in range(3):
+        train_step(reference, ref_opt, step, torch.device("cpu"))
+    for form in ("positional", "keyword", "groups"):
+        model, _ = make_models()
+        with gx.enable(model, config("sim")) as engine:
+            if form == "positional":
+                opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR, weight_decay=WD)
+            elif form == "keyword":
+                opt = engine.optimizer(torch.optim.AdamW, params=model.parameters(), lr=LR, weight_decay=WD)
+            else:
+                def params(norms, named=model.named_parameters):  # a generator per group
+                    return (p for n, p in named() if ("ln" in n) == norms)
+                opt = engine.optimizer(torch.optim.AdamW, ({"params": params(norms), **extra}
+                                                           for norms, extra in ((True, {"lr": 2 * LR}), (False, {}))),
+                                       lr=LR, weight_decay=WD)
+            assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters())), form
+            for step in range(3):
+                train_step(model, opt, step, torch.device("cpu"))
+        if form == "groups":
+            assert max(max_relative_difference(model, reference).values()) <= 1e-5
+    model, _ = make_models()
+    with gx.enable(model, config("sim")) as engine:
+        with pytest.raises(TypeError, match="got a single Parameter"):
+            engine.optimizer(torch.optim.AdamW, next(model.parameters()), lr=LR)

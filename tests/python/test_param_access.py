@@ -224,3 +224,37 @@ def test_pageable_host_copies_are_refused_on_cuda_and_served_by_gathered():
         expected = engine.state_dict()["blocks.0.fc1.weight"]
         with engine.gathered([w]):
             assert torch.equal(w.detach().cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dtype_or_device_conversion_inside_the_block_is_undone_and_refused(device):
+    """model.half(), .float(), .to(dtype) swap each parameter's .data for a copy no chunk holds
+    (training would silently go on from a stale copy): the next forward gives the chunk views
+    back and raises naming precision=; training then goes on exactly as without the conversion.
+    Conversions that change nothing pass; close() after one warns and restores the dtypes."""
+    model, reference = make_models()
+    dev = torch_device(device)
+    reference.to(dev)
+    _reference_steps(reference, 3, dev)
+    with gx.enable(model, config(device, precision="fp32")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step, convert in enumerate((lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double())):
+            engine.synchronize()  # the last step's CPU work done: the conversion reads every parameter
+            convert(model)
+            x, y = batch(model.cfg, step, dev)
+            with pytest.raises(RuntimeError, match="converted inside the gx.enable block.*precision="):
+                model(x, y)
+            assert all(p.dtype == torch.float32 for p in model.parameters())
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.synchronize()
+        model.float()  # what it is already: nothing to undo
+        model.to(engine.compute_device)
+        model(*batch(model.cfg, 3, dev))
+        engine.synchronize()
+        model.half()
+        with pytest.warns(UserWarning, match="conversion was undone"):
+            engine.close()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5
