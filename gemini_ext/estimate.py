@@ -235,22 +235,26 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     dispatch_per_pass = len(named) * HOST_DISPATCH_S_PER_TENSOR_PASS
     gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
     forward_seconds = max(forward_flops / rate, dispatch_per_pass)
-    cpu_rate = float(cpu_optimizer_elements_per_s or cpu_elements_per_s())
-    cpu_source = "given" if cpu_optimizer_elements_per_s else "measured here"
+    cpu_rate, cpu_source = _cpu_rate(cpu_optimizer_elements_per_s)
     measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
                             non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO), forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
                             h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S,
                             optimizer_steps_during_backward=config.optimizer_step_in_backward)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
-    return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate,
+    return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
                          activation_bytes=activations, activation_bytes_per_token=per_token, peak_tflops=peak,
-                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size,
-                         cpu_rate_source=cpu_source))
+                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
 
 
-def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, facts) -> dict:
+def _cpu_rate(given: float | None) -> tuple[float, str]:
+    """The CPU Adam rate (elements/s) the estimate uses, and where it comes from."""
+    return (float(given), "given") if given else (cpu_elements_per_s(), "measured here")
+
+
+def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
+             facts) -> dict:
     itemsize = m.compute_itemsize
     elements = [b // itemsize for b in m.set_shard_bytes]
     on_host = [s.optim_on_host and t for s, t in zip(chosen.sets, m.trainable)]
@@ -305,7 +309,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
         "rates": {"gpu_flops_per_s": facts["peak_tflops"] * 1e12 * gpu_efficiency(facts["rank_tokens"]),
-                  "cpu_optimizer_elements_per_s": cpu_rate, "cpu_optimizer_source": facts["cpu_rate_source"],
+                  "cpu_optimizer_elements_per_s": cpu_rate, "cpu_optimizer_source": cpu_source,
                   "link_optimizer_elements_per_s": LINK_ELEMENTS_PER_S,
                   "h2d_bytes_per_s": H2D_BYTES_PER_S},
         "inputs": {k: facts[k] for k in ("tokens_per_step", "world_size", "activation_bytes_per_token", "peak_tflops",

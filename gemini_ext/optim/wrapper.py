@@ -111,10 +111,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             raise ValueError(f"gemini_ext optimizer: optimizer_step_in_backward=True runs the engine's own kernels in "
                              f"backward; {getattr(opt_cls, '__name__', opt_cls)} has none (torch.optim.Adam, AdamW, "
                              "SGD, Adagrad and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
-        if params is None:
-            params = [p for p in engine.parameters() if p.requires_grad]
-        else:
-            params = _as_param_list(params)
+        params = [p for p in engine.parameters() if p.requires_grad] if params is None else _as_param_list(params)
         self.engine = engine
         self.opt_class = opt_cls
         self.rule = rule

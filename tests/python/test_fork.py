@@ -32,10 +32,11 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _group_pss_bytes() -> tuple[int, int]:
-    """(Pss of this process and its children, number of children)."""
-    kids = _children(os.getpid())
-    return _pss_bytes(os.getpid()) + sum(_pss_bytes(k) for k in kids), len(kids)
+def _group_pss_bytes(workers: set) -> int:
+    """Pss of this process and of `workers` (its children that are alive)."""
+    alive = workers & set(_children(os.getpid()))
+    assert alive == workers, f"workers {sorted(workers - alive)} ended"
+    return _pss_bytes(os.getpid()) + sum(_pss_bytes(k) for k in workers)
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -60,6 +61,7 @@ def test_dataloader_workers_leave_host_memory_flat(device):
     compute = torch.device("cuda" if device == "cuda" else "cpu")
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        others = set(_children(os.getpid()))  # children of earlier tests in this process, if any
         batches = iter(loader)
 
         def step():
@@ -70,11 +72,12 @@ def test_dataloader_workers_leave_host_memory_flat(device):
             engine.synchronize()
 
         step()  # the workers start; the optimizer state exists
-        before, workers = _group_pss_bytes()
-        assert workers == 2
+        workers = set(_children(os.getpid())) - others
+        assert len(workers) == 2, workers
+        before = _group_pss_bytes(workers)
         for _ in range(4):
             step()
-        after, _ = _group_pss_bytes()
+        after = _group_pss_bytes(workers)
         stats = engine.stats()
     engine_host_bytes = stats["host_bytes"] + (stats["tier_bytes"]["device"]["current"] if device == "sim" else 0)
     assert engine_host_bytes > 2**29, stats["tier_bytes"]  # the model is large enough to see a copy
