@@ -1,7 +1,9 @@
 """Benchmark scripts keep running: their --smoke modes on the sim device."""
 
-import os
+import importlib.util
 import json
+import math
+import os
 
 import pytest
 
@@ -287,3 +289,16 @@ def test_state_dtype_bench_compares_the_runs(tmp_path):
     assert text.count("against fp32 state over 4 steps: largest difference") == 2
     state_dtype.plot(rows, str(tmp_path / "curves.png"))
     assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_trainer_workers_bench_trains_with_loader_workers(tmp_path, capsys):
+    """bench/trainer_workers.py on sim: GeminiTrainer with two DataLoader workers trains and the
+    row reports their host memory (in this process: the Trainer forks its workers from it)."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("trainer_workers", os.path.join(REPO, "bench", "trainer_workers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.main(["--preset", "tiny", "--device", "sim", "--workers", "2", "--steps", "3", "--seq", "32",
+                    "--out", str(tmp_path / "out")])
+    assert r["children_seen"] >= 2 and len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+    assert r["group_pss_last"] > 0 and "| tiny |" in capsys.readouterr().out
