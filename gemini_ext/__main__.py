@@ -90,7 +90,7 @@ ESTIMATE_FLAGS = {"device_bytes": "--device-bytes", "host_bytes": "--host-bytes"
                   "min_chunk_size_m": "--min-chunk-size-m", "gpu_memory_limit": "--gpu-memory-limit",
                   "max_norm": "--max-norm", "optimizer_step_in_backward": "--step-in-backward",
                   "optimizer_state_dtype": "--optimizer-state-dtype", "master_weights": "--no-master-weights",
-                  "placement_policy": "--policy", "chunk_config_dict": "--search-range-m",
+                  "placement_policy": "--policy",
                   "activation_bytes_per_token_override": "--hf-config of a model with an embedding and blocks"}
 
 
@@ -99,7 +99,9 @@ def in_flags(message: str) -> str:
     import re
 
     message = re.sub(r"gx\.estimate\((\w+)=\.\.\.\)", r"\1", message).replace("gx.estimate: ", "")
+    message = message.replace(" (or a chunk_config_dict)", "")  # a config field the command has no flag for
     for key, flag in sorted(ESTIMATE_FLAGS.items(), key=lambda kv: -len(kv[0])):
+        message = re.sub(rf"\b{key}=(?=[\w.'\"])", flag + " ", message)  # search_range_m=256: --search-range-m 256
         message = re.sub(rf"\b{key}=?(?=\W|$)", flag, message)
     return message
 

@@ -181,3 +181,8 @@ def test_the_command_line_speaks_in_flags_says_what_does_not_fit_and_prints_its_
     assert e["fits"] == {"device": True, "device_capacity_bytes": 80 * 10**9, "host": True,
                          "host_available_bytes": 64 * 2**30}
     assert e["plan"]["chunk_size"] <= 2**19 and e["rates"]["cpu_optimizer_source"] == "measured here"
+    # the chunk search's warning as the command prints it: the flag, and no knob it lacks
+    from gemini_ext.__main__ import in_flags
+    assert in_flags("found chunks of 5 elements; search_range_m=256 finds 4. Pass search_range_m=256 (or a "
+                    "chunk_config_dict) to use that memory.") == \
+        "found chunks of 5 elements; --search-range-m 256 finds 4. Pass --search-range-m 256 to use that memory."
