@@ -63,7 +63,11 @@ PY
 }
 
 package_index_reachable() {  # whether pip can fetch from its configured index (a short probe)
-  "$PYTHON" -m pip download -q --no-deps --retries 0 --timeout 5 -d "$(mktemp -d)" pip >/dev/null 2>&1
+  local probe rc=0
+  probe="$(mktemp -d)"
+  "$PYTHON" -m pip download -q --no-deps --retries 0 --timeout 5 -d "$probe" pip >/dev/null 2>&1 || rc=1
+  rm -rf "$probe"
+  return "$rc"
 }
 
 ensure_extension() {  # [extra]: the editable install of gemini_ext, with that extra's packages
@@ -91,14 +95,16 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
     mapfile -t reqs < <("$PYTHON" "$REPO/scripts/extra_requirements.py" "$extras") || return 1
     (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .) > "$build_log" 2>&1 &
     build_pid=$!
-    if ! "$PYTHON" -m pip install -q "${reqs[@]}"; then
-      if package_index_reachable; then
+    if package_index_reachable; then
+      if ! "$PYTHON" -m pip install -q "${reqs[@]}"; then
         kill "$build_pid" 2>/dev/null || true
         return 1
       fi
-      # No package index (a GPU machine without network): keep what is installed, say what is
-      # missing; the tests that need a missing package skip naming it. The stamp does not record
-      # the extra, so a later run with an index installs it.
+    else
+      # No package index (a GPU machine without network; probed first, since pip's retries against
+      # an unreachable index take minutes): keep what is installed, say what is missing; the tests
+      # that need a missing package skip naming it. The stamp does not record the extra, so a later
+      # run with an index installs it.
       local missing=()
       for req in "${reqs[@]}"; do
         "$PYTHON" -m pip install -q --no-index --no-deps "$req" >/dev/null 2>&1 || missing+=("$req")
