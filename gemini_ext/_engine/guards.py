@@ -14,9 +14,10 @@ the old gradients in, as transformers' Trainer calls it). While at least one eng
   parameters), and raises, naming engine.clip_grad_norm_, for any other mix of managed
   parameters; clip_grad_value_ on managed parameters raises. Unmanaged parameters go to torch's
   own functions untouched;
-- accelerate's Accelerator.clip_grad_norm_ (when accelerate is imported) goes to that same
-  clip_grad_norm_ when given managed parameters: its own code reads `p.grad`, skips the None
-  ones and would report 0 and clip nothing where `integrations.accelerate.prepare` was not called;
+- accelerate's Accelerator.clip_grad_norm_ (when accelerate was imported before an engine
+  opened) goes to that same clip_grad_norm_ when given managed parameters: its own code reads
+  `p.grad`, skips the None ones and would report 0 and clip nothing where
+  `integrations.accelerate.prepare` was not called;
 - torch.nn.Module.zero_grad clears the engine's gradient chunks when the module holds every
   trainable parameter of one engine (the model, or a wrapper around it), and raises for a module
   holding only some of them; other parameters are cleared by torch as usual.
@@ -46,6 +47,7 @@ def engine_opened(engine) -> None:
         _engines.add(engine)
         if not _installed:
             _install()
+        _install_accelerate()  # accelerate may have been imported since the first engine opened
 
 
 def engine_closed(engine) -> None:
@@ -75,8 +77,11 @@ def _install() -> None:
     torch.nn.utils.clip_grad_value_ = _clip_grad_module.clip_grad_value_ = value
     _installed["zero_grad"] = torch.nn.Module.zero_grad
     torch.nn.Module.zero_grad = _module_zero_grad(_installed["zero_grad"])
+
+
+def _install_accelerate() -> None:
     accelerate = sys.modules.get("accelerate")
-    if accelerate is not None and hasattr(accelerate, "Accelerator"):
+    if "accelerate_clip" not in _installed and accelerate is not None and hasattr(accelerate, "Accelerator"):
         _installed["accelerate_clip"] = accelerate.Accelerator.clip_grad_norm_
         accelerate.Accelerator.clip_grad_norm_ = _accelerate_clip(accelerate.Accelerator.clip_grad_norm_)
 
