@@ -15,6 +15,8 @@ import sys
 import torch
 from torch.utils._pytree import tree_flatten
 
+HINT_PREFIX = "gemini_ext: the engine does not cast or move a model's inputs"
+
 
 def register(model: torch.nn.Module, compute_dtype: torch.dtype, compute_device: torch.device):
     """The root module's always-called forward hook that annotates a failed forward; returns its handle."""
@@ -23,12 +25,11 @@ def register(model: torch.nn.Module, compute_dtype: torch.dtype, compute_device:
         if result is not None:
             return None  # the forward succeeded
         exc = sys.exc_info()[1]
-        if not isinstance(exc, Exception) or getattr(exc, "_gemini_ext_input_hint", False):
-            return None
+        if not isinstance(exc, Exception) or any(n.startswith(HINT_PREFIX) for n in getattr(exc, "__notes__", ())):
+            return None  # no exception in flight, or an inner engine's hook said it already
         hint = describe_mismatch(args, kwargs, compute_dtype, compute_device)
         if hint is not None:
             exc.add_note(hint)
-            exc._gemini_ext_input_hint = True
         return None
 
     return model.register_forward_hook(annotate, with_kwargs=True, always_call=True)
@@ -52,5 +53,4 @@ def describe_mismatch(args, kwargs, compute_dtype: torch.dtype, compute_device: 
         found = sorted({str(t.device) for t in wrong_device})
         parts.append(f"{len(wrong_device)} input(s) on {', '.join(found)} while the parameters are on "
                      f"{compute_device}: move them (x.to(engine.compute_device))")
-    return ("gemini_ext: the engine does not cast or move a model's inputs (docs/USAGE.md, 'Inputs'); this forward "
-            "got " + "; and ".join(parts) + ".")
+    return f"{HINT_PREFIX} (docs/USAGE.md, 'Inputs'); this forward got " + "; and ".join(parts) + "."

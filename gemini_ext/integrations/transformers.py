@@ -104,13 +104,11 @@ def _trainer_precision(args, config: GeminiConfig, who: str) -> str:
     its default bf16 while the arguments ask for neither is told that fp32 wins. The `*_full_eval`
     casts would convert the managed parameters, so one that differs from the precision is refused."""
     wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if wanted == "fp32" and config.precision == GeminiConfig().precision:
+    precision = agreed_precision(config, wanted, who, "TrainingArguments")  # a non-default config must agree
+    if precision == "fp32" and config.precision != "fp32":
         warnings.warn(f"{who}: the TrainingArguments set neither bf16 nor fp16, so the model trains in fp32 as a "
                       f"plain Trainer would (GeminiConfig's default precision={config.precision!r} yields to them). "
                       "Pass bf16=True (or fp16=True) in the TrainingArguments to compute in 16 bits.", stacklevel=3)
-        precision = wanted
-    else:
-        precision = agreed_precision(config, wanted, who, "TrainingArguments")
     for flag, dtype in (("fp16_full_eval", "fp16"), ("bf16_full_eval", "bf16")):
         if getattr(args, flag, False) and dtype != precision:
             raise ValueError(f"{who}: {flag}=True casts the whole model to {dtype} for evaluation, and the engine's "
