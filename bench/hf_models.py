@@ -1,0 +1,158 @@
+"""transformers' causal LMs side by side: gemini_ext `auto` (with and without the step in backward),
+FSDP2 + CPU offload and DeepSpeed ZeRO-3 offload (the optimizer; parameters and optimizer), per
+model and device budget, every system a fresh process (bench/hf_train.py: the model, the settings
+and what each system runs), in one run.
+
+    python3 bench/hf_models.py --models llama-7b --budgets 24GiB,40GiB,whole --out /tmp/hf
+    python3 bench/hf_models.py --models mistral-7b --budgets 40GiB
+    python3 bench/hf_models.py --models mixtral-1.6b --budgets 8GiB --systems gemini,gemini-sib
+    python3 bench/hf_models.py --smoke              # tiny Llama and Mixtral, gemini_ext on sim (tests)
+
+Rows name the model, the budget and the tokens per step; columns give the median step (steps
+after the first two), tokens/s, MFU (6 N FLOPs per token against --peak-tflops: recomputation and
+attention scores not credited), the speed-up over FSDP2 + offload and over DeepSpeed's faster row
+at the same budget, torch's device peak, and for gemini_ext what `auto` chose (the optimizer
+state's split, the lane of the host steps). A system that fails is listed with its cause; one
+that cannot run here (no CUDA, the package missing) as skipped. Clipping (--max-norm) is the same
+for every system. Writes markdown and JSON beside --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offload  # noqa: E402  (the runner that kills whole process trees and records failures)
+
+TRAIN = os.path.join(offload.REPO, "bench", "hf_train.py")
+SYSTEMS = {  # column name -> hf_train.py flags
+    "gemini": ["--system", "gemini"],
+    "gemini-sib": ["--system", "gemini", "--step-in-backward"],
+    "fsdp2-offload": ["--system", "fsdp2-offload"],
+    "deepspeed-offload-optim": ["--system", "deepspeed-offload-optim"],
+    "deepspeed-offload": ["--system", "deepspeed-offload"],
+    "plain": ["--system", "plain"],
+}
+LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
+          "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
+          "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch"}
+
+
+def unavailable(name: str, smoke: bool) -> str | None:
+    """Why a system cannot run here, or None."""
+    if smoke:
+        return None if name.startswith("gemini") else "the smoke run trains gemini_ext on sim only"
+    if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not importable here"
+    import torch
+    return None if torch.cuda.is_available() else "needs a CUDA device"
+
+
+def run_row(name: str, common: list[str], budget: str | None, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+               str(offload.free_port()), TRAIN, *common, *SYSTEMS[name], "--json-out", out_json]
+        if budget:
+            cmd += ["--budget", budget]
+        try:
+            proc = offload.run_job(cmd, timeout)
+        except offload.JobTimedOut as e:
+            return e.record
+        if proc.returncode != 0 or not os.path.exists(out_json):
+            return offload.failure(proc, None)
+        with open(out_json) as f:
+            return json.load(f)
+
+
+def auto_choice(row: dict) -> str:
+    """What gemini_ext's auto chose: optimizer chunks on the device / on the host (of which the link
+    lane steps some), and where the host sets stepped."""
+    placement = (row.get("engine") or {}).get("placement") or {}
+    if not placement:
+        return ""
+    decision = placement.get("decision") or {}
+    lane = f", {placement.get('optim_chunks_link_lane', 0)} via the link" if placement.get("optim_chunks_link_lane") else ""
+    window = decision.get("optimizer_window")
+    return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
+            f"{placement.get('optim_chunks_on_host', '?')} host{lane}" + (f", host steps overlap {window}" if window else ""))
+
+
+def table(results: list[dict], peak_tflops: float) -> str:
+    lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | x FSDP2 | x DeepSpeed | "
+             "torch device peak GiB | auto chose |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        same = [o for o in results if o["model"] == r["model"] and o["budget"] == r["budget"] and "step_s_median" in o]
+        fsdp2 = next((o["step_s_median"] for o in same if o["name"] == "fsdp2-offload"), None)
+        ds = min((o["step_s_median"] for o in same if o["name"].startswith("deepspeed")), default=None)
+        head = f"| {r['model']} | {r['budget'] or 'whole device'} | {r['tokens_per_step']:,} | {LABELS[r['name']]} |"
+        if "step_s_median" not in r:
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | |")
+            continue
+        step = r["step_s_median"]
+        mfu = 6 * r["parameters"] * r["tokens_per_step"] / step / (peak_tflops * 1e12)
+        peak = r.get("peak_torch_device_bytes")
+        cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", f"{mfu:.1%}",
+                 f"{fsdp2 / step:.2f}" if fsdp2 else "-", f"{ds / step:.2f}" if ds else "-",
+                 f"{peak / 2**30:.1f}" if peak else "-", auto_choice(r)]
+        lines.append(head + " " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-7b", help="comma-separated names of bench/hf_train.py's MODELS")
+    p.add_argument("--budgets", default="24GiB,40GiB,whole", help="comma-separated; 'whole': the whole device")
+    p.add_argument("--systems", default="gemini,gemini-sib,fsdp2-offload,deepspeed-offload-optim,deepspeed-offload",
+                   help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--max-norm", type=float, default=0.0, help="clipping for every system (0: off)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM, H200)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per row")
+    p.add_argument("--out", default=None, help="path prefix for .md and .json")
+    p.add_argument("--smoke", action="store_true", help="tiny Llama and Mixtral, gemini_ext on sim")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
+    common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+              "--max-norm", str(args.max_norm)]
+    if args.smoke:
+        models, budgets, common = ["tiny-llama", "tiny-mixtral"], [None], \
+            ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim"]
+    results = []
+    for model in models:
+        for budget in budgets:
+            for name in names:
+                why_not = unavailable(name, args.smoke)
+                row = {"skipped": why_not} if why_not else run_row(name, ["--model", model, *common], budget,
+                                                                  args.timeout)
+                row.update(name=name, model=model, budget=budget,
+                           tokens_per_step=int(common[1]) * int(common[3]))
+                results.append(row)
+                print(f"{model} {budget or 'whole device'} {name}: " + (
+                    f"{row['step_s_median']:.3f} s/step" if "step_s_median" in row else
+                    row.get("skipped") or row.get("error", "?")), flush=True)
+    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
+            f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops))
+    print("\n" + text)
+    if args.out:
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""transformers' causal LMs built from configs (no weights downloaded), trained by one system in
+one process under torchrun: gemini_ext, FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload or plain
+PyTorch. bench/hf_models.py runs them side by side; this file is one row.
+
+    torchrun --nproc-per-node 1 bench/hf_train.py --model llama-7b --system gemini --budget 24GiB
+    torchrun --nproc-per-node 1 bench/hf_train.py --model llama-7b --system fsdp2-offload --budget 24GiB
+    torchrun --nproc-per-node 1 bench/hf_train.py --model tiny-mixtral --system gemini --device sim
+
+Every system: the model from its transformers config with SDPA attention and HF's own gradient
+checkpointing (`gradient_checkpointing_enable(use_reentrant=False)`), bf16 compute, AdamW (lr 1e-4,
+betas (0.9, 0.999), eps 1e-8, weight decay 0.1) with fp32 master weights and moments, clipping at
+--max-norm for every system alike (0: off; DeepSpeed's `gradient_clipping` is set to it), random
+token sequences with labels equal to the inputs. The budget caps torch's allocator for the peers
+(set_per_process_memory_fraction, set once the model is sharded or offloaded) and is gemini_ext's
+gpu_memory_limit. Every system builds the model on the GPU where its fp32 weights take less than
+60% of the device, else on the CPU: where it is built does not change the step.
+
+Systems:
+  gemini                   gemini_ext (--policy, --step-in-backward)
+  fsdp2-offload            FSDP2 per decoder layer and at the root, CPUOffloadPolicy(pin_memory=True),
+                           fp32 parameters with bf16 compute, fused CPU AdamW
+  deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded (DeepSpeedCPUAdam), bf16
+  deepspeed-offload        DeepSpeed ZeRO-3, parameters and optimizer offloaded
+  plain                    the model on the GPU, bf16 autocast, fused AdamW on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fsdp2_train import cap_device_memory, exit_without_teardown  # noqa: E402
+
+SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain")
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1
+
+# (transformers config class, its fields): the published shapes, vocabularies included
+MODELS = {
+    "llama-7b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)),
+    "llama-13b": ("LlamaConfig", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                      num_attention_heads=40, num_key_value_heads=40, vocab_size=32000)),
+    "mistral-7b": ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)),
+    "qwen2-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
+    "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
+    # a Mixtral-style MoE of 1.6B parameters: 8 experts per layer, 2 per token
+    "mixtral-1.6b": ("MixtralConfig", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
+                                           num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                                           num_experts_per_tok=2, vocab_size=32000)),
+    "tiny-llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=256)),
+    "tiny-mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, vocab_size=256)),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-7b")
+    p.add_argument("--system", choices=SYSTEMS, default="gemini")
+    p.add_argument("--device", choices=["cuda", "sim"], default="cuda", help="sim: gemini_ext only, on the CPU")
+    p.add_argument("--budget", default=None, help="device bytes, e.g. 24GiB (default: the whole device)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--max-norm", type=float, default=0.0, help="gradient-norm clipping for every system (0: off)")
+    p.add_argument("--policy", default="auto", help="gemini: GeminiConfig.placement_policy")
+    p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def build_model(name: str, seq: int, device: str):
+    """The transformers model of `name` on `device`, fp32, with HF's gradient checkpointing."""
+    import transformers
+
+    cls_name, fields = MODELS[name]
+    cfg = getattr(transformers, cls_name)(**fields, max_position_embeddings=max(seq, 128), use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def fp32_bytes(name: str) -> int:
+    """The model's fp32 weights, counted on the meta device."""
+    return 4 * sum(p.numel() for p in build_model(name, 128, "meta").parameters())
+
+
+def batch_of(model, args, step: int, dev: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)
+    return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
+
+
+def gemini_system(args, dev_kind: str):
+    """(model, train_step, stats): gemini_ext over the model built where it fits."""
+    import gemini_ext as gx
+
+    on_gpu = dev_kind == "cuda" and fp32_bytes(args.model) < 0.6 * torch.cuda.get_device_properties(0).total_memory
+    model = build_model(args.model, args.seq, "cuda" if on_gpu else "cpu")
+    budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
+    if dev_kind == "sim":
+        budget = {"sim_capacity": args.budget or "2GiB"}
+    cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
+                          optimizer_step_in_backward=args.step_in_backward, **budget)
+    engine = gx.enable(model, cfg).__enter__()
+    opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                           weight_decay=WEIGHT_DECAY)
+
+    def train_step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        before = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss, before
+
+    def stats():
+        s = engine.stats()
+        engine.close()
+        return {k: s.get(k) for k in ("placement", "last_step", "counters", "traffic", "throughput",
+                                      "num_param_chunks", "chunk_size", "tier_bytes")}
+
+    return model, engine.compute_device, train_step, stats
+
+
+def peer_system(args):
+    """(model, device, train_step, stats) for FSDP2, DeepSpeed or plain PyTorch."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    model = build_model(args.model, args.seq, "cuda" if fp32_bytes(args.model) < 0.6 * total else "cpu")
+
+    def cap():  # once the model is sharded or offloaded: the build's fp32 copy does not count
+        torch.cuda.empty_cache()
+        if args.budget:
+            cap_device_memory(dev, args.budget)
+    if args.system.startswith("deepspeed"):
+        import deepspeed
+
+        zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        if args.system == "deepspeed-offload":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                             "weight_decay": WEIGHT_DECAY}},
+                  "bf16": {"enabled": True}, "gradient_clipping": args.max_norm, "zero_optimization": zero,
+                  "steps_per_print": 1 << 30}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        cap()
+
+        def train_step(x):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            torch.cuda.synchronize()
+            before = time.perf_counter()
+            engine.step()
+            return loss, before
+
+        return model, dev, train_step, dict
+    if args.system == "plain":
+        cap()
+        model.to(dev)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        cap()
+        autocast = torch.autocast("cuda", enabled=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def train_step(x):
+        with autocast:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        before = time.perf_counter()
+        if args.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss, before
+
+    return model, dev, train_step, dict
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("hf_train.py: launch it with torchrun (--nproc-per-node 1 for one GPU).")
+    if args.device == "sim" and args.system != "gemini":
+        raise SystemExit(f"hf_train.py --device sim: only --system gemini runs there, not {args.system}.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("hf_train.py --device cuda: this machine has no CUDA device; use --device sim.")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cuda:nccl,cpu:gloo" if args.device == "cuda" else "gloo")
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    if args.system == "gemini":
+        model, dev, train_step, final_stats = gemini_system(args, args.device)
+    else:
+        model, dev, train_step, final_stats = peer_system(args)
+    setup_s = time.perf_counter() - started
+    n_params = sum(p.numel() for p in model.parameters()) if args.system == "gemini" else \
+        sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    losses, step_s, optimizer_s = [], [], []
+    for step in range(args.steps):
+        x = batch_of(model, args, step, dev)
+        start = time.perf_counter()
+        loss, before_opt = train_step(x)
+        losses.append(loss.item())
+        step_s.append(time.perf_counter() - start)
+        optimizer_s.append(time.perf_counter() - before_opt)
+        print(f"step {step}: loss {losses[-1]:.4f}, {step_s[-1]:.3f} s", flush=True)
+    timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
+    summary = {
+        "system": args.system + (" + step in backward" if args.step_in_backward else ""), "model": args.model,
+        "parameters": n_params, "budget": args.budget, "batch": args.batch, "seq_len": args.seq,
+        "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
+        "losses": losses, "step_seconds": step_s, "step_s_median": sorted(timed)[len(timed) // 2],
+        "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
+        "setup_s": setup_s,
+        "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+    }
+    summary.update(engine=final_stats())
+    print(f"== {summary['system']}: {args.model} ({n_params / 1e9:.2f}B) {args.batch} x {args.seq}, budget "
+          f"{args.budget or 'whole device'}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step "
+          f"{summary['step_s_median']:.3f} s", flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
+    exit_without_teardown()
