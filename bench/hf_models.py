@@ -6,12 +6,13 @@ and what each system runs), in one run.
     python3 bench/hf_models.py --models llama-7b --budgets 24GiB,40GiB,whole --out /tmp/hf
     python3 bench/hf_models.py --models mistral-7b --budgets 40GiB
     python3 bench/hf_models.py --models mixtral-1.6b --budgets 8GiB --systems gemini,gemini-sib
-    python3 bench/hf_models.py --smoke              # tiny Llama and Mixtral, gemini_ext on sim (tests)
+    python3 bench/hf_models.py --smoke              # a tiny Mixtral, gemini_ext on sim (tests)
 
 Rows name the model, the budget and the tokens per step; columns give the median step (steps
 after the first two), tokens/s, MFU (6 N FLOPs per token against --peak-tflops: recomputation and
 attention scores not credited), the speed-up over FSDP2 + offload and over DeepSpeed's faster row
-at the same budget, torch's device peak, and for gemini_ext what `auto` chose (the optimizer
+at the same budget, the device peak (torch's allocations; for gemini_ext plus its chunks, each at
+its peak), the process's peak resident host memory, and for gemini_ext what `auto` chose (the optimizer
 state's split, the lane of the host steps). A system that fails is listed with its cause; one
 that cannot run here (no CUDA, the package missing) as skipped. Clipping (--max-norm) is the same
 for every system. Writes markdown and JSON beside --out.
@@ -85,21 +86,23 @@ def auto_choice(row: dict) -> str:
 
 def table(results: list[dict], peak_tflops: float) -> str:
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | x FSDP2 | x DeepSpeed | "
-             "torch device peak GiB | auto chose |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "device peak GiB | host RSS peak GiB | auto chose |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         same = [o for o in results if o["model"] == r["model"] and o["budget"] == r["budget"] and "step_s_median" in o]
         fsdp2 = next((o["step_s_median"] for o in same if o["name"] == "fsdp2-offload"), None)
         ds = min((o["step_s_median"] for o in same if o["name"].startswith("deepspeed")), default=None)
         head = f"| {r['model']} | {r['budget'] or 'whole device'} | {r['tokens_per_step']:,} | {LABELS[r['name']]} |"
         if "step_s_median" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | |")
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | |")
             continue
         step = r["step_s_median"]
         mfu = 6 * r["parameters"] * r["tokens_per_step"] / step / (peak_tflops * 1e12)
-        peak = r.get("peak_torch_device_bytes")
+        chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
+        peak = (r.get("peak_torch_device_bytes") or 0) + chunks
+        rss = r.get("peak_host_rss_bytes")
         cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", f"{mfu:.1%}",
                  f"{fsdp2 / step:.2f}" if fsdp2 else "-", f"{ds / step:.2f}" if ds else "-",
-                 f"{peak / 2**30:.1f}" if peak else "-", auto_choice(r)]
+                 f"{peak / 2**30:.1f}" if peak else "-", f"{rss / 2**30:.1f}" if rss else "-", auto_choice(r)]
         lines.append(head + " " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -117,7 +120,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM, H200)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per row")
     p.add_argument("--out", default=None, help="path prefix for .md and .json")
-    p.add_argument("--smoke", action="store_true", help="tiny Llama and Mixtral, gemini_ext on sim")
+    p.add_argument("--smoke", action="store_true", help="a tiny Mixtral, gemini_ext on sim")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = set(names) - set(SYSTEMS)
@@ -128,7 +131,7 @@ def main(argv=None) -> list[dict]:
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
               "--max-norm", str(args.max_norm)]
     if args.smoke:
-        models, budgets, common = ["tiny-llama", "tiny-mixtral"], [None], \
+        models, budgets, common = ["tiny-mixtral"], [None], \
             ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim"]
     results = []
     for model in models:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -244,6 +245,7 @@ def main(argv=None) -> dict:
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
         "setup_s": setup_s,
         "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     summary.update(engine=final_stats())
     print(f"== {summary['system']}: {args.model} ({n_params / 1e9:.2f}B) {args.batch} x {args.seq}, budget "

@@ -81,6 +81,8 @@ class Placer:
             releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
         self.current = self.policy.initial(self._measure(host_releasable_bytes=releasable))
         self._report(self.current)
+        if self.policy.reads_rates:
+            self._probe_rates()  # now, while nothing else runs (rates.py)
         return self.current
 
     def set_specs(self) -> list[dict]:
@@ -157,13 +159,7 @@ class Placer:
         forward and backward passes' durations, whether the CPU steps overlapped the backward, and
         the machine's measured rates. A probe that cannot run (no memory left for its buffers)
         reports 0: the policy then decides without rates."""
-        try:
-            cpu, h2d = rates.cpu_optimizer_elements_per_s(), rates.h2d_bytes_per_s(self._device)
-            link = rates.link_optimizer_elements_per_s(self._device)
-        except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
-            logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
-                        self.policy.name, e)
-            cpu = h2d = link = 0.0
+        cpu, h2d, link = self._probe_rates()
         passes = tracer.last_pass_seconds()
         return {"forward_seconds": self._groups.reduce(passes["forward_seconds"], "max"),
                 "backward_seconds": self._groups.reduce(passes["backward_seconds"], "max"),
@@ -171,6 +167,17 @@ class Placer:
                 "cpu_optimizer_elements_per_s": self._groups.reduce(cpu, "min"),
                 "h2d_bytes_per_s": self._groups.reduce(h2d, "min"),
                 "link_optimizer_elements_per_s": self._groups.reduce(link, "min")}
+
+    def _probe_rates(self) -> tuple[float, float, float]:
+        """(CPU optimizer elements/s, host-to-device bytes/s, link lane elements/s), probed once
+        per process (rates.py); zeros where a probe cannot run (no memory left for its buffers)."""
+        try:
+            return (rates.cpu_optimizer_elements_per_s(), rates.h2d_bytes_per_s(self._device),
+                    rates.link_optimizer_elements_per_s(self._device))
+        except RuntimeError as e:  # out of device or pinned host memory for the probe's buffers
+            logger.info("%s placement: the rate probes could not run (%s); deciding without rates",
+                        self.policy.name, e)
+            return 0.0, 0.0, 0.0
 
     def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):

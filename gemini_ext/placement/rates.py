@@ -1,12 +1,16 @@
 """Measured rates a placement decides from: how fast the host's CPU optimizer kernel steps
 elements, and how fast chunks copy from the host to the compute device.
 
-Each is measured once per process (and device) with a short probe the first time a policy asks,
-then kept: a CPU Adam step over PROBE_ELEMENTS fp32 elements with a bf16 parameter copy (the
-kernel the host's optimizer pipeline runs, at the same thread count), and a pinned host-to-device
-copy of PROBE_COPY_BYTES timed with CUDA events (on sim, where a "device" copy is a host memcpy,
-a host copy of the same size). The best of a few repetitions counts: the first warms caches and
-page tables. Both probes together took about 80 ms on a two-core development machine.
+Each is measured once per process (and device) with a short probe, then kept: a policy that reads
+rates has them probed when enable() plans the placement, before any optimizer step runs beside the
+probe (a probe taken while the host's optimizer pipeline steps measured 2.4-2.9G elements/s on an
+H100's host where the same kernel steps 5G alone). The CPU probe is a CPU Adam step with a bf16
+parameter copy (the kernel the host's optimizer pipeline runs, at the same thread count) over
+enough elements that its arrays outgrow the last-level cache several times (cpu_probe_elements):
+the optimizer's state never fits in it, and a probe that did measured 10.6-11.8G elements/s on
+that host, twice the kernel's rate over the real state. The copy probe is a pinned host-to-device
+copy of PROBE_COPY_BYTES timed with CUDA events (on sim, where a "device" copy is a host memcpy, a
+host copy of the same size). The best of a few repetitions counts: the first touches the pages.
 
 The link lane's rate (link_optimizer_elements_per_s) is the device's Adam kernel over
 PROBE_ELEMENTS of pinned host state through mapped views (cuda only; 0 elsewhere), timed with
@@ -18,23 +22,55 @@ them the rate is a lower bound and the plan errs toward moving more state to the
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from .. import _C
 
-PROBE_ELEMENTS = 1 << 22      # 4M elements: 16 MiB per fp32 tensor
+PROBE_ELEMENTS = 1 << 22      # 4M elements: 16 MiB per fp32 tensor (the link lane's probe; the CPU's least)
+CPU_PROBE_MAX_ELEMENTS = 1 << 26
+CPU_PROBE_BYTES_PER_ELEMENT = 16  # fp32 master, m and v; bf16 gradient and parameter copy
+CPU_PROBE_CACHE_MULTIPLE = 4      # the probe's arrays over the last-level cache
 PROBE_COPY_BYTES = 32 << 20
 REPEATS = 3
 
 _cache: dict = {}
 
 
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest CPU cache's size in bytes (Linux sysfs), or 0 where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = 0
+    try:
+        entries = [e for e in os.listdir(root) if e.startswith("index")]
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = units.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in units else text
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return largest
+
+
+def cpu_probe_elements(cache_bytes: int) -> int:
+    """Elements of the CPU probe: its arrays CPU_PROBE_CACHE_MULTIPLE times the last-level cache,
+    between PROBE_ELEMENTS and CPU_PROBE_MAX_ELEMENTS."""
+    wanted = CPU_PROBE_CACHE_MULTIPLE * cache_bytes // CPU_PROBE_BYTES_PER_ELEMENT
+    return int(min(CPU_PROBE_MAX_ELEMENTS, max(PROBE_ELEMENTS, wanted)))
+
+
 def cpu_optimizer_elements_per_s() -> float:
     """Elements per second the CPU Adam kernel steps (master, m, v, gradient, bf16 copy)."""
     if "cpu" not in _cache:
-        n = PROBE_ELEMENTS
+        n = cpu_probe_elements(last_level_cache_bytes())
         master, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
         grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
         copy = torch.empty(n, dtype=torch.bfloat16)

@@ -302,3 +302,20 @@ def test_trainer_workers_bench_trains_with_loader_workers(tmp_path, capsys):
                     "--out", str(tmp_path / "out")])
     assert r["children_seen"] >= 2 and len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
     assert r["group_pss_last"] > 0 and "| tiny |" in capsys.readouterr().out
+
+
+def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
+    """bench/hf_models.py --smoke: a tiny transformers Mixtral through bench/hf_train.py with and
+    without the step in backward, each in its own torchrun process; the peers are listed as
+    skipped with the reason, and the rows name what auto chose."""
+    pytest.importorskip("transformers")
+    out = run_python("bench/hf_models.py", "--smoke", "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "hf.json").read_text())
+    trained = {r["name"]: r for r in rows if "step_s_median" in r}
+    assert set(trained) == {"gemini", "gemini-sib"}, [(r["name"], r.get("error")) for r in rows]
+    for r in trained.values():
+        assert r["model"] == "tiny-mixtral" and len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+        assert r["engine"]["placement"]["policy"] == "auto"
+    assert all(r.get("skipped") for r in rows if r["name"] not in trained)
+    assert "optimizer chunks" in (tmp_path / "hf.md").read_text()

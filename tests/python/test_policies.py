@@ -11,7 +11,7 @@ import torch
 import gemini_ext as gx
 from conftest import DEVICES
 from parity_utils import (SMALL, config, make_models, max_relative_difference, torch_device, train_gemini,
-                          train_reference)
+                          train_reference, train_step)
 
 CHUNK_BYTES = 4096 * 4
 
@@ -849,3 +849,35 @@ def test_enable_refuses_a_plan_over_the_cgroup_limit_naming_it(monkeypatch):
     model, _ = make_models()
     with pytest.raises(gx.OutOfMemoryError, match="the cgroup limit /sys/fs/cgroup/job/memory.max"):
         gx.enable(model, config("sim", placement_policy="auto", sim_capacity=sum(sizes)))
+
+
+def test_the_cpu_probe_outgrows_the_last_level_cache(tmp_path):
+    """The CPU optimizer's probe steps arrays several times the largest cache (sysfs), within
+    its bounds: a probe held in cache measured twice the kernel's rate over real state."""
+    from gemini_ext.placement import rates as _rates
+    for index, size in (("index0", "32K"), ("index2", "2048K"), ("index3", "105M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    cache = _rates.last_level_cache_bytes(str(tmp_path))
+    assert cache == 105 << 20
+    elements = _rates.cpu_probe_elements(cache)
+    assert elements * _rates.CPU_PROBE_BYTES_PER_ELEMENT == _rates.CPU_PROBE_CACHE_MULTIPLE * cache
+    assert _rates.last_level_cache_bytes(str(tmp_path / "absent")) == 0
+    assert _rates.cpu_probe_elements(0) == _rates.PROBE_ELEMENTS
+    assert _rates.cpu_probe_elements(1 << 40) == _rates.CPU_PROBE_MAX_ELEMENTS
+
+
+def test_auto_probes_the_rates_when_enable_plans_before_any_step(monkeypatch):
+    """The probes run inside enable(), before the host's optimizer pipeline has anything to run
+    beside them, and the first decision reads the rate they measured then."""
+    from gemini_ext.placement import rates as _rates
+    monkeypatch.setattr(_rates, "_cache", {})
+    model, _ = make_models()
+    with gx.enable(model, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES)) as engine:
+        probed = dict(_rates._cache)
+        assert probed.get("cpu", 0) > 0, "probed during enable()"
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        for step in range(2):
+            train_step(model, opt, step, engine.compute_device)
+        decision = engine.stats()["placement"]["decision"]
+    assert decision["cpu_optimizer_elements_per_s"] == probed["cpu"]
