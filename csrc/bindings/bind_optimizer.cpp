@@ -1,5 +1,7 @@
 // gemini_ext._C, optimizer: the CPU kernels, the state kinds, and the GeminiManager's optimizer
 // entry points (the generic set stepping with a rule: torch/optim/hybrid_optimizer.h).
+#include <string>
+
 #include "bindings/common.h"
 #include "torch/optim/cpu_adam_op.h"
 #include "torch/optim/cpu_optim_op.h"
@@ -75,7 +77,12 @@ void def_manager_optimizer(py::module_& m) {
       .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
       .def("arm_speculation",
            [](GeminiManager& g, const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
-             return g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
+             const auto cover =
+                 g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
+             using torch_layer::SpeculationCover;
+             return std::string(cover == SpeculationCover::kEverySet   ? "every set"
+                                : cover == SpeculationCover::kSomeSets ? "some sets"
+                                                                       : "none");
            },
            py::arg("groups"), py::arg("spare_limit_bytes"), nogil())
       .def("arm_in_backward",

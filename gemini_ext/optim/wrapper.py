@@ -20,8 +20,9 @@ follows is common to every rule.
    of that moment, so that each host chunk's step can start as soon as its gradients reach the
    host, out of place into spare buffers; step() confirms or drops each one (the Note in
    csrc/torch/optim/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
-   can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm) and where the
-   host has room for the spares (at most half of the host budget, placement/host_memory.py).
+   can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm), for the host
+   sets whose spares fit in half of the host budget (placement/host_memory.py): those whose
+   gradients arrive first, where there is room for some only.
 7. The step in backward (GeminiConfig.optimizer_step_in_backward): armed at every backward with
    the hyperparameters of that moment, each host chunk's step runs in place once its gradients
    reach the host, and step() steps the others. Nothing can undo it, so what would make it differ
@@ -259,8 +260,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return
-        # The spares may take at most half of the host budget (unreadable: no speculation).
-        if parts.runtime.arm_speculation(self._hyper(), (host_available_bytes(parts.groups.ranks_on_host()) or 0) // 2):
+        # The spares held and new ones together take at most half of the host budget they came
+        # from (unreadable: no speculation). Where they cover some host sets only, the placement
+        # still plans for the next forward.
+        held = parts.runtime.spare_bytes()
+        limit = max(0, ((host_available_bytes(parts.groups.ranks_on_host()) or 0) + held) // 2 - held)
+        if parts.runtime.arm_speculation(self._hyper(), limit) == "every set":
             parts.placer.note_optimizer_overlap(True)
 
     def _arm_in_backward(self) -> None:

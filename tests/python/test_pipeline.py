@@ -207,3 +207,26 @@ def test_the_link_lane_steps_host_state_to_the_same_bits(device, case):
     assert losses == cpu_losses
     for name, value in cpu_params.items():
         assert torch.equal(params[name], value), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_room_for_some_sets_spares_speculates_those_and_stays_exact(device, monkeypatch):
+    """A host with room for the spares of a few chunk sets only: those whose gradients reach the
+    host first speculate, the others step at step(); the spares held stay within the room, and
+    the result is the serial step's bit for bit."""
+    from gemini_ext.optim import wrapper
+    set_spare_bytes = 3 * CHUNK_BYTES_FP32  # fp32: the parameter (its own master), m and v
+    room = 2 * 4 * set_spare_bytes  # half of it for spares: about four sets' worth
+    monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: room)
+    serial = _train(device, "fp32", overlap=False)
+    partial = _train(device, "fp32", overlap=True)
+    assert partial[0] == serial[0]
+    for name, value in serial[1].items():
+        assert torch.equal(partial[1][name], value), name
+    spec = partial[4]
+    assert spec["confirmed"] > 0 and 0 < spec["spare_bytes"] <= room, spec
+    model, _ = make_models()
+    with gx.enable(model, _config(device, "fp32", True)) as engine:
+        host_sets = sum(1 for p in engine.internal.runtime.set_placements() if p["trainable"] and p["optim_on_host"])
+    assert spec["spare_bytes"] < host_sets * set_spare_bytes, "room for some sets' spares, not every set's"
+    assert spec["confirmed"] < host_sets * 6, "the others stepped at step()"

@@ -63,6 +63,9 @@ struct StepStats {
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
 };
 
+// Which host sets an armed speculation can step during backward (HybridOptimizer::arm).
+enum class SpeculationCover { kNone, kSomeSets, kEverySet };
+
 class HybridOptimizer {
  public:
   HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
@@ -89,8 +92,11 @@ class HybridOptimizer {
   // copies' place when the set is settled) or drops it and steps the set again from the
   // untouched originals. Spares (master, m, v and P's host copy per speculated set) stay
   // allocated between steps: a double buffer of the host optimizer state.
-  // Arms unless the spares it would still need exceed `spare_limit_bytes`; true when armed.
-  bool arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes);
+  // Arms where `spare_limit_bytes` of new spares (beyond those held) give at least one host set
+  // its spares. Sets speculate in the order their gradients reach the host (the back of the
+  // model first) while the new spares they take stay within the limit; the others step at
+  // step(). Returns which host sets can speculate: none (not armed), some, or every one.
+  SpeculationCover arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes);
   // The step in backward (GeminiConfig.optimizer_step_in_backward): armed the same way, but each
   // host set's step runs in place, as step() would run it, with `groups` and a multiplier of 1,
   // and step() leaves those sets alone. No spares and nothing to undo: Python arms it only where
@@ -100,6 +106,7 @@ class HybridOptimizer {
   int64_t sets_stepped_in_backward() const { return static_cast<int64_t>(stepped_in_backward_.size()); }
   bool armed() const { return armed_.has_value(); }
   size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
+  size_t spare_bytes_needed(const ChunkSet& set) const;  // to speculate on this set, likewise
   size_t spare_bytes() const;
   void release_spares();
   int64_t speculations_confirmed() const { return confirmed_total_; }
@@ -167,6 +174,7 @@ class HybridOptimizer {
   std::shared_ptr<OptimizerRule> rule_;  // shared with link-lane tasks in flight
   std::set<int> link_sets_;
   std::optional<std::vector<HyperValues>> armed_;
+  size_t spare_allowance_bytes_ = 0;  // new spare bytes this backward's speculations may still take
   bool armed_in_place_ = false;
   std::set<int> stepped_in_backward_;  // this backward's in-place steps (arm_in_place), until step()
   StepStats backward_stats_;           // their figures, added to the step's

@@ -20,7 +20,11 @@
 //     dropped, and step() steps it from the originals like any other set.
 // Either way the parameters, moments and step counts equal the serial step's bit for bit. The
 // price is host memory: one spare per speculated chunk (14 bytes per parameter with bf16 and an
-// fp32 master), which Python only spends where the host has room.
+// fp32 master), which Python only spends where the host has room. Where it has room for some
+// sets' spares only, those whose gradients reach the host first (the back of the model) take
+// them: their steps then run while the backward computes the rest, and step() steps the others.
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "core/errors.h"
@@ -61,11 +65,15 @@ std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std:
 }
 }  // namespace
 
-bool HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
-  if (rule_->steps_whole_sets()) return false;  // no host kernel to start early
-  if (spare_bytes_needed() > spare_limit_bytes) return false;  // the host has no room for the spares
+SpeculationCover HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
+  if (rule_->steps_whole_sets()) return SpeculationCover::kNone;  // no host kernel to start early
+  size_t least = SIZE_MAX;  // the fewest new spare bytes any host set needs
+  for (const ChunkSet& set : sets_)
+    if (set.trainable && set.spec.optim_on_host) least = std::min(least, spare_bytes_needed(set));
+  if (least > spare_limit_bytes) return SpeculationCover::kNone;  // no host set, or no room for any set's spares
   armed_ = groups;
-  return true;
+  spare_allowance_bytes_ = spare_limit_bytes;
+  return spare_bytes_needed() <= spare_limit_bytes ? SpeculationCover::kEverySet : SpeculationCover::kSomeSets;
 }
 
 bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
@@ -80,16 +88,19 @@ bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
 }
 
 size_t HybridOptimizer::spare_bytes_needed() const {
-  ChunkManager& mgr = mgr_;
   size_t bytes = 0;
   if (rule_->steps_whole_sets()) return 0;  // never speculates
-  for (const ChunkSet& set : sets_) {
-    if (!set.trainable || !set.spec.optim_on_host) continue;
-    std::vector<ChunkId> ids = set.spec.optimizer_chunks();
-    ids.push_back(set.spec.param);
-    for (ChunkId id : ids)
-      if (id >= 0 && spares_.count(id) == 0) bytes += mgr.chunk(id).shard_bytes();
-  }
+  for (const ChunkSet& set : sets_)
+    if (set.trainable && set.spec.optim_on_host) bytes += spare_bytes_needed(set);
+  return bytes;
+}
+
+size_t HybridOptimizer::spare_bytes_needed(const ChunkSet& set) const {
+  std::vector<ChunkId> ids = set.spec.optimizer_chunks();
+  ids.push_back(set.spec.param);
+  size_t bytes = 0;
+  for (ChunkId id : ids)
+    if (id >= 0 && spares_.count(id) == 0) bytes += mgr_.chunk(id).shard_bytes();
   return bytes;
 }
 
@@ -121,6 +132,8 @@ void HybridOptimizer::speculate(int set_index) {
   }
   const std::vector<Run> runs = runs_of(set, armed_->size());
   if (runs.empty()) return;
+  const size_t fresh_spare_bytes = spare_bytes_needed(set);
+  if (fresh_spare_bytes > spare_allowance_bytes_) return;  // beyond what this backward may spend: steps at step()
   const Tier host = mgr.host_tier();
   const bool has_master = set.spec.master >= 0;
   const ChunkId master_id = has_master ? set.spec.master : set.spec.param;
@@ -135,6 +148,7 @@ void HybridOptimizer::speculate(int set_index) {
       return;  // no room for a double buffer: this set steps after backward
     }
   }
+  spare_allowance_bytes_ -= fresh_spare_bytes;
   auto spare = [&](ChunkId id) { return static_cast<uint8_t*>(spares_.at(id)); };
   auto spec = std::make_shared<Speculation>();
   spec->has_grad = set.has_grad;
