@@ -246,29 +246,40 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     # --- what the engine calls ----------------------------------------------------------------
     def backward_started(self) -> None:
-        """A backward pass began: arm speculative CPU steps where their guess can hold (and tell
-        the placement whether the CPU steps will overlap this backward)."""
+        """A backward pass began: arm the CPU steps of host sets to start during it where their
+        guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
+        cover, why = self._arm_for_backward()
+        self.engine.internal.placer.note_host_steps(cover, why)
+
+    def _arm_for_backward(self) -> tuple[str, str]:
+        """(the host sets whose steps start during this backward: "every set", "some sets" or
+        "none", why)."""
         parts = self.engine.internal
         cfg = parts.config
-        parts.placer.note_optimizer_overlap(False)
-        if cfg.optimizer_step_in_backward and self.rule.native:
-            self._arm_in_backward()
-            return
-        if not cfg.overlap_optimizer or parts.scaler is not None or not self.rule.native:
-            return
+        if not self.rule.native:
+            return "none", f"{self.opt_class.__name__} has no native kernel: its own step() runs in step()"
+        if cfg.optimizer_step_in_backward:
+            return self._arm_in_backward()
+        if not cfg.overlap_optimizer:
+            return "none", "overlap_optimizer=False: every set steps inside step()"
+        if parts.scaler is not None:
+            return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
-            return
+            return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
-            return
-        # The spares held and new ones together take at most half of the host budget they came
-        # from (unreadable: no speculation). Where they cover some host sets only, the placement
-        # still plans for the next forward.
+            return "none", f"clipping at max_norm={cfg.max_norm}: the last norm was above it, or there was none yet"
+        # Speculation. The spares held and new ones together take at most half of the host budget
+        # they came from (unreadable: no speculation).
         held = parts.runtime.spare_bytes()
-        limit = max(0, ((host_available_bytes(parts.groups.ranks_on_host()) or 0) + held) // 2 - held)
-        if parts.runtime.arm_speculation(self._hyper(), limit) == "every set":
-            parts.placer.note_optimizer_overlap(True)
+        room = max(0, ((host_available_bytes(parts.groups.ranks_on_host()) or 0) + held) // 2 - held)
+        cover = parts.runtime.arm_speculation(self._hyper(), room)
+        return cover, {"every set": "speculation: the host holds every host set's spares",
+                       "some sets": "speculation: the host holds some sets' spares; those whose gradients come "
+                                    "first start during backward, the others at step()",
+                       "none": "speculation: the host holds no host set's spares (or holds no optimizer "
+                               "state)"}[cover]
 
-    def _arm_in_backward(self) -> None:
+    def _arm_in_backward(self) -> tuple[str, str]:
         parts = self.engine.internal
         stepped = parts.runtime.sets_stepped_in_backward()
         if stepped:
@@ -279,7 +290,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 "under engine.no_sync() or set enable_gradient_accumulation=True.")
         self._in_backward_hyper = self._hyper()
         if parts.runtime.arm_in_backward(self._in_backward_hyper):
-            parts.placer.note_optimizer_overlap(True)
+            return "every set", "optimizer_step_in_backward=True: each host set steps in place once its gradients land"
+        return "none", f"{self.opt_class.__name__} steps whole sets: nothing to start early"
 
     def steps_started_in_backward(self) -> int:
         """Host chunk sets stepped during the last backward and not yet followed by step()."""

@@ -31,16 +31,19 @@ class Placer:
         self._frozen = False
         self._accumulating = False  # no_sync() was entered in the iteration under way
         self._steps_during_backward = False  # the optimizer armed CPU steps during this backward
+        self._host_steps = {"during_backward": "none", "why": "no backward yet"}  # the last backward's
         self._after_steps_done = False  # the policy wants no more after_step calls for this decision
 
     def note_accumulation(self) -> None:
         """Gradients of this iteration accumulate on the device (engine.no_sync)."""
         self._accumulating = True
 
-    def note_optimizer_overlap(self, during_backward: bool) -> None:
-        """Whether the host sets' CPU steps of this iteration start during backward (speculation
-        armed) or only at step(), overlapping the next forward (optim/wrapper.py backward_started)."""
-        self._steps_during_backward = during_backward
+    def note_host_steps(self, cover: str, why: str) -> None:
+        """Which host sets' CPU steps of this iteration start during backward ("every set", "some
+        sets" or "none") and why (optim/wrapper.py backward_started). The placement plans for the
+        backward as their window only where every set's does; else for the next forward."""
+        self._steps_during_backward = cover == "every set"
+        self._host_steps = {"during_backward": cover, "why": why}
 
     def freeze(self) -> None:
         """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
@@ -219,4 +222,5 @@ class Placer:
             "optim_chunks_on_host": sum(p["trainable"] and p["optim_on_host"] for p in placements),
             "optim_chunks_on_device": sum(p["trainable"] and not p["optim_on_host"] for p in placements),
             "optim_chunks_link_lane": len(runtime.link_sets()) if self.current.link_sets else 0,
+            "host_steps": dict(self._host_steps),  # which host sets' steps started in the last backward, why
         }

@@ -230,3 +230,32 @@ def test_room_for_some_sets_spares_speculates_those_and_stays_exact(device, monk
         host_sets = sum(1 for p in engine.internal.runtime.set_placements() if p["trainable"] and p["optim_on_host"])
     assert spec["spare_bytes"] < host_sets * set_spare_bytes, "room for some sets' spares, not every set's"
     assert spec["confirmed"] < host_sets * 6, "the others stepped at step()"
+
+
+def test_stats_say_where_the_host_steps_started_and_why(monkeypatch):
+    """stats()["placement"]["host_steps"]: every set during backward where the spares fit or
+    under optimizer_step_in_backward, some where they fit for some sets, none under clipping
+    that triggers, each with its reason."""
+    from gemini_ext.optim import wrapper
+
+    def host_steps(cfg, room=1 << 40):
+        monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: room)
+        model, _ = make_models()
+        with gx.enable(model, cfg) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+            for step in range(2):
+                x, y = batch(model.cfg, step, engine.compute_device)
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            return engine.stats()["placement"]["host_steps"]
+
+    assert host_steps(_config("sim", "fp32", True)) == {
+        "during_backward": "every set", "why": "speculation: the host holds every host set's spares"}
+    some = host_steps(_config("sim", "fp32", True), room=2 * 4 * 3 * CHUNK_BYTES_FP32)
+    assert some["during_backward"] == "some sets" and "the others at step()" in some["why"], some
+    clipped = host_steps(_config("sim", "bf16_clipping", True))
+    assert clipped["during_backward"] == "none" and "max_norm=0.05" in clipped["why"], clipped
+    in_place = host_steps(gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK,
+                                          optimizer_step_in_backward=True))
+    assert in_place["during_backward"] == "every set" and "optimizer_step_in_backward" in in_place["why"], in_place
