@@ -77,11 +77,11 @@ def auto_choice(row: dict) -> str:
     placement = (row.get("engine") or {}).get("placement") or {}
     if not placement:
         return ""
-    decision = placement.get("decision") or {}
     lane = f", {placement.get('optim_chunks_link_lane', 0)} via the link" if placement.get("optim_chunks_link_lane") else ""
-    window = decision.get("optimizer_window")
+    started = (placement.get("host_steps") or {}).get("during_backward")
     return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
-            f"{placement.get('optim_chunks_on_host', '?')} host{lane}" + (f", host steps overlap {window}" if window else ""))
+            f"{placement.get('optim_chunks_on_host', '?')} host{lane}" +
+            (f", host steps started in backward: {started}" if started else ""))
 
 
 def table(results: list[dict], peak_tflops: float) -> str:
