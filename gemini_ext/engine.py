@@ -4,7 +4,7 @@
 1. The chunk layout (_engine/layout.py): parameters, tied ones once, in chunk groups that share one
    layout (the parameter, its gradient, its fp32 master and the optimizer rule's state kinds).
 2. The placement policy decides, from measurements, where each chunk set's optimizer state
-   lives and whether its parameter chunk's home is the host (placement/policies.py; placement/placer.py gathers
+   lives and whether its parameter chunk's home is the host (placement/policies/; placement/placer.py gathers
    the measurements and applies the decisions).
 3. The chunks are allocated and filled from the parameters' current values, the originals
    released as they are copied and given back if enable() fails (_engine/fill.py).

@@ -1,6 +1,7 @@
 """Where each chunk set lives: decided by a policy, applied by the placer, from measurements.
 
-- policies.py: the placement policies (static, auto, const): decide from Measurements, move nothing.
+- policies/: the placement policies (base.py; static.py: static, const; auto.py): decide from
+  Measurements, move nothing.
 - placer.py: gathers the measurements, asks the policy and has the manager carry the decision out.
 - optimizer_split.py: how much optimizer state the device should step, from measured rates.
 - rates.py: the machine's measured rates (CPU optimizer, host-to-device copies).

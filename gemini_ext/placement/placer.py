@@ -1,4 +1,4 @@
-"""Carrying a placement policy's decisions out: the engine's side of gemini_ext/placement/policies.py.
+"""Carrying a placement policy's decisions out: the engine's side of gemini_ext/placement/policies/.
 
 `Placer` gathers the measurements a policy decides from (host memory, the last iteration's
 non-model peak from the MemoryTracer, the access trace's re-recordings), reducing the figures
