@@ -159,16 +159,16 @@ void bind_optimizer(py::module_& m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
         py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt,
         py::arg("random_key") = 0, py::arg("first_index") = 0, py::call_guard<py::gil_scoped_release>(),
-        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/cpu_adam.h); "
+        "Fused CPU Adam/AdamW over one chunk's fp32 master, m, v and gradient (see csrc/core/kernels/cpu_adam.h); "
         "out=(param_out, exp_avg_out, exp_avg_sq_out) writes the results there and leaves the inputs. m and v "
         "may both be bfloat16: they are then stochastically rounded with the bits of (random_key, "
-        "first_index + i) (csrc/core/cpu_adam_bf16_moments.h).");
+        "first_index + i) (csrc/core/kernels/cpu_adam_bf16_moments.h).");
 
   m.def("cpu_optim_step", &torch_layer::cpu_optim_step, py::arg("name"), py::arg("param"), py::arg("states"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("hyper"),
         py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt, nogil(),
         "Fused CPU SGD, Lion or Adagrad (name 'sgd', 'lion', 'adagrad') over one chunk's fp32 master, its "
-        "state and gradient (see csrc/core/cpu_optim.h); hyper: the group's values as the rule names them; "
+        "state and gradient (see csrc/core/kernels/cpu_optim.h); hyper: the group's values as the rule names them; "
         "out=(param_out, state_outs...) writes the results there and leaves the inputs.");
 
   m.def("device_adam_step", &device_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),

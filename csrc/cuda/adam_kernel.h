@@ -1,4 +1,4 @@
-// Adam / AdamW on the device in one pass: the device side of csrc/core/cpu_adam.h.
+// Adam / AdamW on the device in one pass: the device side of csrc/core/kernels/cpu_adam.h.
 //
 // Design note. One kernel reads the gradient in its compute dtype, the fp32 master and the
 // moments (fp32, or bf16 with the stochastic rounding of core/kernels/stochastic_round.h), and writes the

@@ -1,5 +1,5 @@
 // The CPU Adam kernel over torch tensors: validation of devices, dtypes, shapes and layout, then
-// one call of the core kernel (csrc/core/cpu_adam.h) over the host thread pool.
+// one call of the core kernel (csrc/core/kernels/cpu_adam.h) over the host thread pool.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// The CPU SGD / Lion / Adagrad kernels over torch tensors (csrc/core/cpu_optim.h): hyperparameters
+// The CPU SGD / Lion / Adagrad kernels over torch tensors (csrc/core/kernels/cpu_optim.h): hyperparameters
 // from a parameter group's name -> value map, tensors checked and reduced to raw buffers.
 #pragma once
 

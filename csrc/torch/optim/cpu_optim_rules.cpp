@@ -1,4 +1,4 @@
-// The SGD, Lion and Adagrad rules: our fused CPU kernels (csrc/core/cpu_optim.h) on the host,
+// The SGD, Lion and Adagrad rules: our fused CPU kernels (csrc/core/kernels/cpu_optim.h) on the host,
 // elementwise torch ops on the device copies (one run is one flat tensor, so a handful of
 // kernel launches per run). Hyperparameters: see cpu_optim_hyper (cpu_optim_op.cpp).
 #include <ATen/TensorOperators.h>
