@@ -7,7 +7,9 @@ from conftest import run_python
 
 def test_suites_pass_with_random_copy_delays():
     out = run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-                     "tests/python/test_parity.py", "tests/python/test_hooks.py", "tests/python/test_policies.py",
+                     "tests/python/test_parity.py", "tests/python/test_hooks.py",
+                     "tests/python/test_fetch_sequences.py",
+                     "tests/python/test_policy_static.py", "tests/python/test_policy_auto.py",
                      "-k", "budget or home or prefetch or checkpointing or two_forwards or moving",
                      env={"GEMINI_EXT_SIM_COPY_DELAY_US": "2000"}, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
