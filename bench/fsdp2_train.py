@@ -142,6 +142,17 @@ def run_steps(train_step, cfg, args, seq: int, dev: torch.device, rank: int, wor
     return losses, step_seconds, optimizer_seconds
 
 
+def clipped_step(model, opt, max_norm: float) -> float:
+    """After backward: clipping at max_norm (0: off), the optimizer step and zero_grad; returns
+    when this optimizer part began (perf_counter)."""
+    began = time.perf_counter()
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return began
+
+
 def finish(summary: dict, args, rank: int, extra: str = "") -> None:
     """Rank 0 prints the summary line and writes --json-out; then the group is torn down."""
     if rank == 0:
@@ -224,12 +235,7 @@ def main(argv=None) -> dict:
         loss.backward()
         if on_cuda:
             torch.cuda.synchronize(dev)  # the optimizer's time below starts where backward ended
-        before_opt = time.perf_counter()
-        if args.max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss, before_opt
+        return loss, clipped_step(model, opt, args.max_norm)
 
     losses, step_seconds, optimizer_seconds = run_steps(train_step, cfg, args, seq, dev, rank, world)
     summary = summarize("plain pytorch" if args.plain else "fsdp2" + (" + cpu offload" if args.offload else ""),

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp2_train import cap_device_memory, exit_without_teardown  # noqa: E402
+from fsdp2_train import cap_device_memory, clipped_step, exit_without_teardown  # noqa: E402
 
 SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1
@@ -195,12 +195,7 @@ def peer_system(args):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.cuda.synchronize()
-        before = time.perf_counter()
-        if args.max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss, before
+        return loss, clipped_step(model, opt, args.max_norm)
 
     return model, dev, train_step, dict
 
