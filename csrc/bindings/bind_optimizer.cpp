@@ -97,6 +97,9 @@ void def_manager_optimizer(py::module_& m) {
            nogil())
       .def("spare_bytes", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
            nogil())
+      .def("spare_bytes_needed",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes_needed(); }); },
+           nogil())
       .def("set_link_sets",
            [](GeminiManager& g, const std::vector<int>& sets) {
              g.with_optimizer([&](HybridOptimizer& o) { o.set_link_sets(sets); });

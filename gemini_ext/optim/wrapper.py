@@ -268,10 +268,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
             return "none", f"clipping at max_norm={cfg.max_norm}: the last norm was above it, or there was none yet"
-        # Speculation. The spares held and new ones together take at most half of the host budget
-        # they came from (unreadable: no speculation).
+        # Speculation: spares for as many host sets as half of the host budget holds (unreadable:
+        # no speculation). Once some are held, more are taken only to cover every host set (after
+        # a placement left fewer sets on the host, say), within half of the budget they come from,
+        # so that host memory does not creep up step after step as the host's free memory varies.
         held = parts.runtime.spare_bytes()
-        room = max(0, ((host_available_bytes(parts.groups.ranks_on_host()) or 0) + held) // 2 - held)
+        available = host_available_bytes(parts.groups.ranks_on_host()) or 0
+        if not held:
+            room = available // 2
+        else:
+            needed = parts.runtime.spare_bytes_needed()
+            room = needed if needed <= max(0, (available + held) // 2 - held) else 0
         cover = parts.runtime.arm_speculation(self._hyper(), room)
         return cover, {"every set": "speculation: the host holds every host set's spares",
                        "some sets": "speculation: the host holds some sets' spares; those whose gradients come "

@@ -259,3 +259,29 @@ def test_stats_say_where_the_host_steps_started_and_why(monkeypatch):
     in_place = host_steps(gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK,
                                           optimizer_step_in_backward=True))
     assert in_place["during_backward"] == "every set" and "optimizer_step_in_backward" in in_place["why"], in_place
+
+
+def test_spares_do_not_creep_and_grow_only_to_cover_every_host_set(monkeypatch):
+    """Once spares are held, a host whose free memory varies does not get more step after step:
+    more are taken only when they cover every host set at once."""
+    from gemini_ext.optim import wrapper
+    room = [2 * 4 * 3 * CHUNK_BYTES_FP32]  # the first spares: about four sets' worth
+    monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: room[0])
+    model, _ = make_models()
+    held, cover = [], []
+    with gx.enable(model, _config("sim", "fp32", True)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for step in range(6):
+            if step == 3:
+                room[0] += room[0] // 2  # some more free memory: not enough to cover every set
+            if step == 4:
+                room[0] = 1 << 40
+            x, y = batch(model.cfg, step, engine.compute_device)
+            model(x, y).backward()
+            cover.append(engine.stats()["placement"]["host_steps"]["during_backward"])
+            opt.step()
+            opt.zero_grad()
+            held.append(opt.speculation_stats()["spare_bytes"])
+    assert cover[:4] == ["some sets"] * 4 and cover[4:] == ["every set"] * 2, cover
+    assert held[0] > 0 and held[:4] == [held[0]] * 4, held
+    assert held[4] > held[3] and held[5] == held[4], held
