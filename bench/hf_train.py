@@ -108,7 +108,7 @@ def batch_of(model, args, step: int, dev: torch.device) -> torch.Tensor:
 
 
 def gemini_system(args, dev_kind: str):
-    """(model, train_step, stats): gemini_ext over the model built where it fits."""
+    """(model, compute device, train_step, final stats): gemini_ext over the model built where it fits."""
     import gemini_ext as gx
 
     on_gpu = dev_kind == "cuda" and fp32_bytes(args.model) < 0.6 * torch.cuda.get_device_properties(0).total_memory
