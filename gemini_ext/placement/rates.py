@@ -3,14 +3,15 @@ elements, and how fast chunks copy from the host to the compute device.
 
 Each is measured once per process (and device) with a short probe, then kept: a policy that reads
 rates has them probed when enable() plans the placement, before any optimizer step runs beside the
-probe (a probe taken while the host's optimizer pipeline steps measured 2.4-2.9G elements/s on an
-H100's host where the same kernel steps 5G alone). The CPU probe is a CPU Adam step with a bf16
-parameter copy (the kernel the host's optimizer pipeline runs, at the same thread count) over
-enough elements that its arrays outgrow the last-level cache several times (cpu_probe_elements):
-the optimizer's state never fits in it, and a probe that did measured 10.6-11.8G elements/s on
-that host, twice the kernel's rate over the real state. The copy probe is a pinned host-to-device
-copy of PROBE_COPY_BYTES timed with CUDA events (on sim, where a "device" copy is a host memcpy, a
-host copy of the same size). The best of a few repetitions counts: the first touches the pages.
+probe (on an H100's host a probe taken at the first decision, with the optimizer's host steps
+running in the backward, read 2.4-2.9G elements/s, where the kernel stepped 5.0G in the training
+step). The CPU probe is a CPU Adam step with a bf16 parameter copy (the kernel the host's optimizer
+pipeline runs, at the same thread count) over enough elements that its arrays outgrow the last-level
+cache several times (cpu_probe_elements): the optimizer's state never fits in it. A probe of 4M
+elements (64 MiB of arrays) read 10.6-11.8G elements/s on that host, twice the kernel's rate over
+the real state. The copy probe is a pinned host-to-device copy of PROBE_COPY_BYTES timed with CUDA
+events (on sim, where a "device" copy is a host memcpy, a host copy of the same size). The best of a
+few repetitions counts: the first touches the pages.
 
 The link lane's rate (link_optimizer_elements_per_s) is the device's Adam kernel over
 PROBE_ELEMENTS of pinned host state through mapped views (cuda only; 0 elsewhere), timed with

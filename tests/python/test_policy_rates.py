@@ -195,7 +195,7 @@ def test_auto_decides_without_rates_when_a_probe_cannot_run(monkeypatch):
 
 def test_the_cpu_probe_outgrows_the_last_level_cache(tmp_path):
     """The CPU optimizer's probe steps arrays several times the largest cache (sysfs), within
-    its bounds: a probe held in cache measured twice the kernel's rate over real state."""
+    its bounds: a probe of 64 MiB of arrays read twice the kernel's rate over real state."""
     from gemini_ext.placement import rates as _rates
     for index, size in (("index0", "32K"), ("index2", "2048K"), ("index3", "105M")):
         (tmp_path / index).mkdir()
