@@ -38,9 +38,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fsdp2_train import cap_device_memory, clipped_step, exit_without_teardown  # noqa: E402
+from peers_train import BETAS, EPS, WEIGHT_DECAY, deepspeed_config  # noqa: E402
 
 SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain")
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1
+LR = 1e-4  # AdamW's other settings are peers_train.py's, for every system
 
 # (transformers config class, its fields): the published shapes, vocabularies included
 MODELS = {
@@ -152,15 +153,7 @@ def peer_system(args):
     if args.system.startswith("deepspeed"):
         import deepspeed
 
-        zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-        if args.system == "deepspeed-offload":
-            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                             "weight_decay": WEIGHT_DECAY}},
-                  "bf16": {"enabled": True}, "gradient_clipping": args.max_norm, "zero_optimization": zero,
-                  "steps_per_print": 1 << 30}
+        config = deepspeed_config(args.system, args.batch, LR, args.max_norm)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         cap()
 

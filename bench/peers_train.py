@@ -42,23 +42,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def deepspeed_engine(model, args):
-    import deepspeed
-
+def deepspeed_config(system: str, batch: int, lr: float, max_norm: float) -> dict:
+    """DeepSpeed's config for `system` (deepspeed-offload or deepspeed-offload-optim): ZeRO-3, the
+    optimizer (and for deepspeed-offload the parameters) offloaded to pinned host memory, AdamW,
+    bf16, clipping at max_norm (0: off; DeepSpeed clips at 1.0 when the key is absent)."""
     zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if args.system == "deepspeed-offload":
+    if system == "deepspeed-offload":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
+    return {
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": list(BETAS), "eps": EPS,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(BETAS), "eps": EPS,
                                                    "weight_decay": WEIGHT_DECAY}},
         "bf16": {"enabled": True},
-        "gradient_clipping": args.max_norm,
+        "gradient_clipping": max_norm,
         "zero_optimization": zero,
         "steps_per_print": 1 << 30,
     }
+
+
+def deepspeed_engine(model, args):
+    import deepspeed
+
+    config = deepspeed_config(args.system, args.batch, args.lr, args.max_norm)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def train_step(x, y) -> tuple[torch.Tensor, float]:

@@ -68,12 +68,17 @@ std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std:
 SpeculationCover HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
   if (rule_->steps_whole_sets()) return SpeculationCover::kNone;  // no host kernel to start early
   size_t least = SIZE_MAX;  // the fewest new spare bytes any host set needs
-  for (const ChunkSet& set : sets_)
-    if (set.trainable && set.spec.optim_on_host) least = std::min(least, spare_bytes_needed(set));
+  size_t total = 0;         // and all of them together
+  for (const ChunkSet& set : sets_) {
+    if (!set.trainable || !set.spec.optim_on_host) continue;
+    const size_t bytes = spare_bytes_needed(set);
+    least = std::min(least, bytes);
+    total += bytes;
+  }
   if (least > spare_limit_bytes) return SpeculationCover::kNone;  // no host set, or no room for any set's spares
   armed_ = groups;
   spare_allowance_bytes_ = spare_limit_bytes;
-  return spare_bytes_needed() <= spare_limit_bytes ? SpeculationCover::kEverySet : SpeculationCover::kSomeSets;
+  return total <= spare_limit_bytes ? SpeculationCover::kEverySet : SpeculationCover::kSomeSets;
 }
 
 bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
