@@ -9,19 +9,18 @@ namespace gx::bindings {
 using torch_layer::EngineCounters;
 using torch_layer::GeminiManager;
 using torch_layer::SetPlacement;
-using torch_layer::StateKind;
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 namespace {
 
-torch_layer::ChunkSetSpec set_spec_of(const py::dict& d) {
-  torch_layer::ChunkSetSpec s;
+ChunkSetSpec set_spec_of(const py::dict& d) {
+  ChunkSetSpec s;
   s.param = d["param"].cast<ChunkId>();
   s.grad = d["grad"].cast<ChunkId>();
   s.master = d["master"].cast<ChunkId>();
   for (const auto& item : d["states"].cast<py::list>()) {
     auto kind_and_id = item.cast<py::tuple>();
-    s.states.emplace_back(torch_layer::parse_state_kind(kind_and_id[0].cast<std::string>()),
+    s.states.emplace_back(parse_state_kind(kind_and_id[0].cast<std::string>()),
                           kind_and_id[1].cast<ChunkId>());
   }
   s.optim_on_host = d["optim_on_host"].cast<bool>();
@@ -31,7 +30,7 @@ torch_layer::ChunkSetSpec set_spec_of(const py::dict& d) {
   return s;
 }
 
-StateKind kind_of(const std::string& name) { return torch_layer::parse_state_kind(name); }
+StateKind kind_of(const std::string& name) { return parse_state_kind(name); }
 
 py::dict counters_dict(const EngineCounters& c) {
   return as_dict(c, field("evictions", &EngineCounters::evictions),
@@ -50,12 +49,12 @@ py::dict counters_dict(const EngineCounters& c) {
 // Construction, parameters and the hook bodies.
 void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
   cls.def(py::init([](PyChunkManager& cm, const py::list& sets, const py::list& params, const std::string& policy) {
-             std::vector<torch_layer::ChunkSetSpec> specs;
+             std::vector<ChunkSetSpec> specs;
              for (const auto& item : sets) specs.push_back(set_spec_of(item.cast<py::dict>()));
-             std::vector<torch_layer::ParamSpec> ps;
+             std::vector<ParamSpec> ps;
              for (const auto& item : params) {
                auto t = item.cast<py::tuple>();
-               ps.push_back(torch_layer::ParamSpec{t[0].cast<ChunkId>(), t[1].cast<size_t>(), t[2].cast<bool>()});
+               ps.push_back(ParamSpec{t[0].cast<ChunkId>(), t[1].cast<size_t>(), t[2].cast<bool>()});
              }
              return std::make_unique<GeminiManager>(cm.ctx, *cm.mgr, std::move(specs), std::move(ps), policy);
            }),

@@ -36,8 +36,8 @@ void attach_optimizer(GeminiManager& g, const std::string& rule, const std::vect
       (*fn)(s, master, grad, params, multiplier);
     });
   } else {
-    std::vector<torch_layer::StateKind> parsed;
-    for (const auto& k : kinds) parsed.push_back(torch_layer::parse_state_kind(k));
+    std::vector<StateKind> parsed;
+    for (const auto& k : kinds) parsed.push_back(parse_state_kind(k));
     r = torch_layer::make_optimizer_rule(rule, parsed);
   }
   py::gil_scoped_release release;
@@ -150,12 +150,12 @@ void def_manager_optimizer(py::module_& m) {
 }  // namespace
 
 void bind_optimizer(py::module_& m) {
-  py::enum_<torch_layer::StateKind>(m, "StateKind")
-      .value("param", torch_layer::StateKind::kParam)
-      .value("exp_avg", torch_layer::StateKind::kExpAvg)
-      .value("exp_avg_sq", torch_layer::StateKind::kExpAvgSq)
-      .value("momentum_buffer", torch_layer::StateKind::kMomentumBuffer)
-      .value("sum", torch_layer::StateKind::kSum);
+  py::enum_<StateKind>(m, "StateKind")
+      .value("param", StateKind::kParam)
+      .value("exp_avg", StateKind::kExpAvg)
+      .value("exp_avg_sq", StateKind::kExpAvgSq)
+      .value("momentum_buffer", StateKind::kMomentumBuffer)
+      .value("sum", StateKind::kSum);
 
   m.def("cpu_adam_step", &torch_layer::cpu_adam_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),

@@ -1,5 +1,7 @@
-"""The scheduler on the sim device (the same tests run on cuda): the exact fetch and evict
-sequences under a budget, prefetching within it, and a changed access trace re-recorded."""
+"""The scheduler end to end on the sim device (the same tests run on cuda): one exact fetch and
+evict sequence under a budget through the engine's hooks, prefetching within it, and a changed
+access trace re-recorded. Residency's own sequences, eviction rules and last resorts are tested
+in C++ (tests/cpp/core/test_residency.cpp)."""
 
 import pytest
 import torch
@@ -22,37 +24,10 @@ def _iterations(timeline):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_exact_fetch_and_evict_sequence_under_a_budget_of_three_chunks(device):
-    """Four one-chunk layers (parameter chunks 0, 4, 8, 12; each set is P, G, m, v), optimizer
-    state on the host, chunks capped at three. After the warm-up (LRU), eviction follows the
-    recorded trace (farthest next use): fetching 12 in forward evicts 0 (needed last), the
-    gradient chunk of layer 3 evicts 4 (needed after 8), fetching 4 in backward evicts 12 (never
-    needed again), and fetching 0 evicts 8 (tie: no further use, least recently used)."""
-    model = four_layers()
-    cfg = config(device, placement_policy="const", const_gpu_budget=3 * CHUNK_BYTES, max_prefetch=0)
-    with gx.enable(model, cfg) as engine:
-        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
-        assert [p["param_chunk"] for p in engine.internal.runtime.set_placements()] == [0, 4, 8, 12]
-        train_four_layers(model, engine, opt, 3)
-        timeline = engine.memory_timeline()
-        stats = engine.stats()
-    iterations = _iterations(timeline)
-    steady = ["F8", "E0", "F12", "E4", "F4", "E12", "F0", "E8"]
-    assert iterations[1] == steady and iterations[2] == steady
-    # enable() places 0, 4, 8 and evicts 0 for 12 (LRU); the warm-up iteration has no trace, so
-    # LRU evicts in forward order (each fetch evicts the chunk used longest ago) and in backward
-    assert iterations[0] == ["F0", "F4", "F8", "E0", "F12",                       # enable()
-                             "E4", "F0", "E8", "F4", "E12", "F8", "E0", "F12",    # forward
-                             "E4", "F4", "E12", "F0", "E8"]                       # backward
-    assert all(e["device_bytes"] <= 3 * CHUNK_BYTES for e in timeline["events"])
-    assert all(s["device_bytes_peak"] <= 3 * CHUNK_BYTES for s in stats["steps"])
-    assert stats["steps"][-1]["evictions"] == 4 and stats["steps"][-1]["sync_fetches"] == 4
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_exact_fetch_and_evict_sequence_under_a_budget_of_two_chunks(device):
-    """The same model under two chunks: one parameter chunk in compute plus one gradient chunk is
-    all that fits. Each event 'E' is followed by the fetch ('F') or gradient allocation that
+    """Four one-chunk layers (parameter chunks 0, 4, 8, 12; each set is P, G, m, v), optimizer
+    state on the host, chunks capped at two: one parameter chunk in compute plus one gradient
+    chunk is all that fits. Each event 'E' is followed by the fetch ('F') or gradient allocation that
     needed the room. Steady state, from {0} on the device after the previous iteration:
       forward   F4 (fits) | E0 F8 (0 is used last) | E4 F12 (4 after 8 in backward)
       backward  E8 (room for layer 3's gradient chunk; 12 is in compute, 8 the only candidate)

@@ -23,7 +23,7 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
                   return detail::concat("chunk set ", s, " (parameter chunk ", sets_[static_cast<size_t>(s)].spec.param,
                                         ")");
                 }),
-      residency_(*ctx_, mgr_, sets_, set_of_p_chunk_, trace_, pipeline_, counters_, timeline_, policy_name_) {
+      residency_(ctx_->backend(), mgr_, sets_, set_of_p_chunk_, trace_, pipeline_, timeline_, policy_name_) {
   GX_CHECK(mgr_.finalized(), "GeminiManager: the ChunkManager must be finalized first.");
   set_of_p_chunk_.assign(mgr_.num_chunks(), -1);
   for (const auto& spec : specs) {
@@ -43,6 +43,7 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
     set_of_p_chunk_[static_cast<size_t>(spec.param)] = static_cast<int>(sets_.size());
     sets_.push_back(std::move(set));
   }
+  grad_sq_.assign(sets_.size(), at::Tensor());
   for (size_t i = 0; i < params_.size(); ++i) {
     const int s = set_of_chunk(params_[i].chunk);
     GX_INTERNAL_ASSERT(s >= 0, "parameter ", i, " is in chunk ", params_[i].chunk, ", which is no parameter chunk");

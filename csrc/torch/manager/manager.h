@@ -8,8 +8,8 @@
 //  * manager_hooks.cpp: the hook bodies and the hook phase (core/hook_phase.h);
 //  * manager_grads.cpp: gradient arrival, reduction (replicas included), offload, zero_grad;
 //  * manager_values.cpp: reading and writing values (state dicts, checkpoints, close);
-//  * manager_residency.cpp: the budget, memory-pressure reclaim, moving optimizer state, the
-//    placements (the work is residency.h's);
+//  * manager_placement.cpp: the budget, memory-pressure reclaim, moving optimizer state, the
+//    placements (the work is core/residency.h's);
 //  * manager_optimizer.cpp: attaching the optimizer, its step and the optimizer pipeline
 //    (core/optimizer_pipeline.h; the step itself is torch/optim/hybrid_optimizer.h).
 // Residency, the optimizer and the pipeline are components: each receives what it works on at
@@ -33,7 +33,7 @@
 //    of backward, tensors still in COMPUTE go to HOLD_AFTER_BWD, chunks whose tensors got no
 //    gradient are flushed (reduced with the gradients they have), and everything returns to HOLD.
 //    Under no_sync() gradients accumulate in G on the device and nothing is reduced.
-//  * Device budget, eviction, prefetch and parameter chunks homed on the host: residency.h.
+//  * Device budget, eviction, prefetch and parameter chunks homed on the host: core/residency.h.
 //  * Gradients never stay on the parameter: post-accumulate-grad copies (or adds) p.grad into
 //    its G slot and resets p.grad, so `p.grad` is None after backward; the optimizer reads G.
 //  * Sharded (the ChunkManager has a communicator; see core/communicator.h). Every copy of every
@@ -69,11 +69,11 @@
 #include "core/hook_phase.h"
 #include "core/optimizer_pipeline.h"
 #include "core/owned_mutex.h"
+#include "core/residency.h"
 #include "core/timeline.h"
-#include "torch/chunk_set.h"
+#include "core/chunk_set.h"
 #include "torch/chunk_views.h"
 #include "torch/manager/param_storage.h"
-#include "torch/manager/residency.h"
 #include "torch/optim/hybrid_optimizer.h"
 #include "torch/optim/optimizer_rule.h"
 
@@ -286,6 +286,10 @@ class GeminiManager {
   std::shared_ptr<DeviceContext> ctx_;
   ChunkManager& mgr_;
   std::vector<ChunkSet> sets_;
+  // Per set: the sum of squares of G's (shard's) gradients, fp32 on the device, taken when G left
+  // for the host; undefined once G changes there (a later backward adds into the host copy) or is
+  // cleared. The optimizer reads it for the norm.
+  std::vector<at::Tensor> grad_sq_;
   std::vector<ParamSpec> params_;
   std::vector<int> set_of_p_chunk_;  // indexed by chunk id, -1 for companion chunks
   std::vector<int> forward_refs_;    // per parameter

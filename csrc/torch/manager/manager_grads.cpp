@@ -24,7 +24,7 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const ChunkId g = set.spec.grad;
   drop_whole_cache_locked();
-  set.grad_sq = at::Tensor();  // G changes
+  grad_sq_[static_cast<size_t>(set_index)] = at::Tensor();  // G changes
   at::Tensor slot;
   bool accumulate = set.has_grad[ps.slot] != 0;
   if (sharded()) {
@@ -79,8 +79,9 @@ void GeminiManager::reduce_locked(ChunkSet& set) {
 
 void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (!set.grad_collecting) return;
-  settle_locked(set_of_chunk(set.spec.param));  // a pending step may still read G's host copy
-  set.grad_sq = at::Tensor();
+  const int set_index = set_of_chunk(set.spec.param);
+  settle_locked(set_index);  // a pending step may still read G's host copy
+  grad_sq_[static_cast<size_t>(set_index)] = at::Tensor();
   const ChunkId g = set.spec.grad;
   drop_whole_cache_locked();
   const int world = mgr_.world_size() * (replicas_ != nullptr ? replicas_->world_size() : 1);
@@ -112,16 +113,18 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
 
 void GeminiManager::offload_grads_locked(ChunkSet& set) {
   if (!set.spec.optim_on_host || set.grad_place != GradPlace::kDevice) return;
-  settle_locked(set_of_chunk(set.spec.param));  // a pending step may still read G's host copy
+  const int set_index = set_of_chunk(set.spec.param);
+  settle_locked(set_index);  // a pending step may still read G's host copy
   const ChunkId g = set.spec.grad;
   // The norm is taken here, on the device, while G is complete there: the step then needs no
   // pass over the host copies for clipping or the fp16 overflow check.
-  set.grad_sq = at::linalg_vector_norm(shard_view(*ctx_, mgr_, g, Tier::kDevice), 2, std::nullopt, false, at::kFloat).square();
+  grad_sq_[static_cast<size_t>(set_index)] =
+      at::linalg_vector_norm(shard_view(*ctx_, mgr_, g, Tier::kDevice), 2, std::nullopt, false, at::kFloat).square();
   if (mgr_.chunk(g).shard_tiers().contains(mgr_.host_tier())) mgr_.discard_copy(g, mgr_.host_tier());
   mgr_.move(g, mgr_.host_tier(), async_reduce_);
   set.grad_place = GradPlace::kHost;
   counters_.grad_chunks_offloaded += 1;
-  if (optimizer_) optimizer_->speculate(set_of_chunk(set.spec.param));  // its step may start now
+  if (optimizer_) optimizer_->speculate(set_index);  // its step may start now
 }
 
 void GeminiManager::flush_grads() {
@@ -145,7 +148,7 @@ void GeminiManager::zero_grad() {
     if (!set.trainable) continue;
     const ChunkId g = set.spec.grad;
     std::fill(set.has_grad.begin(), set.has_grad.end(), 0);
-    set.grad_sq = at::Tensor();
+    grad_sq_[static_cast<size_t>(set_of_chunk(set.spec.param))] = at::Tensor();
     if (set.grad_collecting) {
       mgr_.ungather(g);
       set.grad_collecting = false;

@@ -50,8 +50,8 @@ void GeminiManager::attach_optimizer(std::unique_ptr<OptimizerRule> rule, std::v
   GX_CHECK(!optimizer_, "attach_optimizer: this manager has an optimizer already; there can be only one.");
   try {
     allocate_state_chunks_locked(rule->state_kinds(), state_chunks);
-    auto opt = std::make_unique<HybridOptimizer>(*ctx_, mgr_, sets_, params_, residency_, pipeline_, forward_order_,
-                                                 std::move(rule));
+    auto opt = std::make_unique<HybridOptimizer>(*ctx_, mgr_, sets_, grad_sq_, params_, residency_, pipeline_,
+                                                 forward_order_, std::move(rule));
     opt->set_param_groups(std::move(group_of_param));
     optimizer_ = std::move(opt);
   } catch (...) {

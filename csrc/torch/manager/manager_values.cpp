@@ -158,6 +158,12 @@ EngineCounters GeminiManager::counters() {
 
 EngineCounters GeminiManager::counters_locked() const {
   EngineCounters c = counters_;
+  const ResidencyCounters& r = residency_.counters();
+  c.fetches = r.fetches;
+  c.sync_fetch_waits = r.sync_fetch_waits;
+  c.wait_seconds = r.wait_seconds;
+  c.evictions = r.evictions;
+  c.evicted_bytes = r.evicted_bytes;
   c.optimizer_wait_seconds = pipeline_.wait_seconds();
   c.optimizer_waits = pipeline_.waits();
   return c;

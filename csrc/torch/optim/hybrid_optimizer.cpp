@@ -124,12 +124,14 @@ void refresh_device_param_copy(ChunkManager& mgr, ChunkId p, Tier host, bool hom
 }
 
 HybridOptimizer::HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
-                                 const std::vector<ParamSpec>& params, Residency& residency,
+                                 const std::vector<at::Tensor>& grad_sq, const std::vector<ParamSpec>& params,
+                                 Residency& residency,
                                  OptimizerPipeline& pipeline, const ForwardOrder& order,
                                  std::unique_ptr<OptimizerRule> rule)
     : ctx_(ctx),
       mgr_(mgr),
       sets_(sets),
+      grad_sq_(grad_sq),
       params_(params),
       residency_(residency),
       pipeline_(pipeline),
@@ -178,13 +180,14 @@ double HybridOptimizer::grad_norm_sq() {
   ctx.sync_compute_stream();
   wait_grads();
   at::Tensor device_total, host_total;
-  for (const ChunkSet& set : sets_) {
+  for (size_t s = 0; s < sets_.size(); ++s) {
+    const ChunkSet& set = sets_[s];
     if (!set.trainable || set.grad_place == GradPlace::kNone) continue;
     const Tier tier = set.grad_place == GradPlace::kDevice ? Tier::kDevice : mgr.host_tier();
     at::Tensor sq;
     bool on_device = tier == Tier::kDevice;
-    if (set.grad_place == GradPlace::kHost && set.grad_sq.defined()) {
-      sq = set.grad_sq;  // taken on the device when G left for the host
+    if (set.grad_place == GradPlace::kHost && grad_sq_[s].defined()) {
+      sq = grad_sq_[s];  // taken on the device when G left for the host
       on_device = true;
     } else {
       sq = at::linalg_vector_norm(shard_view(ctx, mgr, set.spec.grad, tier), 2, std::nullopt, false, at::kFloat).square();

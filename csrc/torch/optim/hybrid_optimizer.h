@@ -32,6 +32,8 @@
 //    to every gradient, so clipping costs no extra pass.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <map>
 #include <memory>
 #include <optional>
@@ -39,9 +41,10 @@
 #include <vector>
 
 #include "core/chunk_manager.h"
+#include "core/chunk_set.h"
 #include "core/optimizer_pipeline.h"
-#include "torch/chunk_set.h"
-#include "torch/manager/residency.h"
+#include "core/residency.h"
+#include "torch/chunk_views.h"
 #include "torch/optim/optimizer_rule.h"
 
 namespace gx::torch_layer {
@@ -68,8 +71,10 @@ enum class SpeculationCover { kNone, kSomeSets, kEverySet };
 
 class HybridOptimizer {
  public:
+  // grad_sq: per set, the squared norm of G taken on the device when G left for the host
+  // (undefined: none taken, or G changed since); the manager keeps it.
   HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
-                  const std::vector<ParamSpec>& params, Residency& residency, OptimizerPipeline& pipeline,
+                  const std::vector<at::Tensor>& grad_sq, const std::vector<ParamSpec>& params, Residency& residency, OptimizerPipeline& pipeline,
                   const ForwardOrder& order, std::unique_ptr<OptimizerRule> rule);
   ~HybridOptimizer();
   // Parameter group of each parameter (-1: not in the optimizer; never stepped).
@@ -167,6 +172,7 @@ class HybridOptimizer {
   DeviceContext& ctx_;
   ChunkManager& mgr_;
   std::vector<ChunkSet>& sets_;
+  const std::vector<at::Tensor>& grad_sq_;
   const std::vector<ParamSpec>& params_;
   Residency& residency_;
   OptimizerPipeline& pipeline_;

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "core/types.h"
-#include "torch/chunk_set.h"
+#include "core/chunk_set.h"
 
 namespace gx::torch_layer {
 

@@ -1,6 +1,9 @@
 // Residency: which chunks are on the device, under the planning budget.
 //
 // Design note. A room of the GeminiManager: no lock of its own, called under the manager's.
+// Torch-free: it works on the ChunkManager, the chunk sets, the recorded trace and the optimizer
+// pipeline, asks the backend only for the device's capacity, and counts its fetches and
+// evictions in counters of its own (the manager merges them into the engine's).
 //  * Fetch. A compute access makes a chunk's copy current on the device (sharded: gathered);
 //    fetching a chunk that does not fit first waits for gradient moves in flight (their device
 //    slots come back), then evicts the evictable chunk used farthest in the future (LRU before a
@@ -35,21 +38,30 @@
 
 #include "core/access_trace.h"
 #include "core/chunk_manager.h"
+#include "core/chunk_set.h"
+#include "core/device_backend.h"
 #include "core/lru_eviction.h"
 #include "core/optimizer_pipeline.h"
 #include "core/timeline.h"
-#include "torch/chunk_set.h"
-#include "torch/chunk_views.h"
 
-namespace gx::torch_layer {
+namespace gx {
 
-struct EngineCounters;
+// What residency did so far: synchronous fetches, evictions and the host time they took.
+struct ResidencyCounters {
+  int64_t fetches = 0;
+  int64_t sync_fetch_waits = 0;
+  double wait_seconds = 0.0;  // host time spent in synchronous fetches and evictions
+  int64_t evictions = 0;
+  int64_t evicted_bytes = 0;
+};
 
 class Residency {
  public:
-  Residency(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets, const std::vector<int>& set_of_p_chunk,
-            const AccessTrace& trace, OptimizerPipeline& pipeline, EngineCounters& counters, Timeline& timeline,
-            const std::string& policy_name);
+  // set_of_p_chunk: the set index per chunk id (-1 for companion chunks); policy_name names the
+  // placement policy in out-of-memory messages.
+  Residency(const DeviceBackend& backend, ChunkManager& mgr, std::vector<ChunkSet>& sets,
+            const std::vector<int>& set_of_p_chunk, const AccessTrace& trace, OptimizerPipeline& pipeline,
+            Timeline& timeline, const std::string& policy_name);
 
   // The device bytes chunks may hold (0: the backend's capacity); lowering it evicts what can go now.
   void set_budget(int64_t bytes);
@@ -79,6 +91,7 @@ class Residency {
   // when nothing computes on it; every set's with ungather_all_kept (before values change).
   void ungather_kept(const ChunkSet& set);
   void ungather_all_kept();
+  const ResidencyCounters& counters() const { return counters_; }
 
  private:
   void prefetch_gathers();
@@ -95,13 +108,13 @@ class Residency {
   int set_of_chunk(ChunkId p_chunk) const;
   bool sharded() const { return mgr_.sharded(); }
 
-  DeviceContext& ctx_;
+  const DeviceBackend& backend_;
   ChunkManager& mgr_;
   std::vector<ChunkSet>& sets_;
   const std::vector<int>& set_of_p_chunk_;
   const AccessTrace& trace_;
   OptimizerPipeline& pipeline_;
-  EngineCounters& counters_;
+  ResidencyCounters counters_;
   Timeline& timeline_;
   const std::string& policy_name_;
   LruEviction lru_;
@@ -115,4 +128,4 @@ class Residency {
   std::set<ChunkId> pinned_;
 };
 
-}  // namespace gx::torch_layer
+}  // namespace gx

@@ -1,5 +1,5 @@
 // Residency (residency.h): fetches, eviction, prefetch and gathers under the planning budget.
-#include "torch/manager/residency.h"
+#include "core/residency.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,22 +7,20 @@
 #include "core/belady_eviction.h"
 #include "core/errors.h"
 #include "core/prefetch_planner.h"
-#include "torch/manager/manager.h"
 
-namespace gx::torch_layer {
+namespace gx {
 
 using S = TensorState;
 
-Residency::Residency(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
+Residency::Residency(const DeviceBackend& backend, ChunkManager& mgr, std::vector<ChunkSet>& sets,
                      const std::vector<int>& set_of_p_chunk, const AccessTrace& trace, OptimizerPipeline& pipeline,
-                     EngineCounters& counters, Timeline& timeline, const std::string& policy_name)
-    : ctx_(ctx),
+                     Timeline& timeline, const std::string& policy_name)
+    : backend_(backend),
       mgr_(mgr),
       sets_(sets),
       set_of_p_chunk_(set_of_p_chunk),
       trace_(trace),
       pipeline_(pipeline),
-      counters_(counters),
       timeline_(timeline),
       policy_name_(policy_name) {}
 
@@ -179,7 +177,7 @@ bool Residency::make_room(ChunkId requester) {
 }
 
 int64_t Residency::budget() const {
-  const auto capacity = static_cast<int64_t>(ctx_.backend().device_capacity_bytes());
+  const auto capacity = static_cast<int64_t>(backend_.device_capacity_bytes());
   return budget_bytes_ > 0 ? std::min(budget_bytes_, capacity) : capacity;
 }
 
@@ -395,4 +393,4 @@ void Residency::ungather_all_kept() {
   for (const ChunkSet& set : sets_) ungather_kept(set);
 }
 
-}  // namespace gx::torch_layer
+}  // namespace gx

@@ -6,12 +6,11 @@
 // (Adam: exp_avg and exp_avg_sq; SGD with momentum: momentum_buffer; Lion: exp_avg; Adagrad: sum;
 // none for plain SGD and for optimizers stepped generically). The state chunks are laid out with
 // the others but get memory only when an optimizer is attached (its rule says which kinds).
-// Frozen parameters live in chunks of their own with no companions. The set is the unit that placement decides (where the optimizer state lives, P's
-// home) and that the optimizer steps; its per-slot books (which slot has a gradient, how many
-// steps each took) live here too.
+// Frozen parameters live in chunks of their own with no companions. The set is the unit that
+// placement decides (where the optimizer state lives, P's home) and that the optimizer steps;
+// its per-slot books (which slot has a gradient, how many steps each took) live here too. The
+// gradients' squared norms taken on the device are torch tensors: the manager keeps them.
 #pragma once
-
-#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <string>
@@ -20,7 +19,7 @@
 
 #include "core/types.h"
 
-namespace gx::torch_layer {
+namespace gx {
 
 // The values a parameter has besides its compute copy: its fp32 value (the master, or P itself
 // for fp32 and frozen parameters) and the optimizer states a rule may declare.
@@ -63,9 +62,6 @@ struct ChunkSet {
   GradPlace grad_place = GradPlace::kNone;  // sharded: where the reduced shard is
   bool grad_collecting = false;              // sharded: this backward's gradients are in a gathered G buffer
   bool reduced = false;              // gradients of this backward reduced and sent to the optimizer's tier
-  // Sum of squares of G's (shard's) gradients, fp32 on the device, taken when G left for the host;
-  // undefined once G changes there (a later backward adds into the host copy) or is cleared.
-  at::Tensor grad_sq;
 };
 
 // The sets in the order the recorded iteration first touches their P chunks (forward order);
@@ -76,4 +72,4 @@ struct ForwardOrder {
   std::vector<int64_t> rank;  // per set index: its position in `sets`
 };
 
-}  // namespace gx::torch_layer
+}  // namespace gx

@@ -1,6 +1,6 @@
 // GeminiManager, residency and placement entry points: the budget, memory-pressure reclaim,
 // moving a set's optimizer state between tiers, the placements and the timeline. The work is the
-// Residency room's (residency.h). See manager.h.
+// Residency room's (core/residency.h). See manager.h.
 #include "core/errors.h"
 #include "torch/manager/manager.h"
 

@@ -1,8 +1,8 @@
-#include "torch/chunk_set.h"
+#include "core/chunk_set.h"
 
 #include "core/errors.h"
 
-namespace gx::torch_layer {
+namespace gx {
 
 const char* state_kind_name(StateKind kind) {
   switch (kind) {
@@ -36,4 +36,4 @@ std::vector<ChunkId> ChunkSetSpec::optimizer_chunks() const {
   return out;
 }
 
-}  // namespace gx::torch_layer
+}  // namespace gx
