@@ -182,32 +182,32 @@ def read_file(path: str, mmap: bool = False, checksum: dict | None = None) -> di
                          "earlier checkpoint.") from e
 
 
-def _saved(engine, idx: int, frozen: bool) -> bool:
+def _saved(parts, idx: int, frozen: bool) -> bool:
     """Whether a checkpoint written with `frozen` holds parameter idx."""
-    return frozen or bool(engine.internal.layout.params[idx].requires_grad)
+    return frozen or bool(parts.layout.params[idx].requires_grad)
 
 
-def save(engine, path: str, frozen: bool = True) -> None:
-    if engine.process_group is not None:
-        _save_sharded(engine, path, frozen)
+def save(parts, model, path: str, frozen: bool = True) -> None:
+    if parts.groups.zero is not None:
+        _save_sharded(parts, model, path, frozen)
         return
     path = os.path.abspath(os.fspath(path))
-    opt = engine.attached_optimizer
+    opt = parts.optimizer
     payload = {
-        "model": engine.internal.access.full_state_dict(frozen=frozen),
+        "model": parts.access.full_state_dict(frozen=frozen),
         "optimizer": opt.state_dict() if opt is not None else None,
         "optimizer_class": opt.opt_class.__name__ if opt is not None else None,
-        "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
-        "engine": dataclasses.asdict(engine.internal.counters),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "engine": dataclasses.asdict(parts.counters),
         "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None},
+                "cuda": torch.cuda.get_rng_state() if parts.device.kind == "cuda" else None},
     }
     os.makedirs(path, exist_ok=True)
     generation = _begin_generation(path)
     file = rank_file(0, generation)
     index = {"format": FORMAT, "version": VERSION, "world_size": 1, "files": [file], "generation": generation,
-             "precision": engine.config.precision, "optimizer_steps": engine.internal.counters.optimizer_steps,
-             "parameters": engine.num_parameters, "frozen": frozen}
+             "precision": parts.config.precision, "optimizer_steps": parts.counters.optimizer_steps,
+             "parameters": len(parts.layout.params), "frozen": frozen}
     try:
         index["checksums"] = [_write_file(payload, os.path.join(path, file))]
     except BaseException:
@@ -223,36 +223,36 @@ def _remove_file(file: str) -> None:
         pass
 
 
-def _kinds(engine, idx: int, with_state: bool | None = None) -> list[str]:
+def _kinds(parts, idx: int, with_state: bool | None = None) -> list[str]:
     """The value kinds of parameter idx a checkpoint carries: with the optimizer's state when the
     engine has an optimizer (unless with_state says otherwise)."""
     if with_state is None:
-        with_state = engine.attached_optimizer is not None
-    return engine.internal.layout.value_kinds(idx, with_state=with_state)
+        with_state = parts.optimizer is not None
+    return parts.layout.value_kinds(idx, with_state=with_state)
 
 
-def _optimizer_common(engine):
-    opt = engine.attached_optimizer
+def _optimizer_common(parts):
+    opt = parts.optimizer
     if opt is None:
         return None
     groups = []
     for g in opt.param_groups:
         entry = {k: v for k, v in g.items() if k != "params"}
-        entry["params"] = [engine.parameter_index(p) for p in g["params"]]
+        entry["params"] = [parts.layout.index(p) for p in g["params"]]
         groups.append(entry)
-    return {"param_groups": groups, "steps": [engine.internal.runtime.step_of(i) for i in range(engine.num_parameters)],
+    return {"param_groups": groups, "steps": [parts.runtime.step_of(i) for i in range(len(parts.layout.params))],
             "class": opt.opt_class.__name__,
             # a generically stepped optimizer's state: whole on every rank (optim/generic.py), saved once
             "generic": opt.state_dict() if not opt.rule.native else None}
 
 
-def _state_dict_keys(engine) -> list:
+def _state_dict_keys(parts, model) -> list:
     """The model's state-dict keys in order, each with the parameter it holds (tied parameters
     appear under every key) or None for a buffer (in rank 0's "buffers"): what an exporter writes."""
     out = []
-    for key, value in engine.model.state_dict(keep_vars=True).items():
-        idx = engine.internal.layout.find(value)
-        out.append([key, engine.internal.layout.names[idx] if idx is not None else None])
+    for key, value in model.state_dict(keep_vars=True).items():
+        idx = parts.layout.find(value)
+        out.append([key, parts.layout.names[idx] if idx is not None else None])
     return out
 
 
@@ -262,18 +262,18 @@ def _check_optimizer_class(saved: str | None, opt, path: str) -> None:
                          f"{opt.opt_class.__name__}; create the same optimizer class before loading.")
 
 
-def _save_sharded(engine, path: str, frozen: bool) -> None:
-    if engine.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
-        engine.internal.groups.barrier()
+def _save_sharded(parts, model, path: str, frozen: bool) -> None:
+    if parts.groups.replica_index != 0:  # HSDP: the first replica writes, the others hold the same shards
+        parts.groups.barrier()
         return
-    _save_zero_group(engine, path, frozen)
-    if engine.replica_group is not None:
-        engine.internal.groups.barrier()
+    _save_zero_group(parts, model, path, frozen)
+    if parts.groups.replica is not None:
+        parts.groups.barrier()
 
 
-def _save_zero_group(engine, path: str, frozen: bool) -> None:
+def _save_zero_group(parts, model, path: str, frozen: bool) -> None:
     path = os.path.abspath(os.fspath(path))
-    group, rank, world = engine.process_group, engine.rank, engine.world_size
+    group, rank, world = parts.groups.zero, parts.groups.rank, parts.groups.world_size
     generation = [0]
     if rank == 0:
         os.makedirs(path, exist_ok=True)
@@ -284,26 +284,26 @@ def _save_zero_group(engine, path: str, frozen: bool) -> None:
     error, checksum = None, None
     try:
         tensors = {}
-        for idx, name in enumerate(engine.internal.layout.names):
-            if not _saved(engine, idx, frozen):
+        for idx, name in enumerate(parts.layout.names):
+            if not _saved(parts, idx, frozen):
                 continue
             tensors[name] = {}
-            for kind in _kinds(engine, idx):
-                begin, end, value = engine.internal.runtime.read_local(kind, idx)
+            for kind in _kinds(parts, idx):
+                begin, end, value = parts.runtime.read_local(kind, idx)
                 tensors[name][kind] = [begin, end, value]
         payload = {"rank": rank, "world_size": world, "tensors": tensors,
                    "rng": {"cpu": torch.get_rng_state(),
-                           "cuda": torch.cuda.get_rng_state() if engine.device_kind == "cuda" else None}}
+                           "cuda": torch.cuda.get_rng_state() if parts.device.kind == "cuda" else None}}
         if rank == 0:
-            own = engine.model.state_dict(keep_vars=True)
-            params = {id(p) for p in engine.internal.layout.params}
+            own = model.state_dict(keep_vars=True)
+            params = {id(p) for p in parts.layout.params}
             payload["common"] = {
-                "names": list(engine.internal.layout.names),
+                "names": list(parts.layout.names),
                 "buffers": {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone()
                             for k, v in own.items() if id(v) not in params},
-                "optimizer": _optimizer_common(engine),
-                "scaler": engine.internal.scaler.state_dict() if engine.internal.scaler is not None else None,
-                "engine": dataclasses.asdict(engine.internal.counters),
+                "optimizer": _optimizer_common(parts),
+                "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+                "engine": dataclasses.asdict(parts.counters),
             }
         checksum = _write_file(payload, own_file)
     except Exception as e:  # noqa: BLE001  (every rank must learn of a failure, or the others hang)
@@ -317,20 +317,20 @@ def _save_zero_group(engine, path: str, frozen: bool) -> None:
         raise RuntimeError("save_checkpoint failed, nothing was replaced: " + "; ".join(failed))
     if rank == 0:
         index = {"format": FORMAT, "version": VERSION_SHARDED, "world_size": world, "generation": generation,
-                 "files": [rank_file(r, generation) for r in range(world)], "precision": engine.config.precision,
-                 "optimizer_steps": engine.internal.counters.optimizer_steps,
-                 "parameters": [{"name": name, "shape": list(engine.internal.layout.params[i].shape),
-                                 "numel": engine.internal.layout.numels[i],
-                                 "trainable": bool(engine.internal.layout.params[i].requires_grad),
-                                 "pieces": engine.internal.layout.pieces(i, world)}
-                                for i, name in enumerate(engine.internal.layout.names) if _saved(engine, i, frozen)],
-                 "frozen": frozen, "state_dict_keys": _state_dict_keys(engine),
+                 "files": [rank_file(r, generation) for r in range(world)], "precision": parts.config.precision,
+                 "optimizer_steps": parts.counters.optimizer_steps,
+                 "parameters": [{"name": name, "shape": list(parts.layout.params[i].shape),
+                                 "numel": parts.layout.numels[i],
+                                 "trainable": bool(parts.layout.params[i].requires_grad),
+                                 "pieces": parts.layout.pieces(i, world)}
+                                for i, name in enumerate(parts.layout.names) if _saved(parts, i, frozen)],
+                 "frozen": frozen, "state_dict_keys": _state_dict_keys(parts, model),
                  "checksums": [c for _, c in reports]}
         _commit(path, index)
     dist.barrier(group)
 
 
-def load(engine, path: str, model_only: bool = False) -> None:
+def load(parts, model, path: str, model_only: bool = False) -> None:
     path = os.fspath(path)
     index_path = os.path.join(path, "index.json")
     if not os.path.isfile(index_path):
@@ -342,38 +342,38 @@ def load(engine, path: str, model_only: bool = False) -> None:
         raise ValueError(f"load_checkpoint: {path} has format {index.get('format')!r} version {index.get('version')!r};"
                          f" expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
     if index["version"] == VERSION_SHARDED:
-        _load_sharded(engine, path, index, model_only)
+        _load_sharded(parts, model, path, index, model_only)
         return
     payload = read_file(os.path.join(path, index["files"][0]), checksum=_checksum(index, 0))
     if index.get("frozen", True):
-        engine.load_state_dict(payload["model"])
+        parts.access.load_full_state_dict(payload["model"], strict=True)
     else:  # the trainable parameters and buffers: the frozen ones stay as the model has them
-        result = engine.load_state_dict(payload["model"], strict=False)
-        _check_without_frozen(engine, path, result.missing_keys, result.unexpected_keys)
+        result = parts.access.load_full_state_dict(payload["model"], strict=False)
+        _check_without_frozen(parts, model, path, result.missing_keys, result.unexpected_keys)
     if model_only:
         return
-    opt = engine.attached_optimizer
+    opt = parts.optimizer
     if payload["optimizer"] is not None:
         if opt is None:
             raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                                "engine.optimizer(...) before loading it.")
         _check_optimizer_class(payload.get("optimizer_class"), opt, path)
         opt.load_state_dict(payload["optimizer"])
-    if payload["scaler"] is not None and engine.internal.scaler is not None:
-        engine.internal.scaler.load_state_dict(payload["scaler"])
-    _restore_counters(engine, payload["engine"])
+    if payload["scaler"] is not None and parts.scaler is not None:
+        parts.scaler.load_state_dict(payload["scaler"])
+    _restore_counters(parts, payload["engine"])
     torch.set_rng_state(payload["rng"]["cpu"])
-    if payload["rng"]["cuda"] is not None and engine.device_kind == "cuda":
+    if payload["rng"]["cuda"] is not None and parts.device.kind == "cuda":
         torch.cuda.set_rng_state(payload["rng"]["cuda"])
 
 
-def _check_without_frozen(engine, path: str, missing: list, unexpected: list, by_name: bool = False) -> None:
+def _check_without_frozen(parts, model, path: str, missing: list, unexpected: list, by_name: bool = False) -> None:
     """A checkpoint saved with frozen=False may lack the frozen parameters only."""
-    layout = engine.internal.layout
+    layout = parts.layout
     if by_name:
         trainable_missing = [n for n in missing if layout.params[layout.names.index(n)].requires_grad]
     else:
-        own = engine.model.state_dict(keep_vars=True)
+        own = model.state_dict(keep_vars=True)
         trainable_missing = [k for k in missing if own[k].requires_grad]
     if trainable_missing or unexpected:
         raise ValueError(f"load_checkpoint: {path} holds the trainable parameters only (saved with frozen=False), and "
@@ -386,20 +386,20 @@ def _checksum(index: dict, rank: int) -> dict | None:
     return sums[rank] if sums else None
 
 
-def _my_range(engine, idx: int) -> tuple[int, int]:
+def _my_range(parts, idx: int) -> tuple[int, int]:
     """The elements of parameter idx this process holds: its shard's part, or all of it."""
-    numel = engine.internal.layout.numels[idx]
-    if engine.process_group is None:
+    numel = parts.layout.numels[idx]
+    if parts.groups.zero is None:
         return 0, numel
-    mine = [p for p in engine.internal.layout.pieces(idx, engine.world_size) if p[0] == engine.rank]
+    mine = [p for p in parts.layout.pieces(idx, parts.groups.world_size) if p[0] == parts.groups.rank]
     return (mine[0][1], mine[0][2]) if mine else (0, 0)
 
 
-def _restore_counters(engine, saved: dict) -> None:
-    engine.internal.counters.optimizer_steps = saved["optimizer_steps"]  # skipped steps: the scaler's state
+def _restore_counters(parts, saved: dict) -> None:
+    parts.counters.optimizer_steps = saved["optimizer_steps"]  # skipped steps: the scaler's state
 
 
-def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
+def _load_sharded(parts, model, path: str, index: dict, model_only: bool) -> None:
     files = {}
 
     def payload(rank):
@@ -408,31 +408,31 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}
-    names = engine.internal.layout.names
+    names = parts.layout.names
     missing, unexpected = [n for n in names if n not in saved], [n for n in saved if n not in names]
     if not index.get("frozen", True):
-        _check_without_frozen(engine, path, missing, unexpected, by_name=True)
+        _check_without_frozen(parts, model, path, missing, unexpected, by_name=True)
         missing, unexpected = [], []
     if missing or unexpected:
         raise ValueError(f"load_checkpoint: {path} does not match this model: missing parameters {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; load it into the model it was saved from.")
     common = payload(0)["common"]
-    opt = None if model_only else engine.attached_optimizer
+    opt = None if model_only else parts.optimizer
     if common["optimizer"] is not None and opt is None and not model_only:
         raise RuntimeError("load_checkpoint: the checkpoint has optimizer state; create the optimizer with "
                            "engine.optimizer(...) before loading it.")
     if opt is not None and common["optimizer"] is not None:
         _check_optimizer_class(common["optimizer"].get("class"), opt, path)
-    gm = engine.internal.runtime
+    gm = parts.runtime
     for idx, name in enumerate(names):
         if name not in saved:
             continue  # a frozen parameter of a checkpoint saved without them (checked above)
         entry = saved[name]
-        if tuple(entry["shape"]) != tuple(engine.internal.layout.params[idx].shape):
+        if tuple(entry["shape"]) != tuple(parts.layout.params[idx].shape):
             raise ValueError(f"load_checkpoint: parameter {name!r} has shape {tuple(entry['shape'])} in {path}, "
-                             f"the model has {tuple(engine.internal.layout.params[idx].shape)}.")
-        lo, hi = _my_range(engine, idx)
-        for kind in _kinds(engine, idx, with_state=opt is not None):
+                             f"the model has {tuple(parts.layout.params[idx].shape)}.")
+        lo, hi = _my_range(parts, idx)
+        for kind in _kinds(parts, idx, with_state=opt is not None):
             full = torch.zeros(entry["numel"])  # only [lo, hi) is written: the rest is other ranks' part
             for rank, begin, end in entry["pieces"]:
                 a, b = max(begin, lo), min(end, hi)
@@ -444,7 +444,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
     if opt is not None and common["optimizer"] is not None:
         steps = common["optimizer"]["steps"]
         for idx in range(len(names)):
-            if engine.internal.layout.params[idx].requires_grad:
+            if parts.layout.params[idx].requires_grad:
                 gm.set_step(idx, int(steps[idx]))
         for saved_group, mine in zip(common["optimizer"]["param_groups"], opt.param_groups):
             for k, v in saved_group.items():
@@ -452,7 +452,7 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
                     mine[k] = v
         if common["optimizer"].get("generic") is not None:
             opt.load_state_dict(common["optimizer"]["generic"])
-    own = engine.model.state_dict(keep_vars=True)
+    own = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, value in common["buffers"].items():
             if key in own:
@@ -460,12 +460,12 @@ def _load_sharded(engine, path: str, index: dict, model_only: bool) -> None:
     if model_only:
         gm.synchronize()
         return
-    if common["scaler"] is not None and engine.internal.scaler is not None:
-        engine.internal.scaler.load_state_dict(common["scaler"])
-    _restore_counters(engine, common["engine"])
-    if index["world_size"] == engine.world_size:
-        rng = payload(engine.rank)["rng"]
+    if common["scaler"] is not None and parts.scaler is not None:
+        parts.scaler.load_state_dict(common["scaler"])
+    _restore_counters(parts, common["engine"])
+    if index["world_size"] == parts.groups.world_size:
+        rng = payload(parts.groups.rank)["rng"]
         torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and engine.device_kind == "cuda":
+        if rng["cuda"] is not None and parts.device.kind == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
     gm.synchronize()

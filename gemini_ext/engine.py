@@ -1,6 +1,6 @@
 """enable() and GeminiEngine: the model's parameters live in chunks for the life of the engine.
 
-[Note: what enable() builds]
+[Note: what enable() builds] (in order: _engine/build.py)
 1. The chunk layout (_engine/layout.py): parameters, tied ones once, in chunk groups that share one
    layout (the parameter, its gradient, its fp32 master and the optimizer rule's state kinds).
 2. The placement policy decides, from measurements, where each chunk set's optimizer state
@@ -29,36 +29,16 @@ checkpoint, clipping, the generic rule) use through the EngineInternals Protocol
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 
 import torch
 
 from . import _C, allocator, checkpoint
 from ._engine import guards, registry, restore
-from ._engine.buffers import BufferPlacement
-from ._engine.clipping import GradClipper
-from ._engine.device import ComputeDevice
-from ._engine.fill import ChunkFill, allocated_on_write
-from ._engine.hooks import HookSet
-from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
-from ._engine.materialize import MetaMaterializer
-from ._engine.param_access import ParamAccess
-from ._engine.sharded_state import ShardedState, options_are_sharded
-from ._engine.throughput import Throughput
-from ._engine.parts import EngineParts
-from ._engine.process_groups import DataParallelGroups, resolve_process_group
-from ._env import logger
+from ._engine.build import build_parts
+from ._engine.sharded_state import options_are_sharded
 from ._units import format_bytes
-from .amp import DynamicLossScaler
 from .config import GeminiConfig
 from .optim.rules import MAX_STATE_KINDS
-from .placement.costs import HOST_TIERS
-from .placement.placer import Placer
-from .placement.policies import make_policy
-from .placement.tracer import MemoryTracer, SetupTimer
-from .search import unique_parameters
-
 
 class GeminiEngine:
     """Owns the chunks and hooks of one model; see enable()."""
@@ -67,143 +47,14 @@ class GeminiEngine:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"enable(model): expected a torch.nn.Module, got {type(model).__name__}.")
         registry.check_unmanaged(model)
-        data_parallel = resolve_process_group(process_group)
-        if (unsupported := config.unsupported_without_masters()) is not None:
-            raise NotImplementedError(unsupported)
         self.model = model
         self.config = config
         # What the engine is made of, as its rooms see it (_engine/contract.py); the rest of this
         # class is the user's API over it.
-        self.internal = parts = EngineParts(config, COMPUTE_DTYPES[config.precision])
-        # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
-        parts.groups = DataParallelGroups(data_parallel, config.extra_dp_size)
-        parts.scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
-        parts.clipper = GradClipper(self)
-        timer = SetupTimer()
-        policy = make_policy(config)
-        parts.device = ComputeDevice(config)
-        if parts.device.is_cuda:
-            parts.groups.set_device(parts.device.torch_device)
-        parts.groups.ranks_on_host()  # collective: gathered here, on every rank, and kept for the host budget
-        named = unique_parameters(model)
-        check_parameters(model, named, config, parts.compute_dtype)
-        self.chunk_size = choose_chunk_size(model, named, config, self.world_size)
-        parts.chunks = self._open_chunk_manager()
-        meta = MetaMaterializer(model, self.compute_device, param_init_fn)  # empty unless built on meta
-        parts.layout = ChunkLayout(parts.chunks, named, parts.compute_dtype, self.compute_device, MAX_STATE_KINDS,
-                                  self.chunk_size, STATE_DTYPES[config.optimizer_state_dtype],
-                                  config.master_weights)
-        parts.placer = Placer(policy, parts.layout, parts.device, parts.groups)
-        parts.placer.initial()
-        device_first, device_grads = parts.placer.device_first_chunks()
-        on_write = allocated_on_write(parts.layout, device_first, self.compute_device)
-        timer.done("plan")  # chunk size, layouts, placement plan
-        parts.chunks.finalize([c for c in device_first if c not in on_write],
-                             device_grads + parts.layout.unbound_state_chunks() + sorted(on_write))
-        timer.done("allocate")  # every chunk's first copy, zeroed
-        fill = ChunkFill(parts.layout, parts.chunks, parts.groups, parts.device, meta)
-        try:
-            fill.run(set(device_first), on_write)
-            parts.setup_fill_parts = fill.parts
-            timer.done("fill")  # the parameters' values into chunks (materialising a meta-built model)
-            self._finish_init()
-            timer.done("place")  # the placement applied, parameter views, buffers, hooks
-        except BaseException as exc:
-            fill.rollback(exc)
-            raise
-        fill.commit()
-        parts.setup_phases = timer.phases
-        parts.setup_seconds = timer.total()
-        self._warn_if_close_cannot_restore()
-        logger.info("enable: %d parameters in %d chunks of %d elements on %s (%s wasted), %.2f s (%s)",
-                    len(parts.layout.params), parts.chunks.num_chunks, self.chunk_size, self.device_kind,
-                    format_bytes(parts.chunks.wasted_bytes()), parts.setup_seconds,
-                    ", ".join(f"{k} {v:.2f} s" for k, v in parts.setup_phases.items()))
-        if logger.isEnabledFor(logging.INFO):  # /proc and the device are read only when it prints
-            logger.info("enable: memory after set-up: %s", parts.tracer.memory_figures())
+        self.internal = build_parts(model, config, process_group, param_init_fn, MAX_STATE_KINDS)
+        self.chunk_size = self.internal.chunk_size
+        registry.register(model, self)
         guards.engine_opened(self)  # foreign optimizers and torch's clipping see managed parameters (_engine/guards.py)
-
-    def _open_chunk_manager(self):
-        chunks = _C.ChunkManager(self.internal.device.context, world_size=self.world_size, rank=self.rank,
-                                 pin_memory=self.config.pin_memory)
-        self._comm = self._replica_comm = None
-        zero, replica = self.internal.groups.zero, self.internal.groups.replica
-        if zero is not None:
-            if self.internal.device.is_cuda and torch.distributed.get_backend(zero) != "nccl":
-                warnings.warn("gemini_ext: chunks on cuda with a non-NCCL process group; collectives on device "
-                              "memory need a backend that supports CUDA tensors (nccl).", stacklevel=4)
-            self._comm = _C.ProcessGroupCommunicator(zero, self.internal.device.context)
-            chunks.set_communicator(self._comm)
-            if replica is not None:
-                self._replica_comm = _C.ProcessGroupCommunicator(replica, self.internal.device.context)
-        return chunks
-
-    def _finish_init(self) -> None:
-        """The C++ runtime over the filled chunks, the placement applied, parameter views,
-        buffers, hooks."""
-        parts = self.internal
-        config, layout = self.config, parts.layout
-        pspecs = [(chunk, slot, bool(p.requires_grad)) for (chunk, slot), p in zip(layout.slots, layout.params)]
-        parts.runtime = runtime = _C.GeminiManager(parts.chunks, parts.placer.set_specs(), pspecs,
-                                                  config.placement_policy)
-        if self._replica_comm is not None:
-            runtime.set_replica_communicator(self._replica_comm)
-        runtime.set_device_budget(parts.placer.current.device_budget_bytes)
-        parts.tracer = MemoryTracer(parts.chunks, runtime, parts.device)
-        parts.tracer.begin()  # per-iteration non-model peaks start here
-        runtime.set_async_reduce(config.enable_async_reduce)
-        runtime.set_max_prefetch(config.max_prefetch)
-        runtime.set_overlap_optimizer(config.overlap_optimizer)
-        if config.enable_gradient_accumulation:
-            runtime.set_no_sync(True)  # gradients accumulate on the device until the step
-        views = runtime.param_views()
-        runtime.apply_placement()
-        for tier in HOST_TIERS:  # groups that left the host give their arena back
-            parts.chunks.trim(tier)
-        self._bind_parameters(views)
-        self._buffers = BufferPlacement(self.model, self.compute_device, parts.compute_dtype, config.cast_buffers,
-                                        parts.groups.from_rank0)
-        parts.hooks = HookSet(runtime, self.model, layout.params,
-                              scale_fn=(lambda: parts.scaler.scale) if parts.scaler is not None else None,
-                              on_backward_start=self._on_backward_start,
-                              on_forward_start=self._on_forward_start)
-        parts.access = ParamAccess(self, self.model, layout.params, layout.orig, parts.compute_dtype)
-        parts.sharded_state = ShardedState(self)
-        parts.throughput = Throughput(self.model, layout.params, config, self.compute_device)
-        registry.register(self.model, self)
-
-    def _bind_parameters(self, views) -> None:
-        """Each parameter's .data becomes its chunk view; an existing gradient follows it into its
-        gradient chunk."""
-        parts = self.internal
-        existing = []
-        for i, (p, view) in enumerate(zip(parts.layout.params, views)):
-            if p.grad is not None:
-                if not p.requires_grad:
-                    warnings.warn(f"gemini_ext: frozen parameter {parts.layout.names[i]!r} has a .grad; frozen "
-                                  "parameters have no gradient chunk, so it is dropped.", stacklevel=5)
-                else:
-                    existing.append((i, p.grad.detach()))
-            p.data = view
-            p.grad = None  # gradients live in chunks from now on
-        if existing:
-            with torch.no_grad():
-                for i, g in existing:
-                    p = parts.layout.params[i]
-                    p.grad = g.to(device=p.device, dtype=p.dtype)
-                    parts.runtime.post_accumulate_grad(i, p)
-            parts.runtime.end_backward()
-
-    def _warn_if_close_cannot_restore(self) -> None:
-        whole = self.internal.layout.whole_model_bytes()
-        room = restore.restore_room_bytes(self.internal.chunks, self.internal.device, self.internal.groups.ranks_on_host())
-        if room is not None and whole > room:
-            warnings.warn(
-                f"gemini_ext: the whole model ({format_bytes(whole)} in its original dtypes) is larger than this "
-                f"rank's device and host memory ({format_bytes(room)}), so leaving the `with` block cannot give it "
-                "back as ordinary tensors: close() will leave the parameters empty. Keep the trained values with "
-                "engine.save_checkpoint(dir) (sharded; loads at any world size) or engine.state_dict() inside the "
-                "block.", stacklevel=4)
 
     # --- where and over whom ----------------------------------------------------------------
     @property
@@ -293,9 +144,7 @@ class GeminiEngine:
     def zero_grad(self) -> None:
         """Clears every gradient chunk (optimizer.zero_grad() and model.zero_grad() call it)."""
         self.internal.check_open("zero_grad")
-        self.internal.check_no_steps_in_backward("zero_grad()")
-        self.internal.runtime.zero_grad()
-        self.internal.clipper.reset()
+        self.internal.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach=None) -> torch.Tensor:
@@ -339,13 +188,6 @@ class GeminiEngine:
         """The engine's optimizer, or None before engine.optimizer()."""
         return self.internal.optimizer
 
-    def _on_forward_start(self) -> None:
-        self.internal.access.absorb_writes()
-
-    def _on_backward_start(self) -> None:
-        if self.internal.optimizer is not None:
-            self.internal.optimizer.backward_started()
-
     # --- state -------------------------------------------------------------------------------
     def state_dict(self, options=None) -> dict:
         """The full model state: fp32 tensors on the CPU under the model's own keys (trainable
@@ -382,14 +224,14 @@ class GeminiEngine:
         they are, so load the base first (e.g. from_pretrained)."""
         self.internal.check_open("save_checkpoint")
         self.internal.access.absorb_writes()
-        checkpoint.save(self, path, frozen=frozen)
+        checkpoint.save(self.internal, self.model, path, frozen=frozen)
 
     def load_checkpoint(self, path: str, *, model_only: bool = False) -> None:
         """Everything save_checkpoint wrote; with model_only=True the model alone (masters and
         buffers: for evaluation, without an optimizer), leaving optimizer, scaler, counters and RNG."""
         self.internal.check_open("load_checkpoint")
         self.internal.access.absorb_writes()
-        checkpoint.load(self, path, model_only=model_only)
+        checkpoint.load(self.internal, self.model, path, model_only=model_only)
         self.internal.runtime.note_param_versions()
 
     # --- observing ---------------------------------------------------------------------------
@@ -454,7 +296,7 @@ class GeminiEngine:
         """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
         freed with the engine's last references to the manager."""
         parts = self.internal
-        self._buffers.restore()
+        parts.buffers.restore()
         parts.hooks.remove()
         parts.access.remove()
         parts.throughput.remove()

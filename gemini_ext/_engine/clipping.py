@@ -19,28 +19,31 @@ import torch
 
 
 class GradClipper:
-    def __init__(self, engine):
-        self._engine = engine
+    """Handed the engine's parts (contract.EngineInternals): the manager, the loss scaler, the
+    layout and the optimizer, read when a call comes (the optimizer is attached later)."""
+
+    def __init__(self, parts):
+        self._parts = parts
         self._coef = 1.0       # clipping factors of calls since the last step, multiplied
         self._backwards = None  # backward passes counted at the first such call
         self.clipped_last = False  # whether the last call scaled the gradients down
 
     def clip(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        engine = self._engine
+        parts = self._parts
         max_norm = float(max_norm)
         norm_type = float(norm_type)
         if not max_norm >= 0.0:
             raise ValueError(f"engine.clip_grad_norm_(max_norm={max_norm}): expected max_norm >= 0.")
-        gm = engine.internal.runtime
+        gm = parts.runtime
         gm.flush_grads()
-        scale = engine.internal.scaler.scale if engine.internal.scaler is not None else 1.0
+        scale = parts.scaler.scale if parts.scaler is not None else 1.0
         total = self._norm(norm_type) / scale * self._coef
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"engine.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
                                f"non-finite ({total}), so it cannot be clipped. Set error_if_nonfinite=False to "
                                "skip this check.")
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0 and engine.config.optimizer_step_in_backward:
+        if coef < 1.0 and parts.config.optimizer_step_in_backward:
             raise RuntimeError(f"engine.clip_grad_norm_(max_norm={max_norm}): the gradients' norm is {total:.6g}, so "
                                "they would be scaled, but GeminiConfig(optimizer_step_in_backward=True) stepped the "
                                "host-held state during backward with them unscaled. Clip with "
@@ -50,21 +53,18 @@ class GradClipper:
             self._backwards = gm.counters()["backward_passes"]
         if coef < 1.0:
             self._coef *= coef
-        device = engine.compute_device
-        return torch.tensor(total, dtype=torch.float32, device=device)
+        return torch.tensor(total, dtype=torch.float32, device=parts.device.torch_device)
 
     def _norm(self, norm_type: float) -> float:
-        engine = self._engine
-        if norm_type == 2.0 and engine.attached_optimizer is not None:
-            return math.sqrt(engine.attached_optimizer.grad_norm_sq())
+        parts = self._parts
+        if norm_type == 2.0 and parts.optimizer is not None:
+            return math.sqrt(parts.optimizer.grad_norm_sq())
         # Any other order: from the gradients themselves (read_grad gathers when sharded).
         total = 0.0
-        for p in engine.parameters():
-            if not p.requires_grad:
+        for i, p in enumerate(parts.layout.params):
+            if not p.requires_grad or not parts.runtime.has_grad(i):
                 continue
-            g = engine.grad(p)
-            if g is None:
-                continue
+            g = parts.runtime.read_grad(i)
             if math.isinf(norm_type):
                 total = max(total, float(g.abs().max())) if g.numel() else total
             else:

@@ -43,6 +43,10 @@ class EngineInternals(Protocol):
     clipper: "GradClipper"
     scaler: "DynamicLossScaler | None"  # fp16 only
     counters: "TrainingCounters"
+    chunk_size: int                     # elements per chunk
+    buffers: Any                        # buffers.BufferPlacement: the model's buffers on the compute device
+    zero_comm: Any                      # _C.ProcessGroupCommunicator over groups.zero, or None
+    replica_comm: Any                   # over groups.replica (HSDP), or None
     optimizer: Any                      # the attached GeminiOptimizer, or None
     closed: bool
 
@@ -57,6 +61,9 @@ class EngineInternals(Protocol):
 
     def check_no_stray_grads(self) -> None:
         """RuntimeError naming a parameter whose .grad did not go into its chunk."""
+
+    def zero_grad(self) -> None:
+        """Clears every gradient chunk (refused after a backward that stepped sets in place)."""
 
     def end_iteration(self) -> dict:
         """The iteration boundary: closes the access trace, records the iteration's figures and

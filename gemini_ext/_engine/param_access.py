@@ -37,22 +37,25 @@ import torch
 
 
 class ParamAccess:
-    """The engine's parameters as seen from outside the hooks (see the note above)."""
+    """The engine's parameters as seen from outside the hooks (see the note above). Handed the
+    engine's parts (contract.EngineInternals: the manager, the layout, the configuration, the
+    device, the sharded state) and the model whose state-dict hooks it registers."""
 
-    def __init__(self, engine, model: torch.nn.Module, params: list, orig: list, compute_dtype: torch.dtype):
-        self._engine = engine
+    def __init__(self, parts, model: torch.nn.Module):
+        self._parts = parts
         self._model = model
-        self._gm = engine.internal.runtime
-        self._params = params
-        self._orig = orig  # (dtype, device) per parameter, as close() restores it
-        self._dtype = compute_dtype
+        self._gm = parts.runtime
+        self._layout = parts.layout
+        self._params = parts.layout.params
+        self._orig = parts.layout.orig  # (dtype, device) per parameter, as close() restores it
+        self._dtype = parts.compute_dtype
         self._gathered_depth = 0
         self._sd_cache = (None, {})  # (weakref to the state dict being built, {index: value})
         self._handles = []
-        self._gm.watch_params(list(params))
+        self._gm.watch_params(list(self._params))
         for module in model.modules():
             own = [(name, i) for name, p in module._parameters.items()
-                   if p is not None and (i := engine.find_parameter(p)) is not None]
+                   if p is not None and (i := self._layout.find(p)) is not None]
             if not own:
                 continue
             self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(own)))
@@ -100,7 +103,7 @@ class ParamAccess:
         rebound = self._gm.rebound_params()
         if not rebound:
             return
-        seen = [(self._engine.parameter_name(i), self._params[i].dtype, self._params[i].device) for i in rebound[:3]]
+        seen = [(self._layout.names[i], self._params[i].dtype, self._params[i].device) for i in rebound[:3]]
         views = self._gm.param_views()
         for i in rebound:
             self._params[i].data = views[i]
@@ -111,12 +114,12 @@ class ParamAccess:
                           f"({named}{more}); the conversion was undone and close() restores each parameter's original "
                           "dtype and device from its fp32 master. Convert the model after the block.", stacklevel=4)
             return
-        precision = self._engine.config.precision
+        precision = self._parts.config.precision
         raise RuntimeError(
             f"gemini_ext: {len(rebound)} managed parameter(s) were converted inside the gx.enable block: {named}{more}. "
             "model.half(), .float(), .bfloat16(), .to(dtype) or .to(device) replace each parameter with a copy that no "
             f"chunk holds, so training would go on from a stale copy. The engine computes in {precision} on "
-            f"{self._engine.compute_device} from its chunks and has put the parameters back. To compute in another "
+            f"{self._parts.device.torch_device} from its chunks and has put the parameters back. To compute in another "
             "dtype, pass GeminiConfig(precision='bf16' | 'fp16' | 'fp32') to gx.enable; for evaluation in that dtype "
             "use torch.autocast; to move or cast the model itself, leave the block first (close() restores ordinary "
             "parameters).")
@@ -140,7 +143,7 @@ class ParamAccess:
             raise RuntimeError("engine.gathered(): called during backward, where the hooks own the chunks; use it "
                                "between iterations (after optimizer.step() or before the forward).")
         self.absorb_writes()
-        device = self._engine.compute_device
+        device = self._parts.device.torch_device
         views = {}
         self._gathered_depth += 1
         failed = True
@@ -177,7 +180,7 @@ class ParamAccess:
             params = [params]
         out = []
         for p in params:
-            i = self._engine.find_parameter(p)
+            i = self._layout.find(p)
             if i is None:
                 raise ValueError("engine.gathered(params): every entry must be a parameter of the model given to "
                                  f"gx.enable; got a {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))} "
@@ -196,7 +199,7 @@ class ParamAccess:
         self.absorb_writes()
         out = {}
         for key, value in self._model.state_dict(keep_vars=True).items():
-            idx = self._engine.find_parameter(value)
+            idx = self._layout.find(value)
             if not keep:
                 if idx is not None and (frozen or value.requires_grad):
                     self._gm.read("param", idx)  # collective when sharded; the copy is dropped here
@@ -227,11 +230,11 @@ class ParamAccess:
                     continue
                 value = state_dict[key]
                 if tuple(value.shape) == tuple(target.shape):  # a DTensor of the sharded state dict: whole
-                    value = self._engine.internal.sharded_state.whole(value, repr(key))
+                    value = self._parts.sharded_state.whole(value, repr(key))
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"engine.load_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
                                      f"expects {tuple(target.shape)}.")
-                idx = self._engine.find_parameter(target)
+                idx = self._layout.find(target)
                 if idx is not None:
                     self._gm.write("param", idx, value.detach().float().cpu())
                 else:
@@ -244,7 +247,7 @@ class ParamAccess:
     # --- the model's own state dicts ----------------------------------------------------------
     def _state_dict_hook(self, own: list[tuple[str, int]]):
         def hook(module, state_dict, prefix, local_metadata):
-            if self._engine.closed:
+            if self._parts.closed:
                 return
             cached_for, cache = self._sd_cache
             if cached_for is None or cached_for() is not state_dict:
@@ -262,14 +265,14 @@ class ParamAccess:
         return hook
 
     def _state_dict_done(self, module, state_dict, prefix, local_metadata) -> None:
-        if self._engine.closed:
+        if self._parts.closed:
             return
         self._sd_cache = (None, {})
         self._gm.release_read_cache()  # the last chunk gathered for the reads (sharded)
 
     def _load_hook(self, own: list[tuple[str, int]]):
         def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            if self._engine.closed:
+            if self._parts.closed:
                 return
             self.absorb_writes()
             for name, i in own:
@@ -287,5 +290,5 @@ class ParamAccess:
         return hook
 
     def _load_done(self, module, incompatible_keys) -> None:
-        if not self._engine.closed:
+        if not self._parts.closed:
             self._gm.note_param_versions()

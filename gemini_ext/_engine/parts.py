@@ -1,7 +1,7 @@
 """EngineParts: the parts one engine is made of, as its rooms see them (contract.EngineInternals).
 
-enable() (gemini_ext/engine.py) builds the parts in order and assigns them here; the facade keeps
-the user's API and delegates. The iteration boundary lives here because the optimizer's step
+enable() builds the parts in order (_engine/build.py) and assigns them here; the facade
+(gemini_ext/engine.py) keeps the user's API and delegates. The iteration boundary lives here because the optimizer's step
 calls it: the manager closes its access trace and reports once, the tracer records the
 iteration from that report and the placer decides again from it.
 """
@@ -26,7 +26,9 @@ class EngineParts:
         self.optimizer = None
         self.closed = False
         self.groups = self.device = self.layout = self.chunks = self.runtime = None
-        self.placer = self.tracer = self.throughput = self.access = self.sharded_state = self.clipper = self.scaler = self.hooks = None
+        self.placer = self.tracer = self.throughput = self.access = self.sharded_state = self.clipper = None
+        self.scaler = self.hooks = self.buffers = self.chunk_size = None
+        self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -60,6 +62,13 @@ class EngineParts:
                 "(GeminiConfig(optimizer_step_in_backward=True)): their parameters and optimizer state already "
                 "changed, and only optimizer.step() completes the step for the others. Call optimizer.step() "
                 "before it, or set optimizer_step_in_backward=False to be able to drop a step's gradients.")
+
+    def zero_grad(self) -> None:
+        """Clears every gradient chunk and the clipping noted since the last step (engine.zero_grad,
+        optimizer.zero_grad, model.zero_grad)."""
+        self.check_no_steps_in_backward("zero_grad()")
+        self.runtime.zero_grad()
+        self.clipper.reset()
 
     def end_iteration(self) -> dict:
         report = self.runtime.end_iteration()

@@ -62,24 +62,23 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
 
 
 class ShardedState:
-    """This rank's share of an engine's values as DTensors (see the note above)."""
+    """This rank's share of an engine's values as DTensors (see the note above). Handed the
+    engine's parts (contract.EngineInternals: the manager, the layout, the process groups, the
+    parameter access) and the model, for its state dict's keys."""
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, parts, model: torch.nn.Module):
+        self._internal = parts
+        self._model = model
         self._mesh = None
 
     @property
-    def _internal(self):
-        return self._engine.internal
-
-    @property
     def sharded(self) -> bool:
-        return self._engine.process_group is not None
+        return self._internal.groups.zero is not None
 
     def _device_mesh(self):
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
-            self._mesh = DeviceMesh.from_group(self._engine.process_group, self._internal.groups.device.type)
+            self._mesh = DeviceMesh.from_group(self._internal.groups.zero, self._internal.groups.device.type)
         return self._mesh
 
     # --- values --------------------------------------------------------------------------
@@ -91,7 +90,7 @@ class ShardedState:
         if not self.sharded:
             return full
         DTensor, Replicate, Shard = _dtensor_types()
-        world, rank = self._engine.world_size, self._engine.rank
+        world, rank = self._internal.groups.world_size, self._internal.groups.rank
         if full.dim() == 0:
             return DTensor.from_local(full, self._device_mesh(), [Replicate()], run_check=False)
         begin, end = _rows(full.shape[0], world, rank)
@@ -113,7 +112,7 @@ class ShardedState:
             raise ValueError(f"load_state_dict: {what} is a DTensor with placements {placements}; the engine loads "
                              "DTensors of its own sharded state dict (Shard(0) over its ranks) or full tensors. Load "
                              "through dcp.load into engine.state_dict(StateDictOptions(full_state_dict=False)).")
-        shape, world = tuple(value.shape), self._engine.world_size
+        shape, world = tuple(value.shape), self._internal.groups.world_size
         inner = math.prod(shape[1:])
         rows = [_rows(shape[0], world, r) for r in range(world)]
         device = self._internal.groups.device
@@ -121,7 +120,7 @@ class ShardedState:
         flat = local.reshape(-1).to(device=device, dtype=torch.float32)
         padded[:flat.numel()] = flat
         pieces = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(pieces, padded, group=self._engine.process_group)
+        dist.all_gather(pieces, padded, group=self._internal.groups.zero)
         out = torch.cat([p[:(end - begin) * inner] for p, (begin, end) in zip(pieces, rows)])
         return out.reshape(shape).cpu()
 
@@ -134,7 +133,7 @@ class ShardedState:
         shares = [self.share("param", idx) for idx in range(len(layout.params))]
         self._internal.runtime.release_read_cache()
         out = {}
-        for key, value in self._engine.model.state_dict(keep_vars=True).items():
+        for key, value in self._model.state_dict(keep_vars=True).items():
             idx = layout.find(value)
             if idx is None:
                 v = value.detach()
@@ -149,7 +148,7 @@ class ShardedState:
         layout = self._internal.layout
         gm = self._internal.runtime
         kinds = layout.state_kinds
-        trainable = sorted(self._engine.parameter_index(p) for g in opt.param_groups for p in g["params"])
+        trainable = sorted(layout.index(p) for g in opt.param_groups for p in g["params"])
         # one kind at a time in the chunks' order: each gathered chunk is read to the end once
         values = {kind: {idx: self.share(kind, idx) for idx in trainable} for kind in kinds}
         gm.release_read_cache()
@@ -160,7 +159,7 @@ class ShardedState:
                                             **{kind: values[kind][idx] for kind in kinds}}
         groups = []
         for g in opt.param_groups:
-            names = [layout.names[self._engine.parameter_index(p)] for p in g["params"]]
+            names = [layout.names[layout.index(p)] for p in g["params"]]
             entry = {k: v for k, v in g.items() if k != "params"}
             entry.update(opt.rule.state_dict_extras())
             entry["params"] = names
@@ -173,14 +172,14 @@ class ShardedState:
         gm = self._internal.runtime
         kinds = layout.state_kinds
         for saved, mine in zip(groups, opt.param_groups):
-            names = [layout.names[self._engine.parameter_index(p)] for p in mine["params"]]
+            names = [layout.names[layout.index(p)] for p in mine["params"]]
             if list(saved["params"]) != names:
                 raise ValueError(f"optimizer.load_state_dict: a param group lists {list(saved['params'])[:3]}..., this "
                                  f"optimizer's lists {names[:3]}...; build the optimizer over the same parameters in "
                                  "the same groups.")
         for g in opt.param_groups:
             for p in g["params"]:
-                idx = self._engine.parameter_index(p)
+                idx = layout.index(p)
                 name = layout.names[idx]
                 entry = state.get(name)
                 if entry is None:

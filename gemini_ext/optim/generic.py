@@ -35,20 +35,20 @@ def _placeholder(shape, device) -> torch.Tensor:
 class GenericStepper:
     """The user's optimizer over proxies of `groups`' parameters (see the note above)."""
 
-    def __init__(self, engine, opt_cls, groups: list[dict], kwargs: dict):
-        self._engine = engine
-        layout = engine.internal.layout
+    def __init__(self, parts, opt_cls, groups: list[dict], kwargs: dict):
+        self._parts = parts  # the engine's parts (_engine/contract.py): layout, manager, groups, device
+        layout = parts.layout
         set_of_param = layout.set_of_param()
-        placements = engine.internal.runtime.set_placements()
+        placements = parts.runtime.set_placements()
         self._proxies = {}  # engine parameter index -> proxy
         self._home = {}     # proxy -> the device of its master's tier
         proxy_groups = []
         for g in groups:
             proxies = []
             for p in g["params"]:
-                idx = engine.parameter_index(p)
+                idx = layout.index(p)
                 on_host = placements[set_of_param[idx]]["optim_on_host"]
-                home = torch.device("cpu") if on_host else engine.compute_device
+                home = torch.device("cpu") if on_host else parts.device.torch_device
                 proxy = _placeholder(p.shape, home)
                 self._proxies[idx] = proxy
                 self._home[proxy] = home
@@ -74,8 +74,8 @@ class GenericStepper:
 
     def step_set(self, set_index: int, master: torch.Tensor, grad: torch.Tensor, params: list, multiplier: float):
         """Called by the C++ HybridOptimizer for one chunk set (see the note above)."""
-        engine = self._engine
-        sharded = engine.world_size > 1
+        parts = self._parts
+        sharded = parts.groups.world_size > 1
         if sharded:
             whole_master, whole_grad = self._gather(master), self._gather(grad)
         else:
@@ -87,8 +87,8 @@ class GenericStepper:
                     proxy = self._proxies.get(idx)
                     if proxy is None:
                         continue
-                    offset, numel = engine.internal.layout.offset_in_chunk(idx)
-                    shape = engine.internal.layout.params[idx].shape
+                    offset, numel = parts.layout.offset_in_chunk(idx)
+                    shape = parts.layout.params[idx].shape
                     proxy.data = whole_master[offset:offset + numel].view(shape)
                     g = whole_grad[offset:offset + numel].view(shape)
                     if g.dtype != torch.float32 or multiplier != 1.0:
@@ -103,14 +103,14 @@ class GenericStepper:
                 proxy.data = _placeholder(proxy.shape, self._home[proxy])
         if sharded:
             shard = master.numel()
-            master.copy_(whole_master[engine.rank * shard:(engine.rank + 1) * shard])
+            master.copy_(whole_master[parts.groups.rank * shard:(parts.groups.rank + 1) * shard])
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         """This set's whole chunk from every rank's shard (on the backend's device, then back)."""
-        group = self._engine.process_group
-        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else self._engine.compute_device
+        group = self._parts.groups.zero
+        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else self._parts.device.torch_device
         local = shard.to(device)
-        whole = torch.empty(local.numel() * self._engine.world_size, dtype=local.dtype, device=device)
+        whole = torch.empty(local.numel() * self._parts.groups.world_size, dtype=local.dtype, device=device)
         dist.all_gather_into_tensor(whole, local.contiguous(), group=group)
         return whole.to(shard.device)
 

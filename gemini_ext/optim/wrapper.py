@@ -102,18 +102,19 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if isinstance(opt_cls, type) and issubclass(opt_cls, GeminiOptimizer):
             raise TypeError("gemini_ext optimizer: GeminiOptimizer wraps an optimizer class; pass the class itself, "
                             "e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4).")
+        parts = engine.internal  # the engine's parts (_engine/contract.py): this optimizer uses nothing else
         rule = rule_for(opt_cls)
-        state_dtype = engine.config.optimizer_state_dtype
+        state_dtype = parts.config.optimizer_state_dtype
         if state_dtype != "fp32" and rule is not ADAM:
             raise ValueError(f"gemini_ext optimizer: optimizer_state_dtype={state_dtype!r} keeps Adam's moments in "
                              f"{state_dtype}; {getattr(opt_cls, '__name__', opt_cls)} has no such kernel. Use "
                              "torch.optim.Adam or AdamW, or optimizer_state_dtype='fp32'.")
-        if engine.config.optimizer_step_in_backward and not rule.native:
+        if parts.config.optimizer_step_in_backward and not rule.native:
             raise ValueError(f"gemini_ext optimizer: optimizer_step_in_backward=True runs the engine's own kernels in "
                              f"backward; {getattr(opt_cls, '__name__', opt_cls)} has none (torch.optim.Adam, AdamW, "
                              "SGD, Adagrad and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
-        params = [p for p in engine.parameters() if p.requires_grad] if params is None else _as_param_list(params)
-        self.engine = engine
+        params = [p for p in parts.layout.params if p.requires_grad] if params is None else _as_param_list(params)
+        self.engine, self._parts = engine, parts  # the engine (public attribute) and the parts this uses
         self.opt_class = opt_cls
         self.rule = rule
         self._generic = None
@@ -123,7 +124,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             groups = _as_groups(params)
             if self._wrapped is not None:
                 kwargs = dict(self._wrapped.defaults)
-            self._generic = GenericStepper(engine, opt_cls, groups, kwargs)
+            self._generic = GenericStepper(parts, opt_cls, groups, kwargs)
             params, defaults = groups, dict(self._generic.defaults)
         super().__init__(params, defaults)
         if shared_groups is not None:
@@ -135,27 +136,27 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 if shared_groups is None:
                     for flag in rule.refused_flags + rule.ignored_flags:
                         g.pop(flag, None)
-        group_of = [-1] * engine.num_parameters
+        group_of = [-1] * len(parts.layout.params)
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                idx = engine.parameter_index(p)
+                idx = parts.layout.index(p)
                 if not p.requires_grad:
-                    raise ValueError(f"gemini_ext optimizer: parameter {engine.parameter_name(idx)!r} has "
+                    raise ValueError(f"gemini_ext optimizer: parameter {parts.layout.names[idx]!r} has "
                                      "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
                 group_of[idx] = gi
         kinds = rule.kinds_for(self.param_groups)
-        engine.internal.attach_optimizer(self)  # raises if the engine has one already
+        parts.attach_optimizer(self)  # raises if the engine has one already
         try:
-            engine.internal.runtime.attach_optimizer(rule.name, list(kinds), group_of, engine.internal.layout.state_chunks_for(kinds),
+            parts.runtime.attach_optimizer(rule.name, list(kinds), group_of, parts.layout.state_chunks_for(kinds),
                                             self._generic.step_set if self._generic is not None else None)
         except BaseException:
-            engine.internal.detach_optimizer(self)
+            parts.detach_optimizer(self)
             raise
         # Placement plans for the kinds that now exist; a generic optimizer's state is torch's and
         # does not move, so the placement stays as it is.
-        engine.internal.layout.bind_states(kinds, len(kinds) if rule.native else MAX_STATE_KINDS)
+        parts.layout.bind_states(kinds, len(kinds) if rule.native else MAX_STATE_KINDS)
         if not rule.native:
-            engine.internal.placer.freeze()
+            parts.placer.freeze()
         self.last_grad_norm = None
         self._in_backward_hyper = None  # the hyperparameters armed for the step in backward
 
@@ -192,7 +193,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # clipping check), the global norm when clipping or fp16 needs it, and the step itself
         # (which flushes gradients still on the device first and guards the parameters of CPU
         # steps still running). The placer calls the manager again only when it re-places.
-        parts = self.engine.internal
+        parts = self._parts
         parts.check_open("optimizer.step")
         parts.check_no_stray_grads()
         parts.access.absorb_writes()  # in-place writes to parameters reach the masters before the step
@@ -224,7 +225,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """The one factor folded into every gradient read: 1/loss_scale times the clipping
         coefficients (engine.clip_grad_norm_ since the last step, then `max_norm`); None when the
         fp16 loss scaler found an overflow. `backward_passes`: the manager's count at this step."""
-        parts = self.engine.internal
+        parts = self._parts
         scaler = parts.scaler
         scale = scaler.scale if scaler is not None else 1.0
         clipped = parts.clipper.take(backward_passes)  # engine.clip_grad_norm_ since the last step (1.0: none)
@@ -249,12 +250,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """A backward pass began: arm the CPU steps of host sets to start during it where their
         guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
         cover, why = self._arm_for_backward()
-        self.engine.internal.placer.note_host_steps(cover, why)
+        self._parts.placer.note_host_steps(cover, why)
 
     def _arm_for_backward(self) -> tuple[str, str]:
         """(the host sets whose steps start during this backward: "every set", "some sets" or
         "none", why)."""
-        parts = self.engine.internal
+        parts = self._parts
         cfg = parts.config
         if not self.rule.native:
             return "none", f"{self.opt_class.__name__} has no native kernel: its own step() runs in step()"
@@ -287,7 +288,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                                "state)"}[cover]
 
     def _arm_in_backward(self) -> tuple[str, str]:
-        parts = self.engine.internal
+        parts = self._parts
         stepped = parts.runtime.sets_stepped_in_backward()
         if stepped:
             raise RuntimeError(
@@ -302,26 +303,26 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def steps_started_in_backward(self) -> int:
         """Host chunk sets stepped during the last backward and not yet followed by step()."""
-        return self.engine.internal.runtime.sets_stepped_in_backward()
+        return self._parts.runtime.sets_stepped_in_backward()
 
     def grad_norm_sq(self) -> float:
         """The sum of squares of every gradient in the chunks (over every rank when sharded)."""
-        return self.engine.internal.runtime.grad_norm_sq()
+        return self._parts.runtime.grad_norm_sq()
 
     def release_spares(self) -> None:
-        self.engine.internal.runtime.release_spares()
+        self._parts.runtime.release_spares()
 
     def speculation_stats(self) -> dict:
         """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
-        runtime = self.engine.internal.runtime
+        runtime = self._parts.runtime
         return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.internal.check_open("optimizer.zero_grad")
-        self.engine.zero_grad()
+        self._parts.check_open("optimizer.zero_grad")
+        self._parts.zero_grad()
 
     def last_step_stats(self) -> dict:
-        return self.engine.internal.runtime.last_step()
+        return self._parts.runtime.last_step()
 
     # --- state ------------------------------------------------------------------------------
     def _ordered_params(self):
@@ -329,7 +330,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         pos = 0
         for g in self.param_groups:
             for p in g["params"]:
-                yield pos, self.engine.parameter_index(p)
+                yield pos, self._parts.layout.index(p)
                 pos += 1
 
     def state_dict(self, options=None) -> dict:
@@ -339,12 +340,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
         this rank's share for DCP, keyed by parameter name, each state a DTensor when sharded
         (see _engine/sharded_state.py); load_state_dict() takes either."""
         if options_are_sharded(options) and self._generic is None:
-            return self.engine.internal.sharded_state.optimizer_state_dict(self)
+            return self._parts.sharded_state.optimizer_state_dict(self)
         if self._generic is not None:
             self._generic.sync_hyperparameters(self.param_groups)
             return self._generic.state_dict()
-        gm = self.engine.internal.runtime
-        kinds = self.engine.internal.layout.state_kinds
+        gm = self._parts.runtime
+        kinds = self._parts.layout.state_kinds
         state = {}
         for pos, idx in self._ordered_params():
             step = gm.step_of(idx)
@@ -376,7 +377,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if self._generic is not None:
             self._generic.load_state_dict(state_dict)
         elif by_name:  # the sharded layout (state_dict(options)), after dcp.load
-            self.engine.internal.sharded_state.load_optimizer_state(self, groups, state_dict["state"])
+            self._parts.sharded_state.load_optimizer_state(self, groups, state_dict["state"])
         else:
             self._load_native_state(groups, state_dict["state"])
         skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
@@ -386,21 +387,21 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     mine[k] = v
 
     def _load_native_state(self, groups: list, state: dict) -> None:
-        gm = self.engine.internal.runtime
-        kinds = self.engine.internal.layout.state_kinds
+        gm = self._parts.runtime
+        kinds = self._parts.layout.state_kinds
         saved_ids = [pid for g in groups for pid in g["params"]]
         for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
             entry = state.get(saved_id)
             if entry is None:
                 gm.set_step(idx, 0)
-                zero = torch.zeros(self.engine.parameter_numel(idx))
+                zero = torch.zeros(self._parts.layout.numels[idx])
                 for kind in kinds:
                     gm.write(kind, idx, zero)
                 continue
             missing = [kind for kind in kinds if kind not in entry]
             if missing:
                 raise ValueError(f"optimizer.load_state_dict: the state of parameter "
-                                 f"{self.engine.parameter_name(idx)!r} has {sorted(entry)}, {self.opt_class.__name__} "
+                                 f"{self._parts.layout.names[idx]!r} has {sorted(entry)}, {self.opt_class.__name__} "
                                  f"needs {list(kinds)}; load a state dict saved from the same optimizer class.")
             step = entry.get("step", 1)  # torch's SGD and our Lion keep no step: the state exists, so >= 1
             gm.set_step(idx, int(step.item() if isinstance(step, torch.Tensor) else step))

@@ -153,7 +153,7 @@ def _collectives_body(rank, world_size, device="sim"):
         opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         n_chunks = engine.stats()["num_param_chunks"]
         for step in range(3):
-            before = engine._comm.calls
+            before = engine.internal.zero_comm.calls
             t0 = dict(engine.internal.chunks.traffic())
             x, y = batch(model.cfg, step, engine.compute_device, batch_size=GLOBAL_BATCH)
             model(_slice(x, rank, world_size), _slice(y, rank, world_size)).backward()
@@ -175,7 +175,7 @@ def _collectives_body(rank, world_size, device="sim"):
             dist.all_gather_object(counts, (gathers, scatters))
             assert len(set(counts)) == 1, counts
             assert scatters == n_chunks, (scatters, n_chunks)
-            assert engine._comm.calls - before == gathers + scatters + 1
+            assert engine.internal.zero_comm.calls - before == gathers + scatters + 1
         for c in engine.internal.chunks.group_chunk_ids("state0"):  # fp32 precision: no separate master group
             info = engine.internal.chunks.chunk_info(c)
             assert info["shard_numel"] * world_size == info["padded_numel"]
@@ -395,13 +395,14 @@ def _sharded_release_body(rank, world_size, device="sim"):
         seen.update({n: p.numel() for n, p in model.named_parameters()})
         raise RuntimeError("injected failure after the chunks were filled")
 
-    real = gx.engine.GeminiEngine._finish_init
-    gx.engine.GeminiEngine._finish_init = fail
+    from gemini_ext._engine import build
+    real = build._start_runtime
+    build._start_runtime = fail
     try:
         with pytest.raises(RuntimeError, match="injected") as info:
             gx.enable(model, config(device), process_group=dist.group.WORLD)
     finally:
-        gx.engine.GeminiEngine._finish_init = real
+        build._start_runtime = real
     assert seen and all(n == 0 for n in seen.values()), "every original released before the chunks took over"
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert f"sharded over {world_size} ranks" in note and "Build the model again" in note, note

@@ -92,7 +92,7 @@ def test_enable_releases_the_models_tensors_and_gives_them_back_when_it_fails(mo
         seen.update({n: p.numel() for n, p in model.named_parameters()})
         raise RuntimeError("injected failure after the chunks were filled")
 
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_finish_init", fail)
+    monkeypatch.setattr(gx._engine.build, "_start_runtime", fail)
     with pytest.raises(RuntimeError, match="injected"):
         gx.enable(model, _cfg("sim", precision=precision))
     if precision == "fp32":  # fp32 originals are held exactly by their chunks: all released

@@ -153,7 +153,7 @@ def test_a_failure_after_materialising_says_the_model_must_be_built_again(monkey
     def fail(self, *args, **kwargs):
         raise RuntimeError("injected failure after the chunks were filled")
 
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_finish_init", fail)
+    monkeypatch.setattr(gx._engine.build, "_start_runtime", fail)
     model = _meta_gpt()
     with pytest.raises(RuntimeError, match="injected") as info:
         gx.enable(model, config("sim"), param_init_fn=model.init_weights)
@@ -168,7 +168,7 @@ def test_without_masters_the_materialised_fp32_values_are_released_and_a_failure
     def fail(self, *args, **kwargs):
         raise RuntimeError("injected failure after the chunks were filled")
 
-    monkeypatch.setattr(gx.engine.GeminiEngine, "_finish_init", fail)
+    monkeypatch.setattr(gx._engine.build, "_start_runtime", fail)
     model = _meta_gpt()
     shapes = {name: p.shape for name, p in model.named_parameters()}
     cfg = config("sim", precision="bf16", optimizer_state_dtype="bf16", master_weights=False)
