@@ -7,7 +7,7 @@ CUDA is decided at build time, never from whether a GPU is present:
 The C++ standard is left to torch's build helper (C++20 from torch 2.13 on, C++17 before).
 Install with:  pip install --no-build-isolation .   (torch is never a build requirement)
 
-The build records the torch it compiled against in gemini_ext/_built_for.py, beside the native
+The build records the torch it compiled against in gemini_ext/_native/built_for.py, beside the native
 module, so that `import gemini_ext` under another torch fails with both versions named instead
 of an undefined symbol.
 """
@@ -93,7 +93,7 @@ def want_cuda():
     return True
 
 
-BUILT_FOR_MODULE = "_built_for.py"
+BUILT_FOR_MODULE = os.path.join("_native", "built_for.py")  # read by gemini_ext/_native/__init__.py
 
 
 def built_for_text() -> str:
@@ -116,7 +116,7 @@ class RecordingBuildExtension(BuildExtension.with_options(use_ninja=shutil.which
         super().run()
         for ext in self.extensions:
             package_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
-            os.makedirs(package_dir, exist_ok=True)
+            os.makedirs(os.path.join(package_dir, "_native"), exist_ok=True)
             with open(os.path.join(package_dir, BUILT_FOR_MODULE), "w") as f:
                 f.write(built_for_text())
 

@@ -11,37 +11,7 @@ __version__ = "0.1.0"  # the one version string: pyproject.toml reads it from he
 
 from ._env import SETTINGS as _SETTINGS  # noqa: F401,E402  (read the environment first, before CUDA)
 
-import importlib  # noqa: E402
-
-import torch  # noqa: E402  (the extension links against torch's libraries)
-
-
-def _load_native():
-    """The native module, after checking it was built for the torch installed now: a native
-    module compiled against another torch fails with an undefined symbol, or worse loads and
-    misbehaves; this names both versions and the fix instead."""
-    rebuild = ("Rebuild gemini_ext against the installed torch (from its source: pip install "
-               "--no-build-isolation --force-reinstall --no-deps .), or install the torch it was built for.")
-    try:
-        from ._built_for import TORCH_VERSION as built_for
-    except ImportError:
-        built_for = None
-    if built_for is not None and built_for != torch.__version__:
-        raise ImportError(f"gemini_ext was built against torch {built_for}, but torch {torch.__version__} is "
-                          f"installed; its native module only loads with the torch it was compiled against. {rebuild}")
-    try:
-        native = importlib.import_module(f"{__name__}._C")  # (a missing module raises with its name)
-    except ImportError as e:
-        if built_for is None:
-            error = ImportError(f"gemini_ext's native module is not built or did not load ({e}). Build it: "
-                                "pip install --no-build-isolation . (or -e . in a checkout). Without it only "
-                                "the checkpoint exporter works (gemini-ext export).")
-            if isinstance(e, ModuleNotFoundError) and e.name == f"{__name__}._C":
-                return None, error  # installed without the extension (GEMINI_EXT_NATIVE=0): Python only
-            raise error from e
-        raise ImportError(f"gemini_ext's native module (built against torch {built_for}) did not load under "
-                          f"torch {torch.__version__}: {e}. {rebuild}") from e
-    return native, None
+from ._native import MISSING as _NATIVE_MISSING, _C  # noqa: E402  (the native module, loaded once)
 
 
 __all__ = [
@@ -51,7 +21,6 @@ __all__ = [
     "UsageError", "OutOfMemoryError", "InternalError", "IllegalTransition", "TensorState",
 ]
 
-_C, _NATIVE_MISSING = _load_native()
 if _C is None:
     # Python only: `gemini_ext.export` and the checkpoint format work (they need torch, not the
     # native module); every public name raises the ImportError that says how to build.

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import _C
+from ._native import _C
 from ._env import SETTINGS
 
 

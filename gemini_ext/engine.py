@@ -32,7 +32,8 @@ import contextlib
 
 import torch
 
-from . import _C, allocator, checkpoint
+from . import allocator, checkpoint
+from ._native import _C
 from ._engine import guards, registry, restore
 from ._engine.build import build_parts
 from ._engine.sharded_state import options_are_sharded

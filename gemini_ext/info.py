@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from . import _C
+from ._native import _C
 from ._env import SETTINGS
 
 

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from . import _C
+from ._native import _C
 
 _ELEMENTS_PER_M = 2**20  # search_range_m and min_chunk_size_m count 2**20 elements
 _MAX_SEARCH_INTERVAL_NUMEL = 32 * 1024

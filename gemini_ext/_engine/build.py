@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from .. import _C
+from .._native import _C
 from .._env import logger
 from .._units import format_bytes
 from ..amp import DynamicLossScaler

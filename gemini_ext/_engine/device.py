@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from .._native import _C
 from .._env import SETTINGS
 from ..config import DEFAULT_SIM_CAPACITY_BYTES, GeminiConfig
 

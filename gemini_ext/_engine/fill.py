@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..placement.costs import TIERS
 
 

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .. import _C
+from .._native import _C
 from .._units import format_bytes
 from ..placement.costs import STATE_DTYPE, set_bytes_per_element
 from ..search import ALIGNMENT_NUMEL, search_chunk_configuration, wider_search

@@ -14,7 +14,8 @@ import dataclasses
 import time
 import warnings
 
-from .. import _C, allocator
+from .. import allocator
+from .._native import _C
 from . import host_memory, rates
 from .._env import logger
 from .costs import set_bytes_per_element

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .. import _C
+from .._native import _C
 
 PROBE_ELEMENTS = 1 << 22      # 4M elements: 16 MiB per fp32 tensor (the link lane's probe; the CPU's least)
 CPU_PROBE_MAX_ELEMENTS = 1 << 26

@@ -178,7 +178,7 @@ def test_export_runs_where_the_native_module_is_not_built(tmp_path):
     hide = ("import importlib.abc, sys\n"
             "class Hide(importlib.abc.MetaPathFinder):\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name in ('gemini_ext._C', 'gemini_ext._built_for'):\n"
+            "        if name in ('gemini_ext._C', 'gemini_ext._native.built_for'):\n"
             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
             "sys.meta_path.insert(0, Hide())\n"
             "import gemini_ext as gx\n"

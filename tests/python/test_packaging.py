@@ -74,10 +74,10 @@ def test_sdist_holds_every_file_the_build_compiles_or_includes(tmp_path):
     missing = sorted(inputs - members)
     assert missing == [], f"the sdist lacks {len(missing)} of the build's {len(inputs)} files: {missing}"
     modules = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "gemini_ext", "**", "*.py"),
-                                                            recursive=True)} - {"gemini_ext/_built_for.py"}
+                                                            recursive=True)} - {"gemini_ext/_native/built_for.py"}
     assert sorted(modules - members) == []
     assert {"setup.py", "pyproject.toml", "README.md", "MANIFEST.in"} <= members
-    built = sorted(m for m in members if m.endswith((".so", ".o", ".pyc")) or m.endswith("_built_for.py"))
+    built = sorted(m for m in members if m.endswith((".so", ".o", ".pyc")) or m.endswith("_native/built_for.py"))
     assert built == [], f"the sdist carries build outputs: {built}"
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ... import _C
+from ..._native import _C
 from ..._units import format_bytes
 from ..optimizer_lanes import REBALANCES, link_lane_sets, rebalanced_link_sets
 from ..optimizer_split import beyond_fit_by_rates

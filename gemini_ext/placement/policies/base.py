@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ... import _C
+from ..._native import _C
 from ..._units import format_bytes
 
 # [Note: safety margins]
