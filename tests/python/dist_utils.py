@@ -59,7 +59,7 @@ def run_torchrun(world_size: int, body, *args, backend: str = "gloo", tmp_dir: s
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-           "--master-port", str(free_port()), os.path.join(here, "torchrun_worker.py"), job]
+           "--master-port", str(free_port()), os.path.join(here, "workers", "torchrun_worker.py"), job]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out[-6000:]}"

@@ -19,7 +19,7 @@ CUDA_BUILD = bool(gx._C.build_info()["cuda"])
 
 def _worker(scenario, mode, **env):
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # the package from the tree
-    out = run_python("tests/python/allocator_worker.py", scenario,
+    out = run_python("tests/python/workers/allocator_worker.py", scenario,
                      env={"GEMINI_EXT_ALLOCATOR": mode, "PYTHONPATH": path, **env})
     return out
 

@@ -116,11 +116,11 @@ KILL_TRIALS = 40
 
 
 def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
-    """SIGKILL at random moments of saves in a loop (tests/python/checkpoint_kill_worker.py):
+    """SIGKILL at random moments of saves in a loop (tests/python/workers/checkpoint_kill_worker.py):
     after every kill the path holds a complete checkpoint, the previous one or the new one."""
     import json
     from conftest import run_python
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_kill_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "checkpoint_kill_worker.py")
     # sim only, with no GPU visible: the children are forked, and CUDA does not survive fork()
     out = run_python(worker, str(tmp_path / "ckpt"), str(KILL_TRIALS), env={"OMP_NUM_THREADS": "1",
                      "CUDA_VISIBLE_DEVICES": "", "GEMINI_EXT_DEVICE": None}, timeout=300)

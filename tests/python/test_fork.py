@@ -4,7 +4,7 @@ A DataLoader's workers are forked; pages the child shares copy-on-write are copi
 the parent writes them, and the engine rewrites its host memory at every step. Measured here as
 the whole process group's proportional set size (the parent and its workers, shared pages
 counted once): it must stay flat while the engine trains with two persistent workers. Measured in
-a fresh interpreter (fork_worker.py): the parent's own heap is shared copy-on-write with the workers
+a fresh interpreter (workers/fork_worker.py): the parent's own heap is shared copy-on-write with the workers
 as in any program, and what earlier tests left in it would be counted too."""
 
 import json
@@ -18,7 +18,7 @@ from conftest import DEVICES, run_python
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/smaps_rollup"), reason="needs Linux's /proc smaps_rollup")
 @pytest.mark.parametrize("device", DEVICES)
 def test_dataloader_workers_leave_host_memory_flat(device):
-    out = run_python("tests/python/fork_worker.py", device, timeout=300)
+    out = run_python("tests/python/workers/fork_worker.py", device, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["workers"] == 2, r

@@ -1,5 +1,5 @@
 """A hostile user: every everyday action on a managed model is served or refused with a Python
-error, never a crash and never a silent no-op (hostile_worker.py runs the checks, one scenario
+error, never a crash and never a silent no-op (workers/hostile_worker.py runs the checks, one scenario
 per process, so that a crash fails its test with the signal and the check it happened in)."""
 
 import os
@@ -13,9 +13,9 @@ from conftest import REPO
 from dist_utils import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "hostile_worker.py")
+WORKER = os.path.join(HERE, "workers", "hostile_worker.py")
 import transformers  # noqa: E402,F401  (the suite builds transformers models; scripts/test.sh installs it)
-import hostile_worker  # noqa: E402
+from workers import hostile_worker  # noqa: E402
 
 SINGLE = [s for s, (_, _, _, world) in hostile_worker.SCENARIOS.items() if world == 1]
 MULTI = [s for s, (_, _, _, world) in hostile_worker.SCENARIOS.items() if world > 1]

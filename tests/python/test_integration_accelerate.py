@@ -92,7 +92,7 @@ def test_two_processes_under_accelerate_launch_train_save_and_resume_as_without_
     import os
     from conftest import run_python
     from dist_utils import free_port
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "accelerate_worker.py")
     out = run_python("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                      "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                      worker, str(tmp_path), env={"OMP_NUM_THREADS": "1", "ACCELERATE_CONFIG_FILE": None},

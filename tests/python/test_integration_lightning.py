@@ -179,7 +179,7 @@ def test_two_processes_through_lightnings_launcher(tmp_path):
     # group in os.environ; with LOCAL_RANK set, a script's launcher takes its processes as started
     env = {"OMP_NUM_THREADS": "1", "LOCAL_RANK": None, "NODE_RANK": None, "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    out = run_python(os.path.join(HERE, "lightning_ddp_worker.py"), str(tmp_path), env=env, timeout=300)
+    out = run_python(os.path.join(HERE, "workers", "lightning_ddp_worker.py"), str(tmp_path), env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["world_size"] == 2 and report["engine_world_size"] == 2, report

@@ -5,6 +5,8 @@ import os
 import pickle
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/python: the shared helpers
+
 import torch
 import torch.distributed as dist
 

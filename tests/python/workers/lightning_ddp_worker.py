@@ -4,8 +4,11 @@ GeminiStrategy (sharded over Lightning's gloo group); rank 0 writes how far apar
 OUT/report.json."""
 
 import json
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/python: the shared helpers
 
 import torch
 

@@ -8,8 +8,11 @@ Rank 0 writes how far apart the two runs are to OUT/report.json."""
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/python: the shared helpers
 
 import accelerate
 import torch

@@ -14,7 +14,7 @@ faulthandler.enable()  # a crash prints the Python stack of every thread
 import gemini_ext as gx  # noqa: E402  # first: under GEMINI_EXT_ALLOCATOR=chunk it installs the allocator here
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/python: the shared helpers
 from parity_utils import (LR, WD, batch, chunk_cap, config, make_models, max_relative_difference,  # noqa: E402
                           train_reference)
 

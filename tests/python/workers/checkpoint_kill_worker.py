@@ -14,6 +14,8 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/python: the shared helpers
+
 import torch
 
 torch.set_num_threads(1)  # no thread pool before fork()
