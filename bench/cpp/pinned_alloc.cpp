@@ -72,10 +72,12 @@ int main(int argc, char** argv) {
   for (double g : gib) {
     const size_t bytes = static_cast<size_t>(g * (1ull << 30));
     const Timing a = time_cuda_host_alloc(bytes);
-    std::printf("| %.1f | cudaHostAlloc | %.2f | %.1f | %.2f |\n", g, a.allocate_s, bytes / a.allocate_s / 1e9, a.free_s);
+    std::printf("| %.1f | cudaHostAlloc | %.2f | %.1f | %.2f |\n", g, a.allocate_s, bytes / a.allocate_s / 1e9,
+                a.free_s);
     const Timing b = time_resource(pinned, bytes);
     std::printf("| %.1f | %s | %.2f | %.1f | %.2f |\n", g,
-                bytes >= gx::PinnedHostMemoryResource::kRegisterMinBytes ? "mapped + cudaHostRegister" : "cudaHostAlloc (resource)",
+                bytes >= gx::PinnedHostMemoryResource::kRegisterMinBytes ? "mapped + cudaHostRegister"
+                                                                         : "cudaHostAlloc (resource)",
                 b.allocate_s, bytes / b.allocate_s / 1e9, b.free_s);
     std::fflush(stdout);
   }

@@ -136,33 +136,36 @@ void def_states_and_views(py::class_<PyChunkManager>& cls) {
 // Layout, bytes, pools and traffic.
 void def_stats(py::class_<PyChunkManager>& cls) {
   cls.def("chunk_info",
-           [](PyChunkManager& p, ChunkId id) {
-             const Chunk& c = p.mgr->chunk(id);
-             py::dict d;
-             d["id"] = c.id();
-             d["group"] = c.group();
-             d["dtype"] = to_string(c.dtype());
-             d["capacity_numel"] = c.capacity_numel();
-             d["padded_numel"] = c.closed() ? c.padded_numel() : -1;
-             d["shard_numel"] = c.closed() ? c.shard_numel() : -1;
-             d["payload_numel"] = c.payload_numel();
-             d["shard_tiers"] = c.shard_tiers().to_string();
-             d["gathered"] = c.gathered();
-             d["can_release"] = c.can_release();
-             d["can_reduce"] = c.can_reduce();
-             d["can_move"] = c.can_move();
-             py::list slots;
-             for (const auto& s : c.slots())
-               slots.append(py::make_tuple(s.name, s.offset_numel, s.numel, s.shape, s.state));
-             d["slots"] = slots;
-             return d;
-           })
+          [](PyChunkManager& p, ChunkId id) {
+            const Chunk& c = p.mgr->chunk(id);
+            py::dict d;
+            d["id"] = c.id();
+            d["group"] = c.group();
+            d["dtype"] = to_string(c.dtype());
+            d["capacity_numel"] = c.capacity_numel();
+            d["padded_numel"] = c.closed() ? c.padded_numel() : -1;
+            d["shard_numel"] = c.closed() ? c.shard_numel() : -1;
+            d["payload_numel"] = c.payload_numel();
+            d["shard_tiers"] = c.shard_tiers().to_string();
+            d["gathered"] = c.gathered();
+            d["can_release"] = c.can_release();
+            d["can_reduce"] = c.can_reduce();
+            d["can_move"] = c.can_move();
+            py::list slots;
+            for (const auto& s : c.slots())
+              slots.append(py::make_tuple(s.name, s.offset_numel, s.numel, s.shape, s.state));
+            d["slots"] = slots;
+            return d;
+          })
       .def_property_readonly("num_chunks", [](PyChunkManager& p) { return p.mgr->num_chunks(); })
       .def_property_readonly("host_tier", [](PyChunkManager& p) { return std::string(to_string(p.mgr->host_tier())); })
       .def("group_chunk_ids", [](PyChunkManager& p, const std::string& g) { return p.mgr->group(g).chunk_ids; })
-      .def("tier_bytes", [](PyChunkManager& p, const std::string& tier) { return stat_dict(p.mgr->tier_bytes(parse_tier(tier))); })
+      .def("tier_bytes",
+           [](PyChunkManager& p, const std::string& tier) { return stat_dict(p.mgr->tier_bytes(parse_tier(tier))); })
       .def("reserved_bytes",
-           [](PyChunkManager& p, const std::string& tier) { return stat_dict(p.mgr->allocator().reserved_bytes(parse_tier(tier))); })
+           [](PyChunkManager& p, const std::string& tier) {
+             return stat_dict(p.mgr->allocator().reserved_bytes(parse_tier(tier)));
+           })
       .def("pool_stats",
            [](PyChunkManager& p, const std::string& tier) {
              const ChunkAllocator& a = p.mgr->allocator();
@@ -176,10 +179,11 @@ void def_stats(py::class_<PyChunkManager>& cls) {
              d["reuse_waits"] = a.reuse_waits(t);
              return d;
            })
-      .def("trim", [](PyChunkManager& p, const std::string& tier) { return p.mgr->trim(parse_tier(tier)); },
-           py::call_guard<py::gil_scoped_release>())
-      .def("reserve_arena",
-           [](PyChunkManager& p, const std::string& tier, size_t bytes) { p.mgr->reserve_arena(parse_tier(tier), bytes); })
+      .def(
+          "trim", [](PyChunkManager& p, const std::string& tier) { return p.mgr->trim(parse_tier(tier)); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("reserve_arena", [](PyChunkManager& p, const std::string& tier,
+                               size_t bytes) { p.mgr->reserve_arena(parse_tier(tier), bytes); })
       .def("wasted_bytes", [](PyChunkManager& p) { return p.mgr->wasted_bytes(); })
       .def("traffic", [](PyChunkManager& p) {
         return as_dict(p.mgr->traffic(),
@@ -262,10 +266,12 @@ void bind_core(py::module_& m) {
            py::arg("sim_max_copy_delay_us") = 0, py::arg("sim_seed") = 0)
       .def_property_readonly("kind", &DeviceContext::kind)
       .def_property_readonly("capacity_bytes", [](DeviceContext& c) { return c.backend().device_capacity_bytes(); })
-      .def_property_readonly("host_memory_is_pinned", [](DeviceContext& c) { return c.backend().host_memory_is_pinned(); })
+      .def_property_readonly("host_memory_is_pinned",
+                             [](DeviceContext& c) { return c.backend().host_memory_is_pinned(); })
       .def("torch_device", [](DeviceContext& c) { return py::str(c.device_for(Tier::kDevice).str()); })
-      .def("synchronize", [](DeviceContext& c) { c.backend().synchronize_all(); },
-           py::call_guard<py::gil_scoped_release>());
+      .def(
+          "synchronize", [](DeviceContext& c) { c.backend().synchronize_all(); },
+          py::call_guard<py::gil_scoped_release>());
 
   py::class_<torch_layer::ProcessGroupCommunicator, std::shared_ptr<torch_layer::ProcessGroupCommunicator>>(
       m, "ProcessGroupCommunicator")

@@ -65,7 +65,7 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
 
 namespace {
 
-// The GeminiManager's optimizer entry points and the pipeline's controls.
+// The GeminiManager's optimizer entry points.
 void def_manager_optimizer(py::module_& m) {
   // Hyperparameters arrive as one dict of floats per parameter group (the Python rule writes them).
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
@@ -95,7 +95,8 @@ void def_manager_optimizer(py::module_& m) {
              return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
            },
            nogil())
-      .def("spare_bytes", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
+      .def("spare_bytes",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
            nogil())
       .def("spare_bytes_needed",
            [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes_needed(); }); },
@@ -105,7 +106,8 @@ void def_manager_optimizer(py::module_& m) {
              g.with_optimizer([&](HybridOptimizer& o) { o.set_link_sets(sets); });
            },
            py::arg("sets"), nogil())
-      .def("link_sets", [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.link_sets(); }); },
+      .def("link_sets",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.link_sets(); }); },
            nogil())
       .def("release_spares",
            [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
@@ -138,9 +140,13 @@ void def_manager_optimizer(py::module_& m) {
                             field("launch_seconds", &StepStats::launch_seconds),
                             field("device_seconds", &StepStats::device_seconds),
                             field("pending_sets", &StepStats::pending_sets));
-           })
-      // the pipeline
-      .def("pending_steps", &GeminiManager::pending_steps, nogil())
+           });
+}
+
+// The optimizer pipeline's controls (the CPU steps in flight).
+void def_manager_pipeline(py::module_& m) {
+  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
+  cls.def("pending_steps", &GeminiManager::pending_steps, nogil())
       .def("settle_all", &GeminiManager::settle_all, nogil())
       .def("set_overlap_optimizer", &GeminiManager::set_overlap_optimizer)
       .def("hold_optimizer_thread", &GeminiManager::hold_optimizer_thread)
@@ -188,6 +194,7 @@ void bind_optimizer(py::module_& m) {
         "in place over the link (keeps the host tensor alive).");
 
   def_manager_optimizer(m);
+  def_manager_pipeline(m);
 }
 
 }  // namespace gx::bindings

@@ -5,14 +5,13 @@
 // An extent is one upstream allocation: `reserve(bytes)` takes one up front (the reserved
 // arena: one cudaMalloc for all chunk slots that fit, so chunk memory does not interleave with
 // anything else), and a request that no free range holds takes a growth extent of exactly the
-// request (unrounded, so byte limits see what the chunk needs) from the upstream, so that memory taken beyond the reservation can be given back
-// one extent at a time. `trim()` returns every wholly free extent (the reservation included)
-// to the upstream; the process-wide allocator mode trims after evicting chunks so that their
-// memory serves other allocations. Blocks start aligned to kResourceAlignmentBytes: a block
-// carved from a larger range takes its rounded size; one that fits a range only unrounded
-// takes the whole range.
-// Statistics: `in_use` (blocks handed out), `reserved` (extents owned), both Stat.
-// Deallocating an unknown pointer or a size that differs from the allocation is a bug.
+// request (unrounded, so byte limits see what the chunk needs) from the upstream, so that memory taken beyond the
+// reservation can be given back one extent at a time. `trim()` returns every wholly free extent (the reservation
+// included) to the upstream; the process-wide allocator mode trims after evicting chunks so that their memory serves
+// other allocations. Blocks start aligned to kResourceAlignmentBytes: a block carved from a larger range takes its
+// rounded size; one that fits a range only unrounded takes the whole range. Statistics: `in_use` (blocks handed out),
+// `reserved` (extents owned), both Stat. Deallocating an unknown pointer or a size that differs from the allocation is
+// a bug.
 #pragma once
 
 #include <cstdint>

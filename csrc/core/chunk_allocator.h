@@ -7,9 +7,9 @@
 // one upstream allocation, the pools carve their slots from it (growing by exact extents when
 // it is full), so `reserved` per tier is what the tier took from the system and `in_use` what
 // chunks hold now. Slots freed with the events of their last uses are reused only once those
-// completed (FixedSizePool); `trim(tier)` gives free slots and wholly free extents back. Pools are created on first use of a size and live until the allocator
-// dies; `release_free_slots()` trims them. An allocation the upstream refuses first trims the
-// tier's other pools and retries, so cached slots of one size never starve another size.
+// completed (FixedSizePool); `trim(tier)` gives free slots and wholly free extents back. Pools are created on first use
+// of a size and live until the allocator dies; `release_free_slots()` trims them. An allocation the upstream refuses
+// first trims the tier's other pools and retries, so cached slots of one size never starve another size.
 #pragma once
 
 #include <array>

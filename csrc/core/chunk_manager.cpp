@@ -119,7 +119,9 @@ void ChunkManager::finalize(const std::vector<ChunkId>& device_first, const std:
     std::array<size_t, kNumTiers> bytes{};
     for (ChunkId id : g.chunk_ids) {
       const auto& tier = first_tier[static_cast<size_t>(id)];
-      if (tier) bytes[static_cast<size_t>(*tier)] += round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
+      if (tier)
+        bytes[static_cast<size_t>(*tier)] +=
+            round_up(chunks_[static_cast<size_t>(id)]->shard_bytes(), kResourceAlignmentBytes);
     }
     for (int t = 0; t < kNumTiers; ++t) {
       if (bytes[static_cast<size_t>(t)] == 0) continue;
@@ -196,7 +198,8 @@ void* ChunkManager::tensor_ptr(const TensorHandle& handle, Tier tier) const {
            "); move or access the chunk first.");
   GX_CHECK(c.world_size() == 1, "tensor_ptr on a sharded chunk (world size ", c.world_size(),
            "): a tensor may span shards; use gathered_tensor_ptr after access().");
-  const size_t offset_bytes = static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
+  const size_t offset_bytes =
+      static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
   return static_cast<uint8_t*>(c.shard_ptr(tier)) + offset_bytes;
 }
 
@@ -205,7 +208,8 @@ void* ChunkManager::gathered_tensor_ptr(const TensorHandle& handle) const {
   const Chunk& c = chunk(handle.chunk_id);
   GX_CHECK(c.gathered(), "tensor '", c.slot(handle.slot_index).name, "' of chunk ", c.id(),
            " is not gathered on the device; call access(", c.id(), ") first.");
-  const size_t offset_bytes = static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
+  const size_t offset_bytes =
+      static_cast<size_t>(c.slot(handle.slot_index).offset_numel) * element_size_bytes(c.dtype());
   return static_cast<uint8_t*>(c.gathered_ptr()) + offset_bytes;
 }
 
@@ -346,7 +350,8 @@ void ChunkManager::move(ChunkId id, Tier to, bool async) {
   if (c.shard_tiers().contains(to)) {
     // Already there: drop the other copies.
     for (int t = 0; t < kNumTiers; ++t) {
-      if (static_cast<Tier>(t) != to && c.shard_tiers().contains(static_cast<Tier>(t))) drop_copy(c, static_cast<Tier>(t));
+      if (static_cast<Tier>(t) != to && c.shard_tiers().contains(static_cast<Tier>(t)))
+        drop_copy(c, static_cast<Tier>(t));
     }
     return;
   }

@@ -9,7 +9,8 @@
 //    shard a pool slot, zero-filled so padding never holds garbage, on its group's home tier or,
 //    for the chunks the caller names, directly on the device (state planned to live on the
 //    device never passes through host memory: a model whose state exceeds the host's needs
-//    that) or nowhere yet (content that is born later). Slots start FREE; whoever fills a tensor's payload moves it to HOLD.
+//    that) or nowhere yet (content that is born later). Slots start FREE; whoever fills a tensor's payload moves it to
+//    HOLD.
 //  * Operations (each validates the chunk's predicates and the tensor states):
 //      access(c)   make c gathered on the device for compute; fetches if its shard is not on the
 //                  device; a prefetch in flight is waited for by the compute stream, not the host.

@@ -75,9 +75,10 @@ void ChunkManager::release(ChunkId id, bool reshard) {
   // Unsharded, releasing forgets the device view only: a chunk whose tensors wait for reduction
   // may be released too (its gradients live in another chunk). Sharded, the gathered buffer
   // stays until every gradient of the chunk is in.
-  GX_INTERNAL_ASSERT(sharded() ? c.can_release() : c.can_move() && c.count_in(TensorState::kFree) < static_cast<int64_t>(c.num_slots()),
-                     "release of chunk ", id, " with ", c.count_in(TensorState::kCompute),
-                     " tensors in COMPUTE and ", c.count_in(TensorState::kReadyForReduce), " READY_FOR_REDUCE");
+  GX_INTERNAL_ASSERT(sharded() ? c.can_release()
+                               : c.can_move() && c.count_in(TensorState::kFree) < static_cast<int64_t>(c.num_slots()),
+                     "release of chunk ", id, " with ", c.count_in(TensorState::kCompute), " tensors in COMPUTE and ",
+                     c.count_in(TensorState::kReadyForReduce), " READY_FOR_REDUCE");
   if (!sharded()) {
     c.set_gathered_ptr(nullptr);
   } else if (reshard && c.gathered()) {

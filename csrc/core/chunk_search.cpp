@@ -28,7 +28,8 @@ std::pair<int64_t, int64_t> simulate_packing(const std::vector<int64_t>& numels,
       ++chunks;
       continue;
     }
-    const int64_t offset = open ? static_cast<int64_t>(round_up(static_cast<size_t>(used), static_cast<size_t>(alignment_numel))) : 0;
+    const int64_t offset =
+        open ? static_cast<int64_t>(round_up(static_cast<size_t>(used), static_cast<size_t>(alignment_numel))) : 0;
     if (open && offset + n <= chunk_size_numel) {
       used = offset + n;
       payload += n;

@@ -6,7 +6,8 @@
 
 namespace gx {
 
-FixedSizePool::FixedSizePool(MemoryResource& upstream, size_t slot_bytes) : upstream_(upstream), slot_bytes_(slot_bytes) {
+FixedSizePool::FixedSizePool(MemoryResource& upstream, size_t slot_bytes)
+    : upstream_(upstream), slot_bytes_(slot_bytes) {
   GX_CHECK(slot_bytes > 0, "FixedSizePool slot_bytes: expected > 0, got 0.");
 }
 

@@ -87,19 +87,20 @@ void Residency::throw_budget_exceeded(ChunkId id, size_t bytes) {
       optim_bytes + kept_grad_bytes > 0 ? ", with the optimizer state on the host" : "", ".");
   throw OutOfMemoryError(detail::concat(
       "gemini_ext: out of device memory for chunk ", id, " (", bytes, " bytes) under the '", policy_name_,
-      "' policy: the device budget is ", budget(), " bytes and chunks hold ",
-      mgr_.tier_bytes(Tier::kDevice).current, " bytes of it, none evictable now: ", busy,
-      " parameter chunks in use by compute (", busy_bytes, " bytes), parameter chunks waiting for the rest of their "
-      "gradients (", waiting_bytes, " bytes), gradient chunks still collecting gradients (",
-      grad_bytes, " bytes), parameter chunks (", kept_param_bytes, " bytes) and gradient chunks (", kept_grad_bytes,
+      "' policy: the device budget is ", budget(), " bytes and chunks hold ", mgr_.tier_bytes(Tier::kDevice).current,
+      " bytes of it, none evictable now: ", busy, " parameter chunks in use by compute (", busy_bytes,
+      " bytes), parameter chunks waiting for the rest of their gradients (", waiting_bytes,
+      " bytes), gradient chunks still collecting gradients (", grad_bytes, " bytes), parameter chunks (",
+      kept_param_bytes, " bytes) and gradient chunks (", kept_grad_bytes,
       " bytes) of optimizer state the host cannot hold, optimizer state kept on the device (", optim_bytes, " bytes)",
       sharded() ? detail::concat(", gathered buffers (", gathered_bytes, " bytes)") : std::string(), ".", floor,
       " Raise gpu_memory_limit (GEMINI_EXT_GPU_LIMIT; sim_capacity on the sim device) or use smaller chunks "
       "(chunk_config_dict / min_chunk_size_m)",
-      kept_grad_bytes + kept_param_bytes > 0 ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
-                            "optimizer state kept on the device)."
-      : optim_bytes > 0   ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)."
-                          : "."));
+      kept_grad_bytes + kept_param_bytes > 0
+          ? ", or use more data-parallel ranks or free host memory (the host cannot hold the "
+            "optimizer state kept on the device)."
+      : optim_bytes > 0 ? ", or keep more optimizer state on the host (offload_optim_frac closer to 1.0)."
+                        : "."));
 }
 
 std::pair<int, int64_t> Residency::in_compute(ChunkId also) const {

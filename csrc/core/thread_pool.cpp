@@ -25,8 +25,8 @@ int ThreadPool::default_threads() {
   if (const char* env = std::getenv("GEMINI_EXT_CPU_THREADS"); env != nullptr && *env != '\0') {
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
-    GX_CHECK(end != env && *end == '\0' && n >= 1 && n <= 4096, "GEMINI_EXT_CPU_THREADS: expected an integer in [1, 4096], got '",
-             env, "'.");
+    GX_CHECK(end != env && *end == '\0' && n >= 1 && n <= 4096,
+             "GEMINI_EXT_CPU_THREADS: expected an integer in [1, 4096], got '", env, "'.");
     return static_cast<int>(n);
   }
   return std::max(1u, std::thread::hardware_concurrency());

@@ -4,8 +4,8 @@
 // iteration end ('S') is recorded with the chunk bytes on the device right after it, in a ring
 // of at most `capacity` events (the oldest are overwritten), so that a long run keeps a bounded
 // history. Times are seconds since the timeline was created. The peak device bytes of the events
-// between two iteration ends is kept apart (exact however many events the ring dropped). Not thread-safe: its owner (the
-// manager) calls it under its own lock.
+// between two iteration ends is kept apart (exact however many events the ring dropped). Not thread-safe: its owner
+// (the manager) calls it under its own lock.
 #pragma once
 
 #include <chrono>

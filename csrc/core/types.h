@@ -22,7 +22,15 @@ namespace gx {
 
 using ChunkId = int64_t;
 
-enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3, kInt64 = 4, kInt32 = 5, kUInt8 = 6 };
+enum class DType : int8_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt64 = 4,
+  kInt32 = 5,
+  kUInt8 = 6
+};
 
 size_t element_size_bytes(DType dtype);
 const char* to_string(DType dtype);

@@ -82,7 +82,8 @@ size_t PinnedHostMemoryResource::registered_ranges() const {
 void* PinnedHostMemoryResource::map_touch_and_register(size_t bytes) {
   const int64_t available = host_available_bytes();
   if (available >= 0 && bytes > static_cast<size_t>(available)) {
-    throw OutOfMemoryError(detail::concat("pinned_host out of memory: ", bytes, " bytes asked, the host has ", available,
+    throw OutOfMemoryError(detail::concat("pinned_host out of memory: ", bytes, " bytes asked, the host has ",
+                                          available,
                                           " bytes available (MemAvailable). Free host memory, lower the offloaded "
                                           "fraction or use more ranks."));
   }

@@ -44,8 +44,10 @@ void ProcessAllocator::read_reserved_locked(ProcessAllocatorStats& out) const {
   int64_t current = 0, high = 0;
   for (const auto& [device, pool] : pools_) {
     uint64_t c = 0, h = 0;
-    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &c) == cudaSuccess) current += static_cast<int64_t>(c);
-    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &h) == cudaSuccess) high += static_cast<int64_t>(h);
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &c) == cudaSuccess)
+      current += static_cast<int64_t>(c);
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &h) == cudaSuccess)
+      high += static_cast<int64_t>(h);
   }
   out.reserved_bytes = current;
   out.reserved_bytes_peak = high;

@@ -50,9 +50,11 @@ void install_chunk_allocator() {
   alloc->set_reset_fn([] { ProcessAllocator::instance().empty_cache(); });
   alloc->set_memory_fraction_fn(
       [](double fraction, int device) { ProcessAllocator::instance().set_memory_fraction(fraction, device); });
-  alloc->set_record_stream_fn([](void* ptr, cudaStream_t stream) { ProcessAllocator::instance().record_stream(ptr, stream); });
+  alloc->set_record_stream_fn(
+      [](void* ptr, cudaStream_t stream) { ProcessAllocator::instance().record_stream(ptr, stream); });
   pluggable::changeCurrentAllocator(base);  // refuses (c10::Error) once CUDA's allocator was used
-  MemoryPressure::instance().set_cache_releaser([](int device) { return ProcessAllocator::instance().release_cache(device); });
+  MemoryPressure::instance().set_cache_releaser(
+      [](int device) { return ProcessAllocator::instance().release_cache(device); });
   ProcessAllocator::instance().set_external_bytes_fn(&cuda_device_bytes_in_use);
   g_installed = true;
 }

@@ -27,7 +27,8 @@ bool cuda_compiled() {
 DeviceContext::DeviceContext(const DeviceOptions& options) : options_(options) {
   if (options.kind == "sim") {
     GX_CHECK(options.capacity_bytes > 0, "sim_capacity: expected > 0 bytes, got 0.");
-    backend_ = std::make_unique<SimBackend>(SimConfig{options.capacity_bytes, options.sim_max_copy_delay_us, options.sim_seed});
+    backend_ = std::make_unique<SimBackend>(
+        SimConfig{options.capacity_bytes, options.sim_max_copy_delay_us, options.sim_seed});
     return;
   }
   GX_CHECK(options.kind == "cuda", "device: expected 'sim' or 'cuda', got '", options.kind, "'.");
@@ -40,14 +41,16 @@ DeviceContext::DeviceContext(const DeviceOptions& options) : options_(options) {
 }
 
 at::Device DeviceContext::device_for(Tier tier) const {
-  if (tier == Tier::kDevice && options_.kind == "cuda") return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.device_index));
+  if (tier == Tier::kDevice && options_.kind == "cuda")
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.device_index));
   return at::Device(at::kCPU);
 }
 
 void DeviceContext::sync_compute_stream() {
 #ifdef GX_WITH_CUDA
   if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get())) {
-    cuda->set_compute_stream(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(options_.device_index)).stream());
+    cuda->set_compute_stream(
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(options_.device_index)).stream());
   }
 #endif
 }

@@ -1,7 +1,8 @@
 """The code's shape, checked: the package's imports form no circle and point one way between its
 rooms (placement <- engine parts <- optimizers <- the facade), the package's top holds at most 15
 modules, no source file is over 500 lines and no function over 80 (docs/DESIGN.md; the CPU
-kernels' per-ISA files may stay parallel), and no C++ class in csrc/torch befriends another.
+kernels' per-ISA files may stay parallel), no C++ line is wider than .clang-format's limit, and no
+C++ class in csrc/torch befriends another.
 Static reads of the tree: no import of gemini_ext, well under a second."""
 
 import ast
@@ -14,6 +15,7 @@ PACKAGE = ROOT / "gemini_ext"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 MAX_TOP_LEVEL_MODULES = 15
+MAX_CPP_COLUMNS = 120  # .clang-format's ColumnLimit
 # Each room and the rooms it must not import (a module counts as in a room when its name is the
 # room's or starts with it and a dot).
 FORBIDDEN_IMPORTS = {
@@ -159,3 +161,14 @@ def test_every_source_path_written_in_the_tree_exists():
     stale = sorted({(str(f.relative_to(ROOT)), path) for f in files for path in _WRITTEN_PATH.findall(f.read_text())
                     if not any((base / path).exists() for base in (ROOT, ROOT / "csrc", ROOT / "gemini_ext", f.parent))})
     assert not stale, stale
+
+
+def test_no_cpp_line_is_wider_than_the_clang_format_limit():
+    config = (ROOT / ".clang-format").read_text()
+    assert f"ColumnLimit: {MAX_CPP_COLUMNS}" in config
+    sources = [p for folder in ("csrc", "tests/cpp", "bench/cpp") for p in sorted((ROOT / folder).rglob("*"))
+               if p.suffix in (".h", ".cpp", ".cu", ".inc")]
+    assert len(sources) > 50
+    wide = [f"{p.relative_to(ROOT)}:{n}" for p in sources
+            for n, line in enumerate(p.read_text().split("\n"), 1) if len(line) > MAX_CPP_COLUMNS]
+    assert wide == [], "wider than .clang-format's limit (run clang-format on them): " + ", ".join(wide[:10])

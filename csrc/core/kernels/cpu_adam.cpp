@@ -45,8 +45,10 @@ void check_adam_args(const AdamHyper& h, const AdamBuffers& b) {
            "all be set.");
   GX_CHECK(b.grad_dtype == DType::kFloat32 || b.grad_dtype == DType::kBFloat16 || b.grad_dtype == DType::kFloat16,
            "Adam grad dtype: expected float32, bfloat16 or float16, got ", to_string(b.grad_dtype), ".");
-  GX_CHECK((b.param_out == nullptr) == (b.exp_avg_out == nullptr) && (b.param_out == nullptr) == (b.exp_avg_sq_out == nullptr),
-           "Adam buffers: param_out, exp_avg_out and exp_avg_sq_out must be set together (out of place) or not at all.");
+  GX_CHECK(
+      (b.param_out == nullptr) == (b.exp_avg_out == nullptr) &&
+          (b.param_out == nullptr) == (b.exp_avg_sq_out == nullptr),
+      "Adam buffers: param_out, exp_avg_out and exp_avg_sq_out must be set together (out of place) or not at all.");
   GX_CHECK(b.param16 == nullptr || b.param16_dtype == DType::kBFloat16 || b.param16_dtype == DType::kFloat16,
            "Adam param16 dtype: expected bfloat16 or float16, got ", to_string(b.param16_dtype), ".");
 }

@@ -49,7 +49,8 @@ void cpu_adam_avx2(const AdamConstants& c, const AdamBuffers& b, int64_t begin, 
       _mm256_storeu_ps(v_out + i, v);
     }
     if (out16 != nullptr) {
-      const __m128i h = bf16_out ? simd_avx2::to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m128i h =
+          bf16_out ? simd_avx2::to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       if (nt16) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(out16 + i), h);
       } else {

@@ -51,7 +51,8 @@ void cpu_adam_avx512(const AdamConstants& c, const AdamBuffers& b, int64_t begin
       _mm512_storeu_ps(v_out + i, v);
     }
     if (out16 != nullptr) {
-      const __m256i h = bf16_out ? simd_avx512::to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i h =
+          bf16_out ? simd_avx512::to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       if (nt16) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(out16 + i), h);
       } else {

@@ -42,7 +42,8 @@ GX_HOST_DEVICE inline float bf16_to_float(uint16_t h) { return bits_to_float(sta
 
 GX_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
   const uint32_t bits = float_to_bits(f);
-  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0)
+    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }

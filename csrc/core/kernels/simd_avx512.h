@@ -21,7 +21,8 @@ inline __m512 load_grad(const void* grad, DType dtype, int64_t i) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     case DType::kFloat16:
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i)));
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i)));
     default: return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
   }
 }

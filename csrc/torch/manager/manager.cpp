@@ -59,8 +59,8 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   mgr_.set_listener(storages_.get());
   const at::Device dev = ctx_->device_for(Tier::kDevice);
   refresh_forward_order_locked();  // index order until an iteration is recorded
-  reclaimer_id_ = MemoryPressure::instance().add_reclaimer(dev.is_cuda() ? dev.index() : -1,
-                                                           [this](size_t bytes) { return reclaim_device_bytes(bytes); });
+  reclaimer_id_ = MemoryPressure::instance().add_reclaimer(
+      dev.is_cuda() ? dev.index() : -1, [this](size_t bytes) { return reclaim_device_bytes(bytes); });
 }
 
 void GeminiManager::check_companion_layout(ChunkId param, ChunkId companion) const {

@@ -35,7 +35,8 @@ void GeminiManager::refresh_forward_order_locked() {
   for (size_t s = 0; s < sets_.size(); ++s)
     if (!seen[s]) order.push_back(static_cast<int>(s));
   forward_order_.rank.assign(sets_.size(), 0);
-  for (size_t k = 0; k < order.size(); ++k) forward_order_.rank[static_cast<size_t>(order[k])] = static_cast<int64_t>(k);
+  for (size_t k = 0; k < order.size(); ++k)
+    forward_order_.rank[static_cast<size_t>(order[k])] = static_cast<int64_t>(k);
 }
 
 void GeminiManager::hold_optimizer_thread(bool hold) { pipeline_.hold(hold); }

@@ -96,8 +96,8 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const at:
                                    adam_hyper_of(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale),
                                    static_cast<uint32_t>(random_key), static_cast<uint32_t>(first_index));
   if (out.has_value()) {
-    GX_CHECK(out->size() == 3, "cpu_adam_step out: expected (param_out, exp_avg_out, exp_avg_sq_out), got ", out->size(),
-             " tensors.");
+    GX_CHECK(out->size() == 3, "cpu_adam_step out: expected (param_out, exp_avg_out, exp_avg_sq_out), got ",
+             out->size(), " tensors.");
     const char* names[] = {"param_out", "exp_avg_out", "exp_avg_sq_out"};
     for (size_t k = 0; k < 3; ++k) {
       const at::ScalarType want = k == 0 ? param.scalar_type() : exp_avg.scalar_type();

@@ -36,7 +36,8 @@ std::vector<HybridOptimizer::Run> HybridOptimizer::runs_of(const ChunkSet& set, 
     if (!set.has_grad[k] || group < 0) continue;
     GX_CHECK(static_cast<size_t>(group) < num_groups, "parameter group ", group, " of parameter ", set.params[k],
              ": only ", num_groups, " groups were passed.");
-    if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group && runs.back().step == set.step[k]) {
+    if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group &&
+        runs.back().step == set.step[k]) {
       runs.back().last_slot = k;
     } else {
       runs.push_back(Run{k, k, group, set.step[k]});
@@ -144,8 +145,8 @@ HybridOptimizer::HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vec
              rule_->state_kinds().size(), ".");
     for (size_t k = 0; k < set.spec.states.size(); ++k)
       GX_CHECK(set.spec.states[k].first == rule_->state_kinds()[k], "optimizer: chunk set of parameter chunk ",
-               set.spec.param, " carries state '", state_kind_name(set.spec.states[k].first), "' where the rule needs '",
-               state_kind_name(rule_->state_kinds()[k]), "'.");
+               set.spec.param, " carries state '", state_kind_name(set.spec.states[k].first),
+               "' where the rule needs '", state_kind_name(rule_->state_kinds()[k]), "'.");
   }
 }
 
@@ -190,7 +191,8 @@ double HybridOptimizer::grad_norm_sq() {
       sq = grad_sq_[s];  // taken on the device when G left for the host
       on_device = true;
     } else {
-      sq = at::linalg_vector_norm(shard_view(ctx, mgr, set.spec.grad, tier), 2, std::nullopt, false, at::kFloat).square();
+      sq = at::linalg_vector_norm(shard_view(ctx, mgr, set.spec.grad, tier), 2, std::nullopt, false, at::kFloat)
+               .square();
     }
     at::Tensor& total = on_device ? device_total : host_total;
     total = total.defined() ? total + sq : sq;

@@ -74,8 +74,8 @@ class HybridOptimizer {
   // grad_sq: per set, the squared norm of G taken on the device when G left for the host
   // (undefined: none taken, or G changed since); the manager keeps it.
   HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vector<ChunkSet>& sets,
-                  const std::vector<at::Tensor>& grad_sq, const std::vector<ParamSpec>& params, Residency& residency, OptimizerPipeline& pipeline,
-                  const ForwardOrder& order, std::unique_ptr<OptimizerRule> rule);
+                  const std::vector<at::Tensor>& grad_sq, const std::vector<ParamSpec>& params, Residency& residency,
+                  OptimizerPipeline& pipeline, const ForwardOrder& order, std::unique_ptr<OptimizerRule> rule);
   ~HybridOptimizer();
   // Parameter group of each parameter (-1: not in the optimizer; never stepped).
   void set_param_groups(std::vector<int> group_of_param);

@@ -5,8 +5,8 @@
 // where the set's state lives, keeping P's copies coherent, the overlapped CPU pipeline and
 // speculation. What differs is declared by a rule:
 //  * state_kinds(): the state chunks every trainable set carries besides its master, in order
-//    (Adam: exp_avg, exp_avg_sq); fp32, or bf16 for a rule that supports it (Adam). The engine lays them out and the checkpoints, state
-//    dicts and close() iterate them;
+//    (Adam: exp_avg, exp_avg_sq); fp32, or bf16 for a rule that supports it (Adam). The engine lays them out and the
+//    checkpoints, state dicts and close() iterate them;
 //  * a host run: checked now against the run's tensors, returned as work on raw host memory
 //    for the optimizer thread (the CPU kernel of csrc/core); with spares it writes the master,
 //    the states and the 16-bit parameter out of place (a speculative step);

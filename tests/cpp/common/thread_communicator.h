@@ -66,7 +66,8 @@ class ThreadCommunicator final : public Communicator {
     const size_t bytes = static_cast<size_t>(shard_numel) * element_size_bytes(dtype);
     const auto& posts = group_->exchange(rank_, {"all_gather", shard, shard_numel});
     for (int r = 0; r < world_size(); ++r)
-      std::memcpy(static_cast<uint8_t*>(full) + static_cast<size_t>(r) * bytes, posts[static_cast<size_t>(r)].src, bytes);
+      std::memcpy(static_cast<uint8_t*>(full) + static_cast<size_t>(r) * bytes, posts[static_cast<size_t>(r)].src,
+                  bytes);
     finish();
   }
 

@@ -340,7 +340,8 @@ TEST_F(ChunkManagerTest, GroupsWithOneAlignmentShareTheirLayoutAcrossDtypes) {
   for (int64_t n : {7, 33, 50, 120, 3}) {
     auto a = mgr.register_tensor("p16", "a", n, {n});
     auto b = mgr.register_tensor("p32", "b", n, {n});
-    EXPECT_EQ(mgr.chunk(a.chunk_id).slot(a.slot_index).offset_numel, mgr.chunk(b.chunk_id).slot(b.slot_index).offset_numel);
+    EXPECT_EQ(mgr.chunk(a.chunk_id).slot(a.slot_index).offset_numel,
+              mgr.chunk(b.chunk_id).slot(b.slot_index).offset_numel);
     EXPECT_EQ(a.slot_index, b.slot_index);
   }
   mgr.finalize();

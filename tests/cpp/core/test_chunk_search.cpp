@@ -81,7 +81,8 @@ TEST(ChunkSearch, SevenBillionParameterLayoutTiming) {
   in.tensor_numels.push_back(vocab * d);  // token embedding
   in.tensor_numels.push_back(2048 * d);   // position embedding
   for (int64_t l = 0; l < layers; ++l) {
-    for (int64_t n : {d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d}) in.tensor_numels.push_back(n);
+    for (int64_t n : {d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d})
+      in.tensor_numels.push_back(n);
   }
   in.tensor_numels.push_back(d);
   in.tensor_numels.push_back(d);

@@ -116,7 +116,8 @@ TEST(CpuAdam, OutOfPlaceWritesTheInPlaceResultAndLeavesTheInputs) {
   for (SimdIsa isa : available_isas()) {
     std::vector<float> p = p0, m = m0, v = v0;
     std::vector<uint16_t> in_place16(n), out16(n);
-    AdamBuffers in_place{p.data(), m.data(), v.data(), g.data(), DType::kFloat32, in_place16.data(), DType::kBFloat16, n};
+    AdamBuffers in_place{p.data(),        m.data(),          v.data(),         g.data(),
+                         DType::kFloat32, in_place16.data(), DType::kBFloat16, n};
     cpu_adam_step(h, in_place, isa);
     // Outputs 3 elements past 64-byte aligned addresses (the SIMD paths peel to alignment, then
     // stream) and exactly at them.

@@ -43,8 +43,9 @@ class Rig {
       set.trainable = true;
       set.spec.param = mgr_.register_tensor("p", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id;
       set.spec.grad = mgr_.register_tensor("g", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id;
-      set.spec.states = {{StateKind::kExpAvg, mgr_.register_tensor("m", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id},
-                         {StateKind::kExpAvgSq, mgr_.register_tensor("v", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id}};
+      set.spec.states = {
+          {StateKind::kExpAvg, mgr_.register_tensor("m", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id},
+          {StateKind::kExpAvgSq, mgr_.register_tensor("v", "w" + std::to_string(i), kChunkNumel, {64, 64}).chunk_id}};
       set.params = {i};
       set.has_grad = {0};
       set.step = {0};

@@ -46,18 +46,20 @@ MemoryResource* make_pinned(std::vector<std::shared_ptr<void>>& keep) {
   return r.get();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cuda, ResourceConformance,
-    ::testing::Values(ResourceFactory{"cuda_device", [](auto& keep) -> MemoryResource* {
-                                        if (!have_gpu()) return nullptr;
-                                        auto r = std::make_shared<CudaDeviceMemoryResource>(0);
-                                        keep.push_back(r);
-                                        return r.get();
-                                      }, 1 << 20},
-                      ResourceFactory{"pinned_host", make_pinned, 1 << 20, true},
-                      // requests this large take the mapped + registered path
-                      ResourceFactory{"pinned_host_mapped", make_pinned, PinnedHostMemoryResource::kRegisterMinBytes, true}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cuda, ResourceConformance,
+                         ::testing::Values(ResourceFactory{"cuda_device",
+                                                           [](auto& keep) -> MemoryResource* {
+                                                             if (!have_gpu()) return nullptr;
+                                                             auto r = std::make_shared<CudaDeviceMemoryResource>(0);
+                                                             keep.push_back(r);
+                                                             return r.get();
+                                                           },
+                                                           1 << 20},
+                                           ResourceFactory{"pinned_host", make_pinned, 1 << 20, true},
+                                           // requests this large take the mapped + registered path
+                                           ResourceFactory{"pinned_host_mapped", make_pinned,
+                                                           PinnedHostMemoryResource::kRegisterMinBytes, true}),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(CudaChunkManager, MovesBetweenGpuAndPinnedHostPreserveBytes) {
   SKIP_WITHOUT_GPU();

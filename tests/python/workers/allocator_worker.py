@@ -1,7 +1,7 @@
 """One allocator scenario in a fresh process (GEMINI_EXT_ALLOCATOR is read at import, so each mode
 needs its own interpreter); prints one JSON line with what the test asserts on.
 
-    python tests/python/allocator_worker.py parity|rescue|stats
+    python tests/python/workers/allocator_worker.py parity|rescue|stats
 """
 
 import faulthandler

@@ -2,7 +2,7 @@
 DataLoader of two forked workers; prints one JSON line (the process group's Pss growth over four
 steps, the engine's speculative spares taken meanwhile, its host bytes, the workers seen).
 
-    python tests/python/fork_worker.py sim|cuda
+    python tests/python/workers/fork_worker.py sim|cuda
 """
 
 import json
