@@ -54,6 +54,14 @@ struct Vec {
   static void store16(void* out, DType dtype, int64_t i, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to_half(x, dtype));
   }
+  // Non-temporal stores (the line is written without being read first): `p` aligned to
+  // kStreamAlignBytes, the 16-bit copy's address to half that; fence() orders them before what follows.
+  static constexpr size_t kStreamAlignBytes = 64;
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
+  static void stream16(void* out, DType dtype, int64_t i, F x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to_half(x, dtype));
+  }
+  static void fence() { _mm_sfence(); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
