@@ -139,7 +139,8 @@ void def_manager_optimizer(py::module_& m) {
                             field("link_seconds", &StepStats::link_seconds),
                             field("launch_seconds", &StepStats::launch_seconds),
                             field("device_seconds", &StepStats::device_seconds),
-                            field("pending_sets", &StepStats::pending_sets));
+                            field("pending_sets", &StepStats::pending_sets),
+                            field("speculated_sets", &StepStats::speculated_sets));
            });
 }
 

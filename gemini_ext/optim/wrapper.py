@@ -249,6 +249,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def backward_started(self) -> None:
         """A backward pass began: arm the CPU steps of host sets to start during it where their
         guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
+        self._parts.placer.note_backward_start(self._parts.runtime)  # the last step's lanes, before arming
         cover, why = self._arm_for_backward()
         self._parts.placer.note_host_steps(cover, why)
 

@@ -32,7 +32,11 @@ while both ran; a lane that had no sets gets its rate (measured alone in the ste
 times its share. Where the CPU alone would not be waited for, the lane is given up; otherwise
 a new split is taken only where it predicts a wait shorter by REBALANCE_MARGIN of the forward
 (at least REBALANCE_MARGIN_MIN_S). At most REBALANCES checks per decision; which lane steps a
-set moves no data, so a change costs nothing but the next step's time.
+set moves no data, so a change costs nothing but the next step's time. The step's figures are
+taken when the next backward begins (every set of it settled by the forward in between), before
+speculation arms that backward's steps; the sets a step started during its backward (speculation,
+the back of the model) are left out of the window's work, and where every host set's step starts
+during the backward under way the lane is given up.
 """
 
 from __future__ import annotations
@@ -98,14 +102,34 @@ def link_lane_sets(m, on_host: list[bool]) -> tuple[tuple, dict]:
     return chosen, {**figures, "link_lane_sets": len(chosen), "predicted_exposed_with_link_s": waited}
 
 
+def stepped_at_step(on_host: list[bool], stepped_in_backward: int) -> list[bool]:
+    """The host sets (`on_host`, in execution order) whose steps are left for the window after
+    step(), where `stepped_in_backward` of them were stepped during the backward before it: those
+    whose gradients reached the host first, the back of the model (the speculation's choice)."""
+    left = list(on_host)
+    for index in reversed(range(len(left))):
+        if stepped_in_backward <= 0:
+            break
+        if left[index]:
+            left[index] = False
+            stepped_in_backward -= 1
+    return left
+
+
 def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple, dict]:
     """(the sets the link lane steps from the next step on, the figures of the check) after a
     step under the split `current`, from that step's lane rates and the forward that followed
-    it in `m` (the module's note); `current` itself, with no figures, where nothing was measured."""
+    it in `m` (the module's note); `current` itself, with no figures, where nothing was measured.
+    The sets that step stepped during its backward (speculation) are not the window's work; where
+    every host set's step starts during the backward now under way, the lane is given up (the CPU
+    steps them there)."""
     window = m.forward_seconds - m.forward_optimizer_wait_seconds
     cpu_in, link_in = m.cpu_lane_elements_per_s_in_step, m.link_lane_elements_per_s_in_step
-    if m.optimizer_steps_during_backward or window <= 0 or not any(on_host) or not (cpu_in > 0 or link_in > 0):
+    if window <= 0 or not any(on_host) or not (cpu_in > 0 or link_in > 0):
         return tuple(current), {}
+    if m.optimizer_steps_during_backward:
+        return (), {"host_sets_stepped_in_backward": sum(on_host), "link_lane_sets": 0}
+    at_step = stepped_at_step(on_host, m.host_sets_stepped_in_backward)
     s_cpu, s_link = RATE_SHARES_WHILE_BOTH_RUN
     if cpu_in > 0 and link_in > 0:  # both stepped: their rates while both ran
         cpu, link, cpu_alone = cpu_in, link_in, cpu_in / s_cpu
@@ -115,15 +139,16 @@ def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple,
     if not (cpu > 0 and link > 0):
         return tuple(current), {}
     elements = [b // m.compute_itemsize for b in m.set_shard_bytes]
-    cpu_only = predicted_exposed_optimizer_seconds(elements, on_host, window, cpu_alone, during_backward=False)
-    chosen = _list_scheduled(elements, on_host, cpu, link) if cpu_only > 0 else ()
+    cpu_only = predicted_exposed_optimizer_seconds(elements, at_step, window, cpu_alone, during_backward=False)
+    chosen = _list_scheduled(elements, at_step, cpu, link) if cpu_only > 0 else ()
     both = (1.0, 1.0)
-    now = (lanes_wait_seconds(elements, on_host, set(current), window, cpu, link, both) if current else
-           predicted_exposed_optimizer_seconds(elements, on_host, window, cpu_alone, during_backward=False))
-    new = lanes_wait_seconds(elements, on_host, set(chosen), window, cpu, link, both) if chosen else cpu_only
+    now = (lanes_wait_seconds(elements, at_step, set(current), window, cpu, link, both) if current else
+           predicted_exposed_optimizer_seconds(elements, at_step, window, cpu_alone, during_backward=False))
+    new = lanes_wait_seconds(elements, at_step, set(chosen), window, cpu, link, both) if chosen else cpu_only
     if chosen and new >= now - max(REBALANCE_MARGIN * window, REBALANCE_MARGIN_MIN_S):
         chosen = tuple(current)  # not worth a change (a CPU alone that is not waited for needs no lane)
     return chosen, {"forward_without_optimizer_wait_s": window, "measured_optimizer_wait_s":
                     m.forward_optimizer_wait_seconds, "cpu_lane_elements_per_s_in_step": cpu_in,
-                    "link_lane_elements_per_s_in_step": link_in, "predicted_wait_kept_split_s": now,
+                    "link_lane_elements_per_s_in_step": link_in, "host_sets_stepped_in_backward":
+                    sum(on_host) - sum(at_step), "predicted_wait_kept_split_s": now,
                     "predicted_wait_rebalanced_s": new, "link_lane_sets": len(chosen)}

@@ -34,10 +34,21 @@ class Placer:
         self._steps_during_backward = False  # the optimizer armed CPU steps during this backward
         self._host_steps = {"during_backward": "none", "why": "no backward yet"}  # the last backward's
         self._after_steps_done = False  # the policy wants no more after_step calls for this decision
+        self._settled_step = None  # the last step's lanes, once settled (runtime.last_step), for after_step
 
     def note_accumulation(self) -> None:
         """Gradients of this iteration accumulate on the device (engine.no_sync)."""
         self._accumulating = True
+
+    def note_backward_start(self, runtime) -> None:
+        """A backward pass is about to begin (before the optimizer arms steps in it, which restarts
+        the lanes' clocks): the last step's lane figures are kept for after_step where every host
+        set of that step was settled by the forward in between, so that steps started during this
+        backward (speculation) neither hide nor blur them."""
+        if self._settled_step is None:
+            last = runtime.last_step()
+            if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
+                self._settled_step = last
 
     def note_host_steps(self, cover: str, why: str) -> None:
         """Which host sets' CPU steps of this iteration start during backward ("every set", "some
@@ -115,11 +126,12 @@ class Placer:
         (`report`: GeminiManager.end_iteration's)."""
         accumulating = self._accumulating or self.policy.config.enable_gradient_accumulation
         self._accumulating = False
+        settled, self._settled_step = self._settled_step, None
         if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
             return
         rerecordings = report["trace_rerecordings"]
         if self.current.decision and rerecordings == self.current.decision["trace_rerecordings"]:
-            self._after_step(runtime, tracer, rerecordings)
+            self._after_step(runtime, tracer, rerecordings, settled)
             return
         figures = {k: int(self._groups.reduce(v, "max")) for k, v in tracer.last_device_figures().items()}
         if self.policy.reads_rates:
@@ -136,18 +148,17 @@ class Placer:
         self._after_steps_done = False
         self._report(chosen)
 
-    def _after_step(self, runtime, tracer, rerecordings: int) -> None:
-        """Between decisions: the policy's look at the step under the current placement, once
-        every host set of it was settled on every rank (optimizer_lanes.rebalanced_link_sets)."""
-        if self._after_steps_done:
-            return
-        last = runtime.last_step()
-        if not self._groups.all_agree(last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0):
+    def _after_step(self, runtime, tracer, rerecordings: int, last: dict | None) -> None:
+        """Between decisions: the policy's look at the step under the current placement, from its
+        lanes as they stood once every host set of it was settled (`last`: note_backward_start's,
+        None where it was not settled), on every rank (optimizer_lanes.rebalanced_link_sets)."""
+        if self._after_steps_done or not self._groups.all_agree(last is not None):
             return
         lanes = {"cpu_lane_elements_per_s_in_step": (last["host_params"], last["host_seconds"]),
                  "link_lane_elements_per_s_in_step": (last["link_params"], last["link_seconds"])}
         figures = {k: self._groups.reduce(n / s if n and s > 0 else 0.0, "min") for k, (n, s) in lanes.items()}
         figures["forward_optimizer_wait_seconds"] = self._groups.reduce(tracer.last_optimizer_wait_seconds(), "max")
+        figures["host_sets_stepped_in_backward"] = int(self._groups.reduce(last["speculated_sets"], "min"))
         measured = self._measure(trace_rerecordings=rerecordings, **self._rates(tracer), **figures)
         chosen = self.policy.after_step(measured, self.current)
         if chosen is None:

@@ -93,8 +93,10 @@ def test_a_split_is_checked_against_the_step_it_ran():
     first forward), and the step measured the CPU alone at 100 elements/s: at the shares the link
     lane takes set 6, as it would have first. Both lanes measured at 60/s while both ran: sets 5
     and 7 go to the link lane, the wait falls from 5 - 0.875 to 3.33 - 0.75 s. A fast CPU needs no
-    lane; a gain under the margin keeps the split; a window the wait filled, or steps during
-    backward, leave it unchecked."""
+    lane; a gain under the margin keeps the split; a window the wait filled leaves it unchecked.
+    Sets the step stepped during its backward (speculation: the back two) are not the window's
+    work: sets 4 and 5 are split between the lanes. Where every host set steps during the backward
+    under way, the lane is given up."""
     from gemini_ext.placement import optimizer_lanes as lanes
     on_host = [False] * 4 + [True] * 4
     figures = dict(set_shard_bytes=(200,) * 8, trainable=(True,) * 8, forward_seconds=1.5,
@@ -117,29 +119,48 @@ def test_a_split_is_checked_against_the_step_it_ran():
         assert lanes.rebalanced_link_sets(measured(**figures, **both), on_host, (6,))[0] == (6,)
     filled = {**figures, "forward_optimizer_wait_seconds": 1.5}
     assert lanes.rebalanced_link_sets(measured(**filled, **both), on_host, (6,)) == ((6,), {})
+    speculated = measured(**figures, **both, host_sets_stepped_in_backward=2)
+    chosen, checked = lanes.rebalanced_link_sets(speculated, on_host, (6,))
+    assert chosen == (5,) and checked["host_sets_stepped_in_backward"] == 2
+    assert checked["predicted_wait_kept_split_s"] == pytest.approx(200 / 60 - 0.625)  # 100 elements a set
+    assert checked["predicted_wait_rebalanced_s"] == pytest.approx(100 / 60 - 0.5)
     during = measured(**figures, **both, optimizer_steps_during_backward=True)
-    assert lanes.rebalanced_link_sets(during, on_host, (6,)) == ((6,), {})
+    assert lanes.rebalanced_link_sets(during, on_host, (6,)) == ((), {"host_sets_stepped_in_backward": 4,
+                                                                      "link_lane_sets": 0})
 
 
-def test_auto_gives_up_the_link_lane_when_the_step_shows_the_cpu_keeps_up(monkeypatch):
+@pytest.mark.parametrize("case", ["clipped", "speculating"])
+def test_auto_gives_up_the_link_lane_when_the_step_shows_the_cpu_keeps_up(monkeypatch, case):
     """End to end on sim with the probes replaced: a CPU probed at 10k elements/s and a link lane
     at 10k make the first decision split the host sets between them; the steps then run at the
     host's real speed, the CPU alone keeps up with the forward, and the check after the next step
     takes the lane away again (stats() and the runtime agree). Clipping keeps the steps at step();
-    the copy probe's 0 keeps the state at what fits. Training matches torch throughout."""
+    without it, a host with room for some sets' spares starts those sets' steps during backward
+    (speculation), which must neither hide the step from the check nor count as its window's
+    work. The copy probe's 0 keeps the state at what fits. Training matches torch throughout."""
+    from gemini_ext.optim import wrapper
     from gemini_ext.placement import optimizer_lanes, rates as _rates
     monkeypatch.setitem(_rates._cache, "cpu", 1e4)
     monkeypatch.setattr(_rates, "link_optimizer_elements_per_s", lambda device: 1e4)
     monkeypatch.setattr(_rates, "h2d_bytes_per_s", lambda device: 0.0)
+    max_norm = 0.05 if case == "clipped" else 0.0
+    if case == "speculating":  # room for one or two sets' spares, not every host set's
+        monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: 6 * CHUNK_BYTES)
     model, reference = make_models()
-    train_reference(reference, 6, torch.device("cpu"), max_norm=0.05)
+    train_reference(reference, 6, torch.device("cpu"), max_norm=max_norm)
     _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES,
-                                             max_norm=0.05))
+                                             max_norm=max_norm))
     decision = stats["placement"]["decision"]
     assert decision["link_lane_sets"] > 0 and decision["predicted_exposed_cpu_only_s"] > 0, decision
     assert decision["lane_rebalances"] == optimizer_lanes.REBALANCES
     assert decision["rebalance_link_lane_sets"] == 0 and stats["placement"]["optim_chunks_link_lane"] == 0
     assert decision["rebalance_cpu_lane_elements_per_s_in_step"] > 1e4
+    speculated = decision["rebalance_host_sets_stepped_in_backward"]
+    if case == "speculating":
+        assert stats["placement"]["host_steps"]["during_backward"] == "some sets", stats["placement"]
+        assert 0 < speculated < stats["placement"]["optim_chunks_on_host"], decision
+    else:
+        assert speculated == 0
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
 

@@ -64,6 +64,7 @@ struct StepStats {
   double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
+  int64_t speculated_sets = 0;  // host sets of this step stepped during the backward before it (confirmed guesses)
 };
 
 // Which host sets an armed speculation can step during backward (HybridOptimizer::arm).

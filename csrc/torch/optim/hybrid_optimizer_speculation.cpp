@@ -253,6 +253,7 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
       ChunkSet& mutable_set = sets_[static_cast<size_t>(s)];
       for (const auto& [k, step] : spec->new_steps) mutable_set.step[k] = step;
       stats_.host_params += spec->host_params;
+      stats_.speculated_sets += 1;
       confirmed.insert(s);
     } else {
       pipeline_.settle(s);  // waits for it; unconfirmed, its results are dropped

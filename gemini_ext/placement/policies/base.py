@@ -73,6 +73,7 @@ class Measurements:
     cpu_lane_elements_per_s_in_step: float = 0.0
     link_lane_elements_per_s_in_step: float = 0.0
     forward_optimizer_wait_seconds: float = 0.0
+    host_sets_stepped_in_backward: int = 0  # that step's host sets stepped during its backward (speculation), least
 
     def trainable_shard_bytes(self) -> list[int]:
         return [b for b, t in zip(self.set_shard_bytes, self.trainable) if t]
