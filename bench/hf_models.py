@@ -107,6 +107,18 @@ def table(results: list[dict], peak_tflops: float) -> str:
     return "\n".join(lines)
 
 
+def write_tables(results: list[dict], args) -> str:
+    """The markdown table of `results` (returned), written with the JSON beside --out."""
+    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
+            f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops))
+    if args.out:
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return text
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama-7b", help="comma-separated names of bench/hf_train.py's MODELS")
@@ -146,14 +158,8 @@ def main(argv=None) -> list[dict]:
                 print(f"{model} {budget or 'whole device'} {name}: " + (
                     f"{row['step_s_median']:.3f} s/step" if "step_s_median" in row else
                     row.get("skipped") or row.get("error", "?")), flush=True)
-    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
-            f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops))
-    print("\n" + text)
-    if args.out:
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=2, default=str)
+                write_tables(results, args)  # after every row: a run cut short keeps what it measured
+    print("\n" + write_tables(results, args))
     return results
 
 
