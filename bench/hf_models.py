@@ -9,11 +9,13 @@ and what each system runs), in one run.
     python3 bench/hf_models.py --smoke              # a tiny Mixtral, gemini_ext on sim (tests)
 
 Rows name the model, the budget and the tokens per step; columns give the median step (steps
-after the first two), tokens/s, MFU (6 N FLOPs per token against --peak-tflops: recomputation and
-attention scores not credited), the speed-up over FSDP2 + offload and over DeepSpeed's faster row
-at the same budget, the device peak (torch's allocations; for gemini_ext plus its chunks, each at
-its peak), the process's peak resident host memory, and for gemini_ext what `auto` chose (the optimizer
-state's split, the lane of the host steps). A system that fails is listed with its cause; one
+after the first two), tokens/s, MFU (6 N FLOPs per token against --peak-tflops, N the parameters a
+token computes with: an MoE's routed experts only; recomputation and attention scores not
+credited), the speed-up over FSDP2 + offload and over DeepSpeed's faster row at the same budget,
+the device peak (torch's allocations; for gemini_ext plus its chunks, each at its peak), the
+process's peak resident host memory, and for gemini_ext the chunk bytes copied to the device per
+step (the mean over every step, the first included) and what `auto` chose (the optimizer state's
+split, the lane of the host steps). A system that fails is listed with its cause; one
 that cannot run here (no CUDA, the package missing) as skipped. Clipping (--max-norm) is the same
 for every system. Writes markdown and JSON beside --out.
 """
@@ -86,23 +88,27 @@ def auto_choice(row: dict) -> str:
 
 def table(results: list[dict], peak_tflops: float) -> str:
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | x FSDP2 | x DeepSpeed | "
-             "device peak GiB | host RSS peak GiB | auto chose |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "device peak GiB | host RSS peak GiB | H2D GB/step | auto chose |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         same = [o for o in results if o["model"] == r["model"] and o["budget"] == r["budget"] and "step_s_median" in o]
         fsdp2 = next((o["step_s_median"] for o in same if o["name"] == "fsdp2-offload"), None)
         ds = min((o["step_s_median"] for o in same if o["name"].startswith("deepspeed")), default=None)
         head = f"| {r['model']} | {r['budget'] or 'whole device'} | {r['tokens_per_step']:,} | {LABELS[r['name']]} |"
         if "step_s_median" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | |")
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
             continue
         step = r["step_s_median"]
-        mfu = 6 * r["parameters"] * r["tokens_per_step"] / step / (peak_tflops * 1e12)
+        active = r.get("active_parameters") or r["parameters"]  # an MoE: the experts a token is routed to
+        mfu = 6 * active * r["tokens_per_step"] / step / (peak_tflops * 1e12)
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         peak = (r.get("peak_torch_device_bytes") or 0) + chunks
         rss = r.get("peak_host_rss_bytes")
+        h2d = ((r.get("engine") or {}).get("traffic") or {}).get("h2d_bytes")  # the engine's, over every step
         cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", f"{mfu:.1%}",
                  f"{fsdp2 / step:.2f}" if fsdp2 else "-", f"{ds / step:.2f}" if ds else "-",
-                 f"{peak / 2**30:.1f}" if peak else "-", f"{rss / 2**30:.1f}" if rss else "-", auto_choice(r)]
+                 f"{peak / 2**30:.1f}" if peak else "-", f"{rss / 2**30:.1f}" if rss else "-",
+                 f"{h2d / r['steps'] / 1e9:.1f}" if h2d is not None else "-", auto_choice(r)]
         lines.append(head + " " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -103,6 +103,20 @@ def fp32_bytes(name: str) -> int:
     return 4 * sum(p.numel() for p in build_model(name, 128, "meta").parameters())
 
 
+def active_parameters(name: str) -> int:
+    """Parameters one token computes with: every parameter, less the experts a token is not routed
+    to (an MoE's expert weights count num_experts_per_tok / num_experts of theirs), on meta."""
+    model = build_model(name, 128, "meta")
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    per_token = getattr(cfg, "num_experts_per_tok", None)
+    total = sum(p.numel() for p in model.parameters())
+    if not (experts and per_token):
+        return total
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return total - expert_params + expert_params * per_token // experts
+
+
 def batch_of(model, args, step: int, dev: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(args.seed * 100003 + step)
     return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
@@ -227,7 +241,7 @@ def main(argv=None) -> dict:
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else ""), "model": args.model,
-        "parameters": n_params, "budget": args.budget, "batch": args.batch, "seq_len": args.seq,
+        "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget, "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
         "losses": losses, "step_seconds": step_s, "step_s_median": sorted(timed)[len(timed) // 2],
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
