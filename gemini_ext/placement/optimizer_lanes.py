@@ -34,9 +34,9 @@ a new split is taken only where it predicts a wait shorter by REBALANCE_MARGIN o
 (at least REBALANCE_MARGIN_MIN_S). At most REBALANCES checks per decision; which lane steps a
 set moves no data, so a change costs nothing but the next step's time. The step's figures are
 taken when the next backward begins (every set of it settled by the forward in between), before
-speculation arms that backward's steps; the sets a step started during its backward (speculation,
-the back of the model) are left out of the window's work, and where every host set's step starts
-during the backward under way the lane is given up.
+that backward launches speculative steps, which stay pending until step(); the sets a step
+started during its backward (speculation, the back of the model) are left out of the window's
+work, and where every host set's step starts during the backward under way the lane is given up.
 """
 
 from __future__ import annotations

@@ -41,10 +41,11 @@ class Placer:
         self._accumulating = True
 
     def note_backward_start(self, runtime) -> None:
-        """A backward pass is about to begin (before the optimizer arms steps in it, which restarts
-        the lanes' clocks): the last step's lane figures are kept for after_step where every host
-        set of that step was settled by the forward in between, so that steps started during this
-        backward (speculation) neither hide nor blur them."""
+        """A backward pass is about to begin, before the optimizer arms steps in it: the last
+        step's lane figures are kept for after_step where every host set of that step was settled
+        by the forward in between. Read at step() instead, they would be hidden by the steps this
+        backward started (speculation: pending until the next forward) or restarted (the step in
+        backward restarts the lanes' clocks)."""
         if self._settled_step is None:
             last = runtime.last_step()
             if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
