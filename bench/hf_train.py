@@ -241,7 +241,8 @@ def main(argv=None) -> dict:
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else ""), "model": args.model,
-        "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget, "batch": args.batch, "seq_len": args.seq,
+        "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
+        "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
         "losses": losses, "step_seconds": step_s, "step_s_median": sorted(timed)[len(timed) // 2],
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
