@@ -36,12 +36,14 @@ TRAIN = os.path.join(offload.REPO, "bench", "hf_train.py")
 SYSTEMS = {  # column name -> hf_train.py flags
     "gemini": ["--system", "gemini"],
     "gemini-sib": ["--system", "gemini", "--step-in-backward"],
+    "gemini-nospec": ["--system", "gemini", "--no-speculation"],  # diagnosis: every host step from step()
     "fsdp2-offload": ["--system", "fsdp2-offload"],
     "deepspeed-offload-optim": ["--system", "deepspeed-offload-optim"],
     "deepspeed-offload": ["--system", "deepspeed-offload"],
     "plain": ["--system", "plain"],
 }
 LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
+          "gemini-nospec": "gemini_ext auto, no speculation",
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch"}
 

@@ -16,7 +16,7 @@ gpu_memory_limit. Every system builds the model on the GPU where its fp32 weight
 60% of the device, else on the CPU: where it is built does not change the step.
 
 Systems:
-  gemini                   gemini_ext (--policy, --step-in-backward)
+  gemini                   gemini_ext (--policy, --step-in-backward; --no-speculation to diagnose)
   fsdp2-offload            FSDP2 per decoder layer and at the root, CPUOffloadPolicy(pin_memory=True),
                            fp32 parameters with bf16 compute, fused CPU AdamW
   deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded (DeepSpeedCPUAdam), bf16
@@ -79,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--max-norm", type=float, default=0.0, help="gradient-norm clipping for every system (0: off)")
     p.add_argument("--policy", default="auto", help="gemini: GeminiConfig.placement_policy")
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -131,6 +133,9 @@ def gemini_system(args, dev_kind: str):
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
     if dev_kind == "sim":
         budget = {"sim_capacity": args.budget or "2GiB"}
+    if args.no_speculation:  # the engine reads the host's free memory for spares here only
+        from gemini_ext.optim import wrapper
+        wrapper.host_available_bytes = lambda ranks=1: 0
     cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
                           optimizer_step_in_backward=args.step_in_backward, **budget)
     engine = gx.enable(model, cfg).__enter__()
@@ -240,7 +245,8 @@ def main(argv=None) -> dict:
         print(f"step {step}: loss {losses[-1]:.4f}, {step_s[-1]:.3f} s", flush=True)
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
-        "system": args.system + (" + step in backward" if args.step_in_backward else ""), "model": args.model,
+        "system": args.system + (" + step in backward" if args.step_in_backward else "") +
+        (", no speculation" if args.no_speculation else ""), "model": args.model,
         "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
         "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
