@@ -12,6 +12,7 @@ from .placement.policies import POLICY_CLASSES
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
+ACTIVATION_MODES = ("off", "on")
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
 
@@ -71,6 +72,13 @@ class GeminiConfig:
     # TFLOP/s (None: a table of known GPUs for 16-bit precisions).
     flops_per_token: float | None = None
     peak_tflops: float | None = None
+    # Activations (docs/USAGE.md, "Activations"). activation_offload="on": the inputs that
+    # checkpointed blocks keep between forward and backward go to the engine's page-locked host
+    # memory during the forward and come back ahead of their backward; the same bits as "off".
+    # activation_checkpointing="on": the engine runs the blocks of the model's nn.ModuleList under
+    # non-reentrant checkpointing itself (a model that checkpoints itself is left to do so).
+    activation_offload: str = "off"
+    activation_checkpointing: str = "off"
 
     def unsupported_without_masters(self) -> str | None:
         """Why master_weights=False cannot be honoured with this precision (None: it can). Without
@@ -90,6 +98,8 @@ class GeminiConfig:
         _choice("optimizer_state_dtype", self.optimizer_state_dtype, OPTIMIZER_STATE_DTYPES)
         _choice("placement_policy", self.placement_policy, PLACEMENT_POLICIES)
         _choice("device", self.device, DEVICES)
+        _choice("activation_offload", self.activation_offload, ACTIVATION_MODES)
+        _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_MODES)
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):

@@ -6,6 +6,7 @@
 #include "core/static_placement.h"
 #include "torch/chunk_views.h"
 #include "torch/dtype_map.h"
+#include "torch/host_buffer.h"
 #include "torch/pg_communicator.h"
 
 namespace gx::bindings {
@@ -271,7 +272,10 @@ void bind_core(py::module_& m) {
       .def("torch_device", [](DeviceContext& c) { return py::str(c.device_for(Tier::kDevice).str()); })
       .def(
           "synchronize", [](DeviceContext& c) { c.backend().synchronize_all(); },
-          py::call_guard<py::gil_scoped_release>());
+          py::call_guard<py::gil_scoped_release>())
+      .def("host_buffer", &torch_layer::host_buffer, py::arg("bytes"),
+           "A uint8 CPU tensor of `bytes` from the host memory resource (page-locked on cuda, never "
+           "shared with forked children); OutOfMemoryError where the host cannot hold it.");
 
   py::class_<torch_layer::ProcessGroupCommunicator, std::shared_ptr<torch_layer::ProcessGroupCommunicator>>(
       m, "ProcessGroupCommunicator")

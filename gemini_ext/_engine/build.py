@@ -23,11 +23,14 @@ from ..placement.policies import make_policy
 from ..placement.tracer import MemoryTracer, SetupTimer
 from ..search import unique_parameters
 from . import restore
+from .activation_offload import ActivationOffload
+from .block_checkpointing import BlockCheckpointing, require_blocks
 from .buffers import BufferPlacement
 from .clipping import GradClipper
 from .device import ComputeDevice
 from .fill import ChunkFill, allocated_on_write
 from .hooks import HookSet
+from .host_buffers import HostBuffers
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
 from .param_access import ParamAccess
@@ -44,6 +47,8 @@ def build_parts(model: torch.nn.Module, config, process_group, param_init_fn, ma
     data_parallel = resolve_process_group(process_group)
     if (unsupported := config.unsupported_without_masters()) is not None:
         raise NotImplementedError(unsupported)
+    if config.activation_checkpointing == "on":
+        require_blocks(model)  # refused before anything is built
     parts = EngineParts(config, COMPUTE_DTYPES[config.precision])
     # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
     parts.groups = DataParallelGroups(data_parallel, config.extra_dp_size)
@@ -136,6 +141,8 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     def on_backward_start():
         if parts.optimizer is not None:
             parts.optimizer.backward_started()
+        if parts.activation_offload is not None:
+            parts.activation_offload.backward_started()
 
     parts.hooks = HookSet(runtime, model, layout.params,
                           scale_fn=(lambda: parts.scaler.scale) if parts.scaler is not None else None,
@@ -144,6 +151,18 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.access = ParamAccess(parts, model)
     parts.sharded_state = ShardedState(parts, model)
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
+    _plan_activations(parts, model)
+
+
+def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
+    """The engine's block checkpointing and activation offload, where the config asks for them."""
+    config = parts.config
+    if config.activation_checkpointing == "on":
+        parts.block_checkpointing = BlockCheckpointing(model)
+    if config.activation_offload == "on":
+        buffers = HostBuffers(parts.device.context, parts.groups.ranks_on_host())
+        parts.activation_offload = ActivationOffload(buffers, parts.device.torch_device)
+        parts.activation_offload.attach(model)
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

@@ -48,6 +48,8 @@ class EngineInternals(Protocol):
     zero_comm: Any                      # _C.ProcessGroupCommunicator over groups.zero, or None
     replica_comm: Any                   # over groups.replica (HSDP), or None
     optimizer: Any                      # the attached GeminiOptimizer, or None
+    block_checkpointing: Any            # block_checkpointing.BlockCheckpointing, or None
+    activation_offload: Any             # activation_offload.ActivationOffload, or None
     closed: bool
 
     def check_open(self, what: str) -> None:

@@ -29,6 +29,7 @@ class EngineParts:
         self.placer = self.tracer = self.throughput = self.access = self.sharded_state = self.clipper = None
         self.scaler = self.hooks = self.buffers = self.chunk_size = None
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
+        self.block_checkpointing = self.activation_offload = None  # where the config asks for them
 
     def check_open(self, what: str) -> None:
         if self.closed:
