@@ -1,0 +1,101 @@
+// plan_activations: the per-block choice of keeping, recomputing or offloading activations.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "core/activation_plan.h"
+
+namespace gx {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// `n` alike blocks: 10 MiB of activations, a 1 MiB input, 10 ms forward, 20 ms backward.
+ActivationPlanInputs alike(size_t n, int64_t room_bytes, double link_bytes_per_second) {
+  ActivationPlanInputs in;
+  in.blocks.assign(n, BlockCosts{10 * kMiB, 1 * kMiB, 0.010, 0.020});
+  in.room_bytes = room_bytes;
+  in.link_bytes_per_second = link_bytes_per_second;
+  return in;
+}
+
+size_t count(const ActivationPlan& plan, BlockActivations choice) {
+  return static_cast<size_t>(std::count(plan.choices.begin(), plan.choices.end(), choice));
+}
+
+TEST(ActivationPlan, EverythingKeptWhenItFits) {
+  const ActivationPlan plan = plan_activations(alike(8, 80 * kMiB, 25e9));
+  EXPECT_TRUE(plan.fits);
+  EXPECT_EQ(count(plan, BlockActivations::kKeep), 8u);
+  EXPECT_EQ(plan.device_bytes, 80 * kMiB);
+  EXPECT_EQ(plan.added_seconds, 0.0);
+}
+
+TEST(ActivationPlan, HiddenCopiesMakeOffloadTheCheapestWayToFree) {
+  // A fast link hides both copies (1 MiB at 25 GB/s: 42 us against 10 and 20 ms): offloading a
+  // block costs its recompute, as recomputing does, and frees 10 MiB instead of 9.
+  ActivationPlanInputs in = alike(8, 50 * kMiB, 25e9);
+  const ActivationPlan plan = plan_activations(in);
+  EXPECT_TRUE(plan.fits);
+  EXPECT_EQ(count(plan, BlockActivations::kRecompute), 0u);
+  // Kept blocks 10 MiB each, plus the working set (10) and two inputs in flight (2): 3 kept = 42.
+  EXPECT_EQ(count(plan, BlockActivations::kOffload), 5u);
+  EXPECT_EQ(plan.device_bytes, 42 * kMiB);
+  EXPECT_DOUBLE_EQ(plan.added_seconds, 5 * 0.010);
+  EXPECT_EQ(plan.device_bytes, activation_device_bytes(in, plan.choices));
+}
+
+TEST(ActivationPlan, ASlowLinkRecomputesFirstAndOffloadsOnlyWhatRecomputingCannotFree) {
+  // 1 MiB at 10 MB/s: 105 ms each way, mostly exposed: recomputing is far cheaper per byte.
+  const ActivationPlan roomy = plan_activations(alike(8, 30 * kMiB, 10e6));
+  EXPECT_TRUE(roomy.fits);
+  EXPECT_EQ(count(roomy, BlockActivations::kOffload), 0u);
+  // k recomputed: (8 - k) x 10 + k + 10 (the working set) MiB, within 30 from k = 7
+  EXPECT_EQ(count(roomy, BlockActivations::kRecompute), 7u);
+  EXPECT_EQ(roomy.device_bytes, 27 * kMiB);
+  // Room below every block recomputed (18 MiB): inputs must leave the device as well.
+  const ActivationPlan tight = plan_activations(alike(8, 15 * kMiB, 10e6));
+  EXPECT_TRUE(tight.fits);
+  EXPECT_GT(count(tight, BlockActivations::kOffload), 0u);
+  EXPECT_EQ(count(tight, BlockActivations::kKeep), 0u);
+  EXPECT_LE(tight.device_bytes, 15 * kMiB);
+}
+
+TEST(ActivationPlan, WithoutALinkNothingIsOffloaded) {
+  const ActivationPlan plan = plan_activations(alike(4, 5 * kMiB, 0));
+  EXPECT_FALSE(plan.fits);  // 4 inputs and the working set are 14 MiB
+  EXPECT_EQ(count(plan, BlockActivations::kRecompute), 4u);
+}
+
+TEST(ActivationPlan, TooLittleRoomOffloadsEveryBlockAndSaysSo) {
+  const ActivationPlan plan = plan_activations(alike(6, 1 * kMiB, 25e9));
+  EXPECT_FALSE(plan.fits);
+  EXPECT_EQ(count(plan, BlockActivations::kOffload), 6u);
+  EXPECT_EQ(plan.device_bytes, 12 * kMiB);  // the working set and two inputs in flight
+}
+
+TEST(ActivationPlan, TheCheapestRecomputesGoFirst) {
+  ActivationPlanInputs in = alike(4, 35 * kMiB, 0);
+  in.blocks[2].forward_seconds = 0.0025;  // the same bytes, a quarter of the recompute
+  // 40 MiB kept; one recompute leaves 41 (its working set), two leave 32
+  const ActivationPlan plan = plan_activations(in);
+  EXPECT_TRUE(plan.fits);
+  EXPECT_EQ(plan.choices[0], BlockActivations::kRecompute);  // ties go to the earlier block
+  EXPECT_EQ(plan.choices[1], BlockActivations::kKeep);
+  EXPECT_EQ(plan.choices[2], BlockActivations::kRecompute);
+  EXPECT_EQ(plan.choices[3], BlockActivations::kKeep);
+  EXPECT_DOUBLE_EQ(plan.added_seconds, 0.0125);
+}
+
+TEST(ActivationPlan, BadInputsAreRefused) {
+  ActivationPlanInputs in = alike(2, 10 * kMiB, 1e9);
+  in.in_flight = 0;
+  EXPECT_THROW(plan_activations(in), std::exception);
+  in = alike(2, -1, 1e9);
+  EXPECT_THROW(plan_activations(in), std::exception);
+  in = alike(2, 10 * kMiB, 1e9);
+  EXPECT_THROW(activation_device_bytes(in, {BlockActivations::kKeep}), std::exception);
+}
+
+}  // namespace
+}  // namespace gx
