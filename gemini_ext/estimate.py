@@ -46,7 +46,9 @@ fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.
 the formula gives 895 and 665) and only for one piece of tokens where the loss is computed in
 checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash
 attention, no s^2 term). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
-DEVICE_OTHER_BYTES sits outside it.
+DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inputs but two wait in
+host memory (counted there), and the part of their copies that a block's forward or backward does
+not hide is added (activation_copies).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import time
 import torch
 
 from ._native import _C
+from ._engine.activation_offload import LOOKAHEAD
 from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from ._engine.throughput import PEAK_16BIT_TFLOPS
 from ._units import parse_bytes
@@ -73,6 +76,7 @@ from .search import unique_parameters
 # (tokens per step, fraction of the dense 16-bit peak) measured on the H200, interpolated
 GPU_EFFICIENCY = ((1024, 0.58), (4096, 0.65), (8192, 0.665), (16384, 0.672))
 H2D_BYTES_PER_S = 55e9          # pinned copies over PCIe 5 x16, either direction (the H200 machine)
+OFFLOAD_IN_FLIGHT = LOOKAHEAD    # offloaded block inputs on the device at once (fetched ahead in backward)
 LINK_ELEMENTS_PER_S = 2.8e9     # the device's Adam kernel over mapped host state (bench/link_adam.py)
 ACTIVATION_RESERVE_RATIO = 1.22  # torch's reserved / peak allocated at the end of an iteration
 LOGIT_BYTES_PER_VOCAB = 12.6  # per token: bf16 logits, fp32 copy, fp32 and bf16 gradients (H200, 6.7B and 15.4B)
@@ -227,7 +231,6 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     else:
         raise ValueError("gx.estimate: the model has no embedding and ModuleList of blocks to read its shape from; "
                          "pass activation_bytes_per_token_override= (bytes of activations per token).")
-    per_token = activations // max(rank_tokens, 1)
     forward_flops = rank_tokens * 2 * n_total
     flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
     rate = peak * 1e12 * gpu_efficiency(rank_tokens)
@@ -235,6 +238,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     dispatch_per_pass = len(named) * HOST_DISPATCH_S_PER_TENSOR_PASS
     gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
     forward_seconds = max(forward_flops / rate, dispatch_per_pass)
+    offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
+    activations -= offload["device_bytes_freed"]
+    per_token = activations // max(rank_tokens, 1)
     cpu_rate, cpu_source = _cpu_rate(cpu_optimizer_elements_per_s)
     measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
                             non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO), forward_seconds=forward_seconds,
@@ -244,8 +250,25 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
-                         activation_bytes=activations, activation_bytes_per_token=per_token, peak_tflops=peak,
+                         activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token, peak_tflops=peak,
                          device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
+
+
+def _activation_offload(config, checkpointing: bool, shape, rank_tokens: int, forward_seconds: float,
+                        gpu_seconds: float) -> dict:
+    """activation_offload="on" under checkpointing: each block's input (L d bf16 per token) leaves
+    the device but for OFFLOAD_IN_FLIGHT of them and waits in host memory; each copy, either way,
+    costs what a block's forward (down) or backward (up) beside it does not hide."""
+    none = {"device_bytes_freed": 0, "host_bytes": 0, "exposed_copy_s": 0.0}
+    if config.activation_offload != "on" or not checkpointing or shape is None:
+        return none
+    per_block = rank_tokens * shape.width * 2
+    copy = per_block / H2D_BYTES_PER_S
+    forward_block = forward_seconds / shape.layers
+    backward_block = (gpu_seconds - forward_seconds) / shape.layers
+    exposed = shape.layers * (max(0.0, copy - forward_block) + max(0.0, copy - backward_block))
+    return {"device_bytes_freed": per_block * max(0, shape.layers - OFFLOAD_IN_FLIGHT),
+            "host_bytes": per_block * shape.layers, "exposed_copy_s": exposed}
 
 
 def _cpu_rate(given: float | None) -> tuple[float, str]:
@@ -281,10 +304,11 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
     device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)
     per_element = {"fp32": 28, "bf16": 20 if config.master_weights else 14}[config.optimizer_state_dtype]
     device_optimizer = device_elements * per_element / DEVICE_OPTIMIZER_BYTES_PER_S
-    step = gpu_seconds + device_optimizer + grads_tail + waited + stall
+    offload = facts["activation_offload"]
+    step = gpu_seconds + device_optimizer + grads_tail + waited + stall + offload["exposed_copy_s"]
     pcie = 2 * host_elements * itemsize + 2 * displaced  # host sets' parameters up and gradients down
     host_bytes = host_elements * m.set_bytes_per_element + (
-        host_elements * itemsize if initial.params_born_on_device else param_bytes)
+        host_elements * itemsize if initial.params_born_on_device else param_bytes) + offload["host_bytes"]
     model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])  # 4 N + 2 N_trainable
     rank_tokens_per_s = facts["rank_tokens"] / step
     device_bytes = min(param_bytes + device_state, budget) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO) \
@@ -304,7 +328,9 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "activation_bytes": facts["activation_bytes"],
         "step_time_s": step,
         "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "gradients_tail": grads_tail,
-                         "optimizer_wait": waited, "fetch_stall": stall},
+                         "optimizer_wait": waited, "fetch_stall": stall,
+                         "activation_copies": offload["exposed_copy_s"]},
+        "activation_offload": {"host_bytes": offload["host_bytes"], "device_bytes_freed": offload["device_bytes_freed"]},
         "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / H2D_BYTES_PER_S,
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
