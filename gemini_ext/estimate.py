@@ -224,13 +224,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     n_trainable = sum(p.numel() for _, p in named if p.requires_grad)
     shape = model_shape(model)
     rank_tokens = tokens_per_step // world_size
-    if activation_bytes_per_token_override is not None:
-        activations = rank_tokens * int(activation_bytes_per_token_override)
-    elif shape is not None:
-        activations = activation_bytes(shape, checkpointing, rank_tokens, loss_chunk_tokens)
-    else:
-        raise ValueError("gx.estimate: the model has no embedding and ModuleList of blocks to read its shape from; "
-                         "pass activation_bytes_per_token_override= (bytes of activations per token).")
+    activations = _activations(shape, checkpointing, rank_tokens, loss_chunk_tokens,
+                               activation_bytes_per_token_override)
     forward_flops = rank_tokens * 2 * n_total
     flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
     rate = peak * 1e12 * gpu_efficiency(rank_tokens)
@@ -252,6 +247,15 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
                          activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token, peak_tflops=peak,
                          device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
+
+
+def _activations(shape, checkpointing: bool, rank_tokens: int, loss_chunk_tokens: int, per_token_override) -> int:
+    if per_token_override is not None:
+        return rank_tokens * int(per_token_override)
+    if shape is None:
+        raise ValueError("gx.estimate: the model has no embedding and ModuleList of blocks to read its shape from; "
+                         "pass activation_bytes_per_token_override= (bytes of activations per token).")
+    return activation_bytes(shape, checkpointing, rank_tokens, loss_chunk_tokens)
 
 
 def _activation_offload(config, checkpointing: bool, shape, rank_tokens: int, forward_seconds: float,

@@ -1,7 +1,10 @@
 // gemini_ext._C, core: tensor states, the static placement and chunk search functions, device
 // contexts, process-group communicators and the ChunkManager (groups, copies, moves, views,
 // pools, traffic).
+#include <tuple>
+
 #include "bindings/common.h"
+#include "core/activation_plan.h"
 #include "core/chunk_search.h"
 #include "core/static_placement.h"
 #include "torch/chunk_views.h"
@@ -212,6 +215,34 @@ void bind_chunk_manager(py::module_& m) {
   def_states_and_views(cls);
   def_stats(cls);
 }
+
+// core/activation_plan.h: the per-block choice of keeping, recomputing or offloading activations.
+void def_activation_plan(py::module_& m) {
+  m.def(
+      "plan_activations",
+      [](const std::vector<std::tuple<int64_t, int64_t, double, double>>& blocks, int64_t room_bytes,
+         double link_bytes_per_second, int in_flight) {
+        ActivationPlanInputs in;
+        for (const auto& [activation, input, forward, backward] : blocks)
+          in.blocks.push_back(BlockCosts{activation, input, forward, backward});
+        in.room_bytes = room_bytes;
+        in.link_bytes_per_second = link_bytes_per_second;
+        in.in_flight = in_flight;
+        const ActivationPlan plan = plan_activations(in);
+        py::list choices;
+        for (BlockActivations c : plan.choices) choices.append(py::str(to_string(c)));
+        py::dict out;
+        out["choices"] = choices;
+        out["device_bytes"] = plan.device_bytes;
+        out["added_seconds"] = plan.added_seconds;
+        out["fits"] = plan.fits;
+        return out;
+      },
+      py::arg("blocks"), py::arg("room_bytes"), py::arg("link_bytes_per_second"), py::arg("in_flight") = 2,
+      "Per block ('keep', 'recompute' or 'offload') from (activation_bytes, input_bytes, forward_seconds, "
+      "backward_seconds) in forward order; see core/activation_plan.h.");
+}
+
 }  // namespace
 
 void bind_core(py::module_& m) {
@@ -233,6 +264,8 @@ void bind_core(py::module_& m) {
       },
       py::arg("chunk_bytes"), py::arg("offload_param_frac"), py::arg("offload_optim_frac"),
       "The static policy's decision per chunk: (param_home_on_host, optim_on_host); see core/static_placement.h.");
+
+  def_activation_plan(m);
 
   m.def(
       "search_chunk_size",

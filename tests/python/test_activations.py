@@ -255,3 +255,14 @@ def test_offload_lowers_the_device_peak_on_cuda():
     on, stats = peak("on")
     assert stats["offloaded"] >= cfg.n_layers, stats
     assert off - on > kept_input_bytes // 2, (off, on, kept_input_bytes)
+
+
+def test_the_per_block_plan_is_the_cores():
+    """_C.plan_activations (core/activation_plan.h, tested there): eight alike blocks of 10 MiB
+    with 1 MiB inputs and a link that hides the copies, in 50 MiB."""
+    mib = 2**20
+    plan = gx._C.plan_activations([(10 * mib, mib, 0.010, 0.020)] * 8, 50 * mib, 25e9)
+    assert plan["choices"] == ["offload"] * 5 + ["keep"] * 3 and plan["fits"], plan  # ties: the earlier first
+    assert plan["device_bytes"] == 42 * mib and plan["added_seconds"] == pytest.approx(0.05)
+    with pytest.raises(Exception, match="in_flight must be >= 1"):
+        gx._C.plan_activations([(mib, mib, 0.0, 0.0)], mib, 1e9, in_flight=0)
