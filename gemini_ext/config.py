@@ -12,7 +12,8 @@ from .placement.policies import POLICY_CLASSES
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
-ACTIVATION_MODES = ("off", "on")
+ACTIVATION_OFFLOAD_MODES = ("off", "on")
+ACTIVATION_CHECKPOINTING_MODES = ("off", "on", "auto")
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
 
@@ -76,7 +77,9 @@ class GeminiConfig:
     # checkpointed blocks keep between forward and backward go to the engine's page-locked host
     # memory during the forward and come back ahead of their backward; the same bits as "off".
     # activation_checkpointing="on": the engine runs the blocks of the model's nn.ModuleList under
-    # non-reentrant checkpointing itself (a model that checkpoints itself is left to do so).
+    # non-reentrant checkpointing itself (a model that checkpoints itself is left to do so); "auto":
+    # it measures the blocks in the first forward and keeps, recomputes or (with offload on)
+    # offloads each within the device room the chunks leave.
     activation_offload: str = "off"
     activation_checkpointing: str = "off"
 
@@ -98,8 +101,8 @@ class GeminiConfig:
         _choice("optimizer_state_dtype", self.optimizer_state_dtype, OPTIMIZER_STATE_DTYPES)
         _choice("placement_policy", self.placement_policy, PLACEMENT_POLICIES)
         _choice("device", self.device, DEVICES)
-        _choice("activation_offload", self.activation_offload, ACTIVATION_MODES)
-        _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_MODES)
+        _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_MODES)
+        _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING_MODES)
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):

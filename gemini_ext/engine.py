@@ -269,6 +269,7 @@ class GeminiEngine:
             "activations": {
                 "checkpointing": parts.block_checkpointing.stats() if parts.block_checkpointing is not None else None,
                 "offload": parts.activation_offload.stats() if parts.activation_offload is not None else None,
+                "plan": parts.activation_planner.stats() if parts.activation_planner is not None else None,
             },
         }
         if parts.optimizer is not None:

@@ -217,18 +217,39 @@ void bind_chunk_manager(py::module_& m) {
 }
 
 // core/activation_plan.h: the per-block choice of keeping, recomputing or offloading activations.
+using BlockCostTuple = std::tuple<int64_t, int64_t, double, double>;
+
+ActivationPlanInputs plan_inputs(const std::vector<BlockCostTuple>& blocks, int64_t room_bytes,
+                                 double link_bytes_per_second, int in_flight) {
+  ActivationPlanInputs in;
+  for (const auto& [activation, input, forward, backward] : blocks)
+    in.blocks.push_back(BlockCosts{activation, input, forward, backward});
+  in.room_bytes = room_bytes;
+  in.link_bytes_per_second = link_bytes_per_second;
+  in.in_flight = in_flight;
+  return in;
+}
+
+BlockActivations parse_block_activations(const std::string& name) {
+  for (BlockActivations c : {BlockActivations::kKeep, BlockActivations::kRecompute, BlockActivations::kOffload})
+    if (name == to_string(c)) return c;
+  GX_CHECK(false, "block activations: expected 'keep', 'recompute' or 'offload', got '", name, "'.");
+}
+
 void def_activation_plan(py::module_& m) {
   m.def(
+      "activation_device_bytes",
+      [](const std::vector<BlockCostTuple>& blocks, const std::vector<std::string>& choices, int in_flight) {
+        std::vector<BlockActivations> parsed;
+        for (const std::string& c : choices) parsed.push_back(parse_block_activations(c));
+        return activation_device_bytes(plan_inputs(blocks, 0, 0, in_flight), parsed);
+      },
+      py::arg("blocks"), py::arg("choices"), py::arg("in_flight") = 2,
+      "The device bytes of given per-block choices (core/activation_plan.h's cost model).");
+  m.def(
       "plan_activations",
-      [](const std::vector<std::tuple<int64_t, int64_t, double, double>>& blocks, int64_t room_bytes,
-         double link_bytes_per_second, int in_flight) {
-        ActivationPlanInputs in;
-        for (const auto& [activation, input, forward, backward] : blocks)
-          in.blocks.push_back(BlockCosts{activation, input, forward, backward});
-        in.room_bytes = room_bytes;
-        in.link_bytes_per_second = link_bytes_per_second;
-        in.in_flight = in_flight;
-        const ActivationPlan plan = plan_activations(in);
+      [](const std::vector<BlockCostTuple>& blocks, int64_t room_bytes, double link_bytes_per_second, int in_flight) {
+        const ActivationPlan plan = plan_activations(plan_inputs(blocks, room_bytes, link_bytes_per_second, in_flight));
         py::list choices;
         for (BlockActivations c : plan.choices) choices.append(py::str(to_string(c)));
         py::dict out;

@@ -91,6 +91,7 @@ class ActivationOffload:
         self._in_flight: list = []  # (_Offloaded, its tensor) until the copy is done and the version checked
         self._scope = None
         self._depth = 0
+        self.accepting = True  # False while a block the planner recomputes without offloading saves its input
         self._handles: list = []
         self.counts = {"offloaded": 0, "offloaded_bytes": 0, "shared": 0, "kept": 0, "prefetched": 0,
                        "fetched_on_demand": 0, "forwards_under_outer_hooks": 0}
@@ -133,7 +134,7 @@ class ActivationOffload:
 
     # --- forward: pack ---------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
-        if not _inside_checkpoint_setup() or not self._wanted(tensor):
+        if not self.accepting or not _inside_checkpoint_setup() or not self._wanted(tensor):
             return tensor
         self._settle(wait=False)
         key = id(tensor)

@@ -1,5 +1,5 @@
 """BlockCheckpointing: the engine runs a model's repeated blocks under non-reentrant activation
-checkpointing itself (`GeminiConfig(activation_checkpointing="on")`).
+checkpointing itself (`GeminiConfig(activation_checkpointing="on"` or `"auto"`).
 
 [Note: which blocks, and how]
 - The blocks are the children of the model's largest `nn.ModuleList` (by parameters) whose
@@ -55,26 +55,51 @@ def require_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
 
 
 class BlockCheckpointing:
-    """Wraps the blocks' forward; `remove()` unwraps them."""
+    """Wraps the blocks' forward; `remove()` unwraps them. `choices` (set by the planner under
+    "auto": activation_planner.py) says per block "keep" (no checkpoint), "recompute" or
+    "offload" (recompute, the input offloaded); None checkpoints every block and offloads where
+    offload is on. A `probe` set by the planner runs the blocks of the forward it measures."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, offload=None):
         self.blocks_name, blocks = require_blocks(model)
+        self.num_blocks = len(blocks)
+        self._offload = offload  # told per call whether a block's input may go to the host
+        self.choices: list | None = None
+        self.probe = None
         self._wrapped: list = []
-        self.counts = {"blocks": len(blocks), "checkpointed_calls": 0, "calls_left_to_the_model": 0}
-        for block in blocks:
+        self.counts = {"blocks": len(blocks), "checkpointed_calls": 0, "kept_calls": 0, "calls_left_to_the_model": 0}
+        for index, block in enumerate(blocks):
             original = block.forward
-            wrapper = functools.partial(self._run, block, original)
+            wrapper = functools.partial(self._run, index, block, original)
             block.forward = wrapper
             self._wrapped.append((block, wrapper))
 
-    def _run(self, block, original, *args, **kwargs):
+    def _run(self, index, block, original, *args, **kwargs):
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if _checkpoints_itself(block):
             self.counts["calls_left_to_the_model"] += 1
             return original(*args, **kwargs)
+        if self.probe is not None:
+            return self.probe.run(index, original, args, kwargs, self)
+        choice = self.choices[index] if self.choices is not None else "offload"
+        if choice == "keep":
+            return self.kept(original, args, kwargs)
+        return self.checkpointed(original, args, kwargs, offload=choice == "offload")
+
+    def kept(self, original, args, kwargs):
+        self.counts["kept_calls"] += 1
+        return original(*args, **kwargs)
+
+    def checkpointed(self, original, args, kwargs, offload: bool):
         self.counts["checkpointed_calls"] += 1
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+        if self._offload is None:
+            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+        self._offload.accepting = offload
+        try:
+            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+        finally:
+            self._offload.accepting = True
 
     def remove(self) -> None:
         for block, wrapper in self._wrapped:

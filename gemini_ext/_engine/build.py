@@ -24,6 +24,7 @@ from ..placement.tracer import MemoryTracer, SetupTimer
 from ..search import unique_parameters
 from . import restore
 from .activation_offload import ActivationOffload
+from .activation_planner import ActivationPlanner
 from .block_checkpointing import BlockCheckpointing, require_blocks
 from .buffers import BufferPlacement
 from .clipping import GradClipper
@@ -47,7 +48,7 @@ def build_parts(model: torch.nn.Module, config, process_group, param_init_fn, ma
     data_parallel = resolve_process_group(process_group)
     if (unsupported := config.unsupported_without_masters()) is not None:
         raise NotImplementedError(unsupported)
-    if config.activation_checkpointing == "on":
+    if config.activation_checkpointing != "off":
         require_blocks(model)  # refused before anything is built
     parts = EngineParts(config, COMPUTE_DTYPES[config.precision])
     # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
@@ -157,12 +158,15 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     """The engine's block checkpointing and activation offload, where the config asks for them."""
     config = parts.config
-    if config.activation_checkpointing == "on":
-        parts.block_checkpointing = BlockCheckpointing(model)
     if config.activation_offload == "on":
         buffers = HostBuffers(parts.device.context, parts.groups.ranks_on_host())
         parts.activation_offload = ActivationOffload(buffers, parts.device.torch_device)
         parts.activation_offload.attach(model)
+    if config.activation_checkpointing != "off":
+        parts.block_checkpointing = BlockCheckpointing(model, parts.activation_offload)
+    if config.activation_checkpointing == "auto":
+        parts.activation_planner = ActivationPlanner(parts.block_checkpointing, parts.device, parts.chunks,
+                                                     parts.placer, parts.tracer, parts.activation_offload is not None)
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

@@ -50,6 +50,7 @@ class EngineInternals(Protocol):
     optimizer: Any                      # the attached GeminiOptimizer, or None
     block_checkpointing: Any            # block_checkpointing.BlockCheckpointing, or None
     activation_offload: Any             # activation_offload.ActivationOffload, or None
+    activation_planner: Any             # activation_planner.ActivationPlanner ("auto"), or None
     closed: bool
 
     def check_open(self, what: str) -> None:

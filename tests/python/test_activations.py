@@ -17,7 +17,7 @@ from conftest import DEVICES
 from parity_utils import torch_device
 
 import gemini_ext as gx
-from gemini_ext._engine import activation_offload
+from gemini_ext._engine import activation_offload, activation_planner
 from gemini_ext.models import GPT, GPTConfig, checkpoint_blocks
 
 transformers = pytest.importorskip("transformers")
@@ -93,7 +93,7 @@ def test_gpt_with_the_engines_checkpointing_and_offload_matches_plain_training_b
     assert ck["module"] == "blocks" and ck["blocks"] == 3 and ck["checkpointed_calls"] == 3 * STEPS, ck
     assert off["offloaded"] == 3 * STEPS and off["kept"] == 0, off  # every block's input, every step
     assert off["host"]["in_use_bytes"] == 0 and off["host"]["reserved_bytes"] > 0, off  # all given back, kept for reuse
-    assert plain[2] == {"checkpointing": None, "offload": None}
+    assert plain[2] == {"checkpointing": None, "offload": None, "plan": None}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -183,6 +183,41 @@ def test_hf_offload_true_keeps_working_and_the_engine_offloads_nothing_itself(de
     hf = _train(_llama(True, offload=True), device, activation_offload="on")
     _same_bits(off, hf)
     assert hf[2]["offload"]["offloaded"] == 0, hf[2]  # HF's save_on_cpu took the checkpoints' inputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_keeps_every_block_where_the_chunks_leave_room(device):
+    plain = _train(_gpt(False), device)
+    auto = _train(_gpt(False), device, activation_checkpointing="auto", activation_offload="on")
+    _same_bits(plain, auto)
+    plan, ck = auto[2]["plan"], auto[2]["checkpointing"]
+    assert plan["decided"] and plan["choices"] == ["keep"] * 3 and plan["fits"], plan
+    assert plan["room_bytes"] > plan["planned_device_bytes"] > 0, plan
+    # the measured forward: block 0 kept (its activations counted), the others checkpointed and offloaded
+    assert ck["checkpointed_calls"] == 2 and ck["kept_calls"] == 1 + 3 * (STEPS - 1), ck
+    assert auto[2]["offload"]["offloaded"] == 2, auto[2]["offload"]
+
+
+@pytest.mark.parametrize("offload", ["off", "on"])
+def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, offload):
+    """The room is set: none (every block recomputed, or offloaded where offload is on) and room
+    for all but about one block's activations (one block goes)."""
+    plain = _train(_gpt(False), "sim")
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    none = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
+    _same_bits(plain, none)
+    goes = "offload" if offload == "on" else "recompute"
+    assert none[2]["plan"]["choices"] == [goes] * 3 and not none[2]["plan"]["fits"], none[2]["plan"]
+    if offload == "on":
+        assert none[2]["offload"]["offloaded"] == 3 * STEPS - 1, none[2]["offload"]  # block 0 kept while measured
+    # room for all three blocks' activations less a byte: a recomputed block's activations come back
+    # during backward (the working set), so two blocks must go for one to be kept
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes",
+                        lambda self, warm: gx._C.activation_device_bytes(self.measured, ["keep"] * 3) - 1)
+    some = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
+    _same_bits(plain, some)
+    plan = some[2]["plan"]  # which block stays follows the measured forward times
+    assert sorted(plan["choices"]) == sorted([goes, goes, "keep"]) and plan["fits"], plan
 
 
 class _Writer(torch.nn.Module):

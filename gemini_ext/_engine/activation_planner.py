@@ -1,0 +1,131 @@
+"""ActivationPlanner: under `activation_checkpointing="auto"`, measures the blocks in the first
+forward and has the core choose per block (core/activation_plan.h): keep its activations,
+recompute them, or recompute them with the input offloaded (offload only where
+`activation_offload="on"`).
+
+[Note: what is measured, and the room]
+- The first forward with grad runs every block checkpointed (inputs offloaded where offload is on):
+  the least device memory, so the warm-up fits wherever the plan will. It records each block's
+  input bytes (its tensor arguments) and forward time (CUDA events on cuda, the host clock on
+  sim), and runs block 0 without checkpointing under saved-tensor hooks that count what it saves
+  (distinct storages, parameters left out): its activations. Blocks repeat, so block i's
+  activations are taken as block 0's scaled by their inputs; its backward as twice its forward.
+- The room is what the chunks leave: the device capacity less the chunks' need (the placement's
+  device budget, or every chunk's bytes where fewer), less what the device holds besides (torch's
+  context), less the non-model peak of the first iteration without its activations (the plan's
+  own figure for the warm-up's choices). Chunks come first: activations take what they do not use.
+- The plan is made once, after the first iteration, and applied from the next forward on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .._native import _C
+from ..placement import rates
+from .activation_offload import LOOKAHEAD
+
+BACKWARD_PER_FORWARD = 2.0
+
+
+class BlockProbe:
+    """Runs the blocks of the measured forward (BlockCheckpointing.probe)."""
+
+    def __init__(self, num_blocks: int, device: torch.device, offload: bool):
+        self._cuda = device.type == "cuda"
+        self._offload = offload
+        self.input_bytes = [0] * num_blocks
+        self._marks: list = [None] * num_blocks
+        self.block0_activation_bytes = 0
+        self.ran = False
+
+    def run(self, index, original, args, kwargs, blocks):
+        self.ran = True
+        self.input_bytes[index] = sum(t.numel() * t.element_size() for t in args
+                                      if isinstance(t, torch.Tensor) and t.is_floating_point())
+        start = self._mark()
+        if index == 0:
+            seen: dict = {}
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: _count(seen, t), lambda t: t):
+                out = blocks.kept(original, args, kwargs)
+            self.block0_activation_bytes = sum(seen.values())
+        else:
+            out = blocks.checkpointed(original, args, kwargs, offload=self._offload)
+        self._marks[index] = (start, self._mark())
+        return out
+
+    def _mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_seconds(self) -> list[float]:
+        if not self._cuda:
+            return [end - start if start is not None else 0.0 for start, end in self._marks_or_zero()]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1e3 if start is not None else 0.0 for start, end in self._marks_or_zero()]
+
+    def _marks_or_zero(self):
+        return [m if m is not None else (None, None) for m in self._marks]
+
+    def blocks(self) -> list[tuple]:
+        """(activation_bytes, input_bytes, forward_seconds, backward_seconds) per block."""
+        first = self.input_bytes[0]
+        out = []
+        for inputs, forward in zip(self.input_bytes, self.forward_seconds()):
+            activations = self.block0_activation_bytes * inputs // first if first else self.block0_activation_bytes
+            out.append((int(activations), int(inputs), forward, BACKWARD_PER_FORWARD * forward))
+        return out
+
+
+def _count(seen: dict, tensor: torch.Tensor):
+    if not (tensor.is_leaf and tensor.requires_grad):  # parameters stay in their chunks
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return tensor
+
+
+class ActivationPlanner:
+    """Measures the first forward, then sets the blocks' choices once."""
+
+    def __init__(self, blocks, device, chunks, placer, tracer, offload: bool):
+        self._blocks, self._device, self._chunks = blocks, device, chunks
+        self._placer, self._tracer, self._offload = placer, tracer, offload
+        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, offload)
+        blocks.probe = self._probe
+        self.plan: dict | None = None
+        self.measured: list = []  # (activation_bytes, input_bytes, forward_s, backward_s) per block, once measured
+
+    def after_iteration(self) -> None:
+        if self.plan is not None or not self._probe.ran:
+            return
+        self._blocks.probe = None
+        self.measured = measured = self._probe.blocks()
+        warm = ["keep"] + ["offload" if self._offload else "recompute"] * (len(measured) - 1)
+        warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
+        room = self.room_bytes(warm_bytes)
+        link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
+        plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD)
+        self._blocks.choices = plan["choices"]
+        self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link}
+
+    def room_bytes(self, warm_activation_bytes: int) -> int:
+        """Device bytes the activations may take (the module's note)."""
+        figures = self._tracer.last_device_figures()
+        chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
+        budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()
+        other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
+        return self._device.capacity_bytes() - min(budget, chunk_bytes) - figures["device_other_bytes"] - other_non_model
+
+    def stats(self) -> dict:
+        if self.plan is None:
+            return {"decided": False}
+        choices = self.plan["choices"]
+        return {"decided": True, **{c: choices.count(c) for c in ("keep", "recompute", "offload")},
+                "choices": list(choices), "room_bytes": self.plan["room_bytes"],
+                "planned_device_bytes": self.plan["device_bytes"], "added_seconds": self.plan["added_seconds"],
+                "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"]}
