@@ -16,7 +16,8 @@ gpu_memory_limit. Every system builds the model on the GPU where its fp32 weight
 60% of the device, else on the CPU: where it is built does not change the step.
 
 Systems:
-  gemini                   gemini_ext (--policy, --step-in-backward; --no-speculation to diagnose)
+  gemini                   gemini_ext (--policy, --step-in-backward, --activation-offload, --checkpointing;
+                           --no-speculation to diagnose)
   fsdp2-offload            FSDP2 per decoder layer and at the root, CPUOffloadPolicy(pin_memory=True),
                            fp32 parameters with bf16 compute, fused CPU AdamW
   deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded (DeepSpeedCPUAdam), bf16
@@ -81,13 +82,18 @@ def parse_args(argv=None):
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
     p.add_argument("--no-speculation", action="store_true",
                    help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
+    p.add_argument("--activation-offload", choices=["off", "on"], default="off",
+                   help="gemini: GeminiConfig.activation_offload (checkpointed blocks' inputs to the host)")
+    p.add_argument("--checkpointing", choices=["hf", "engine-on", "engine-auto"], default="hf",
+                   help="gemini: HF's gradient checkpointing, or the engine's (activation_checkpointing 'on' / 'auto')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
 
-def build_model(name: str, seq: int, device: str):
-    """The transformers model of `name` on `device`, fp32, with HF's gradient checkpointing."""
+def build_model(name: str, seq: int, device: str, hf_checkpointing: bool = True):
+    """The transformers model of `name` on `device`, fp32, with HF's gradient checkpointing unless
+    told otherwise."""
     import transformers
 
     cls_name, fields = MODELS[name]
@@ -95,7 +101,8 @@ def build_model(name: str, seq: int, device: str):
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
@@ -129,7 +136,7 @@ def gemini_system(args, dev_kind: str):
     import gemini_ext as gx
 
     on_gpu = dev_kind == "cuda" and fp32_bytes(args.model) < 0.6 * torch.cuda.get_device_properties(0).total_memory
-    model = build_model(args.model, args.seq, "cuda" if on_gpu else "cpu")
+    model = build_model(args.model, args.seq, "cuda" if on_gpu else "cpu", hf_checkpointing=args.checkpointing == "hf")
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
     if dev_kind == "sim":
         budget = {"sim_capacity": args.budget or "2GiB"}
@@ -137,7 +144,9 @@ def gemini_system(args, dev_kind: str):
         from gemini_ext.optim import wrapper
         wrapper.host_available_bytes = lambda ranks=1: 0
     cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
-                          optimizer_step_in_backward=args.step_in_backward, **budget)
+                          optimizer_step_in_backward=args.step_in_backward, activation_offload=args.activation_offload,
+                          activation_checkpointing={"hf": "off", "engine-on": "on",
+                                                    "engine-auto": "auto"}[args.checkpointing], **budget)
     engine = gx.enable(model, cfg).__enter__()
     opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                            weight_decay=WEIGHT_DECAY)
@@ -154,7 +163,7 @@ def gemini_system(args, dev_kind: str):
         s = engine.stats()
         engine.close()
         return {k: s.get(k) for k in ("placement", "last_step", "counters", "traffic", "throughput",
-                                      "num_param_chunks", "chunk_size", "tier_bytes")}
+                                      "num_param_chunks", "chunk_size", "tier_bytes", "activations")}
 
     return model, engine.compute_device, train_step, stats
 
