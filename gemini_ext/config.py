@@ -12,7 +12,7 @@ from .placement.policies import POLICY_CLASSES
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
-ACTIVATION_OFFLOAD_MODES = ("off", "on")
+ACTIVATION_OFFLOAD_MODES = ("off", "on", "auto")
 ACTIVATION_CHECKPOINTING_MODES = ("off", "on", "auto")
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
@@ -79,7 +79,9 @@ class GeminiConfig:
     # activation_checkpointing="on": the engine runs the blocks of the model's nn.ModuleList under
     # non-reentrant checkpointing itself (a model that checkpoints itself is left to do so); "auto":
     # it measures the blocks in the first forward and keeps, recomputes or (with offload on)
-    # offloads each within the device room the chunks leave.
+    # offloads each within the device room the chunks leave. activation_offload="auto" (with the
+    # engine's checkpointing) lets that choice offload a block's input or not; "on" offloads every
+    # checkpointed block's input.
     activation_offload: str = "off"
     activation_checkpointing: str = "off"
 
@@ -103,6 +105,11 @@ class GeminiConfig:
         _choice("device", self.device, DEVICES)
         _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_MODES)
         _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING_MODES)
+        if self.activation_offload == "auto" and self.activation_checkpointing == "off":
+            raise ValueError("activation_offload='auto' decides per block of the engine's checkpointing, got "
+                             "activation_checkpointing='off'. Set activation_checkpointing='on' or 'auto' (the engine "
+                             "checkpoints the blocks), or activation_offload='on' to offload every checkpoint's input "
+                             "of a model that checkpoints itself.")
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):

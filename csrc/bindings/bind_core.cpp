@@ -248,8 +248,12 @@ void def_activation_plan(py::module_& m) {
       "The device bytes of given per-block choices (core/activation_plan.h's cost model).");
   m.def(
       "plan_activations",
-      [](const std::vector<BlockCostTuple>& blocks, int64_t room_bytes, double link_bytes_per_second, int in_flight) {
-        const ActivationPlan plan = plan_activations(plan_inputs(blocks, room_bytes, link_bytes_per_second, in_flight));
+      [](const std::vector<BlockCostTuple>& blocks, int64_t room_bytes, double link_bytes_per_second, int in_flight,
+         bool allow_keep, bool allow_recompute) {
+        ActivationPlanInputs in = plan_inputs(blocks, room_bytes, link_bytes_per_second, in_flight);
+        in.allow_keep = allow_keep;
+        in.allow_recompute = allow_recompute;
+        const ActivationPlan plan = plan_activations(in);
         py::list choices;
         for (BlockActivations c : plan.choices) choices.append(py::str(to_string(c)));
         py::dict out;
@@ -260,6 +264,7 @@ void def_activation_plan(py::module_& m) {
         return out;
       },
       py::arg("blocks"), py::arg("room_bytes"), py::arg("link_bytes_per_second"), py::arg("in_flight") = 2,
+      py::arg("allow_keep") = true, py::arg("allow_recompute") = true,
       "Per block ('keep', 'recompute' or 'offload') from (activation_bytes, input_bytes, forward_seconds, "
       "backward_seconds) in forward order; see core/activation_plan.h.");
 }

@@ -26,6 +26,8 @@ void check_inputs(const ActivationPlanInputs& in) {
   GX_CHECK(in.link_bytes_per_second >= 0, "plan_activations: link_bytes_per_second must be >= 0, got ",
            in.link_bytes_per_second, ".");
   GX_CHECK(in.in_flight >= 1, "plan_activations: in_flight must be >= 1, got ", in.in_flight, ".");
+  GX_CHECK(in.allow_keep || in.allow_recompute || in.link_bytes_per_second > 0,
+           "plan_activations: no choice is allowed (neither keep nor recompute, and no link to offload over).");
   for (size_t i = 0; i < in.blocks.size(); ++i) {
     const BlockCosts& b = in.blocks[i];
     GX_CHECK(b.activation_bytes >= 0 && b.input_bytes >= 0 && b.forward_seconds >= 0 && b.backward_seconds >= 0,
@@ -104,9 +106,20 @@ double activation_added_seconds(const ActivationPlanInputs& in, const std::vecto
 ActivationPlan plan_activations(const ActivationPlanInputs& in) {
   check_inputs(in);
   const size_t n = in.blocks.size();
-  std::vector<BlockActivations> choices(n, BlockActivations::kKeep);
-  int64_t bytes = activation_device_bytes(in, choices);
   const bool can_offload = in.link_bytes_per_second > 0;
+  auto allowed = [&](BlockActivations c) {
+    return c == BlockActivations::kKeep        ? in.allow_keep
+           : c == BlockActivations::kRecompute ? in.allow_recompute
+                                               : can_offload;
+  };
+  const BlockActivations first = in.allow_keep        ? BlockActivations::kKeep
+                                 : in.allow_recompute ? BlockActivations::kRecompute
+                                                      : BlockActivations::kOffload;
+  const BlockActivations least = can_offload          ? BlockActivations::kOffload
+                                 : in.allow_recompute ? BlockActivations::kRecompute
+                                                      : BlockActivations::kKeep;
+  std::vector<BlockActivations> choices(n, first);
+  int64_t bytes = activation_device_bytes(in, choices);
   while (bytes > in.room_bytes) {
     // The move that frees the most bytes per second added; a free move first, the larger first.
     size_t best_block = n;
@@ -115,8 +128,7 @@ ActivationPlan plan_activations(const ActivationPlanInputs& in) {
     int64_t best_freed = 0;
     for (size_t i = 0; i < n; ++i) {
       for (BlockActivations to : {BlockActivations::kRecompute, BlockActivations::kOffload}) {
-        if (static_cast<int>(to) <= static_cast<int>(choices[i])) continue;
-        if (to == BlockActivations::kOffload && !can_offload) continue;
+        if (static_cast<int>(to) <= static_cast<int>(choices[i]) || !allowed(to)) continue;
         const int64_t freed = kept_bytes(in.blocks[i], choices[i]) - kept_bytes(in.blocks[i], to);
         if (freed <= 0) continue;
         const double added = block_seconds(in, i, to) - block_seconds(in, i, choices[i]);
@@ -132,7 +144,7 @@ ActivationPlan plan_activations(const ActivationPlanInputs& in) {
   }
   ActivationPlan plan;
   plan.fits = bytes <= in.room_bytes;
-  if (!plan.fits) choices.assign(n, can_offload ? BlockActivations::kOffload : BlockActivations::kRecompute);
+  if (!plan.fits) choices.assign(n, least);
   plan.choices = choices;
   plan.device_bytes = activation_device_bytes(in, choices);
   plan.added_seconds = activation_added_seconds(in, choices);

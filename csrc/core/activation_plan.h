@@ -20,7 +20,9 @@
 //    in flight, paid once, count only in whether the plan fits. The
 //    greedy is exact when blocks are alike (the usual case: a transformer's layers) and close
 //    otherwise. If even every block offloaded exceeds the room, the plan says it does not fit and
-//    offloads every block (the least the engine can do).
+//    gives every block the least memory it allows (offloaded where the link allows it). The choices
+//    allowed narrow the moves: without kKeep the plan starts from every block recomputed, without
+//    kRecompute a block leaves kKeep only to be offloaded.
 // Same inputs, same plan, on every rank.
 #pragma once
 
@@ -46,6 +48,8 @@ struct ActivationPlanInputs {
   int64_t room_bytes = 0;            // device bytes activations may take
   double link_bytes_per_second = 0;  // host <-> device copies (0: no offload)
   int in_flight = 2;                 // offloaded inputs on the device at once (prefetch depth)
+  bool allow_keep = true;            // false: every block is checkpointed
+  bool allow_recompute = true;       // false: a checkpointed block's input always goes to the host
 };
 
 struct ActivationPlan {

@@ -1,7 +1,7 @@
-"""ActivationPlanner: under `activation_checkpointing="auto"`, measures the blocks in the first
-forward and has the core choose per block (core/activation_plan.h): keep its activations,
-recompute them, or recompute them with the input offloaded (offload only where
-`activation_offload="on"`).
+"""ActivationPlanner: where `activation_checkpointing` or `activation_offload` is "auto", measures
+the blocks in the first forward and has the core choose per block (core/activation_plan.h): keep
+its activations (checkpointing "auto" only), recompute them (unless offload is "on"), or recompute
+them with the input offloaded (unless offload is "off").
 
 [Note: what is measured, and the room]
 - The first forward with grad runs every block checkpointed (inputs offloaded where offload is on):
@@ -92,10 +92,15 @@ def _count(seen: dict, tensor: torch.Tensor):
 class ActivationPlanner:
     """Measures the first forward, then sets the blocks' choices once."""
 
-    def __init__(self, blocks, device, chunks, placer, tracer, offload: bool):
+    def __init__(self, blocks, device, chunks, placer, tracer, checkpointing: str, offload: str):
         self._blocks, self._device, self._chunks = blocks, device, chunks
-        self._placer, self._tracer, self._offload = placer, tracer, offload
-        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, offload)
+        self._placer, self._tracer = placer, tracer
+        self._offload = offload != "off"
+        # what the plan may choose: keep only where the engine decides the checkpointing; plain
+        # recompute unless every checkpointed block's input goes to the host
+        self._allow_keep = checkpointing == "auto"
+        self._allow_recompute = offload != "on"
+        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, self._offload)
         blocks.probe = self._probe
         self.plan: dict | None = None
         self.measured: list = []  # (activation_bytes, input_bytes, forward_s, backward_s) per block, once measured
@@ -109,7 +114,8 @@ class ActivationPlanner:
         warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
         room = self.room_bytes(warm_bytes)
         link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
-        plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD)
+        plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD, allow_keep=self._allow_keep,
+                                   allow_recompute=self._allow_recompute)
         self._blocks.choices = plan["choices"]
         self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link}
 

@@ -158,15 +158,16 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     """The engine's block checkpointing and activation offload, where the config asks for them."""
     config = parts.config
-    if config.activation_offload == "on":
+    if config.activation_offload != "off":
         buffers = HostBuffers(parts.device.context, parts.groups.ranks_on_host())
         parts.activation_offload = ActivationOffload(buffers, parts.device.torch_device)
         parts.activation_offload.attach(model)
     if config.activation_checkpointing != "off":
         parts.block_checkpointing = BlockCheckpointing(model, parts.activation_offload)
-    if config.activation_checkpointing == "auto":
+    if "auto" in (config.activation_checkpointing, config.activation_offload):
         parts.activation_planner = ActivationPlanner(parts.block_checkpointing, parts.device, parts.chunks,
-                                                     parts.placer, parts.tracer, parts.activation_offload is not None)
+                                                     parts.placer, parts.tracer, config.activation_checkpointing,
+                                                     config.activation_offload)
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

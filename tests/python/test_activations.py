@@ -220,6 +220,22 @@ def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, off
     assert sorted(plan["choices"]) == sorted([goes, goes, "keep"]) and plan["fits"], plan
 
 
+def test_offload_auto_offloads_only_what_the_room_needs(monkeypatch):
+    """activation_offload="auto" under the engine's checkpointing "on": every block recomputes, and
+    its input goes to the host only where the room needs it (here never; with no room, every one)."""
+    plain = _train(_gpt(False), "sim")
+    roomy = _train(_gpt(False), "sim", activation_checkpointing="on", activation_offload="auto")
+    _same_bits(plain, roomy)
+    assert roomy[2]["plan"]["choices"] == ["recompute"] * 3, roomy[2]["plan"]
+    assert roomy[2]["offload"]["offloaded"] == 2, roomy[2]["offload"]  # the measured forward's only
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    tight = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
+    _same_bits(plain, tight)
+    assert tight[2]["plan"]["choices"] == ["offload"] * 3, tight[2]["plan"]
+    with pytest.raises(ValueError, match="activation_offload='auto' decides per block of the engine's checkpointing"):
+        gx.GeminiConfig(activation_offload="auto")
+
+
 class _Writer(torch.nn.Module):
     """A checkpointed block whose input is written in place after the block's forward."""
 

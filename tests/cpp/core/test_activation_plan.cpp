@@ -87,6 +87,32 @@ TEST(ActivationPlan, TheCheapestRecomputesGoFirst) {
   EXPECT_DOUBLE_EQ(plan.added_seconds, 0.0125);
 }
 
+TEST(ActivationPlan, TheChoicesAllowedNarrowTheMoves) {
+  // Every block checkpointed (no kKeep): the plan starts from recomputing and offloads only what
+  // the room needs; 8 inputs and the working set are 18 MiB.
+  ActivationPlanInputs in = alike(8, 16 * kMiB, 25e9);
+  in.allow_keep = false;
+  const ActivationPlan checkpointed = plan_activations(in);
+  EXPECT_TRUE(checkpointed.fits);
+  EXPECT_EQ(count(checkpointed, BlockActivations::kKeep), 0u);
+  EXPECT_GT(count(checkpointed, BlockActivations::kRecompute), 0u);
+  EXPECT_GT(count(checkpointed, BlockActivations::kOffload), 0u);
+  // Inputs always offloaded (no plain recompute): a block is kept or offloaded.
+  in = alike(8, 50 * kMiB, 25e9);
+  in.allow_recompute = false;
+  const ActivationPlan offloaded = plan_activations(in);
+  EXPECT_EQ(count(offloaded, BlockActivations::kRecompute), 0u);
+  EXPECT_EQ(count(offloaded, BlockActivations::kOffload), 5u);
+  // Neither recompute nor a link, and too little room: everything stays kept, and it does not fit.
+  in = alike(2, kMiB, 0);
+  in.allow_recompute = false;
+  const ActivationPlan stuck = plan_activations(in);
+  EXPECT_FALSE(stuck.fits);
+  EXPECT_EQ(count(stuck, BlockActivations::kKeep), 2u);
+  in.allow_keep = false;
+  EXPECT_THROW(plan_activations(in), std::exception);
+}
+
 TEST(ActivationPlan, BadInputsAreRefused) {
   ActivationPlanInputs in = alike(2, 10 * kMiB, 1e9);
   in.in_flight = 0;
