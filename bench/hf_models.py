@@ -41,11 +41,18 @@ SYSTEMS = {  # column name -> hf_train.py flags
     "deepspeed-offload-optim": ["--system", "deepspeed-offload-optim"],
     "deepspeed-offload": ["--system", "deepspeed-offload"],
     "plain": ["--system", "plain"],
+    # activations planned by the engine (its checkpointing 'auto', inputs offloaded where the room needs it)
+    "gemini-act": ["--system", "gemini", "--checkpointing", "engine-auto", "--activation-offload", "auto"],
+    "gemini-act-offload": ["--system", "gemini", "--checkpointing", "engine-on", "--activation-offload", "on"],
+    "fsdp2-offload-act": ["--system", "fsdp2-offload", "--activation-offload", "on"],  # torch's save_on_cpu
+    "gpu-alone": ["--system", "gpu-alone"],  # forward and backward only, parameters resident, no optimizer
 }
 LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
           "gemini-nospec": "gemini_ext auto, no speculation",
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
-          "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch"}
+          "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
+          "gemini-act": "gemini_ext auto, activations planned", "gemini-act-offload": "gemini_ext auto, inputs offloaded",
+          "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu", "gpu-alone": "GPU alone (forward and backward)"}
 
 
 def unavailable(name: str, smoke: bool) -> str | None:

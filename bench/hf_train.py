@@ -22,12 +22,15 @@ Systems:
                            fp32 parameters with bf16 compute, fused CPU AdamW
   deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded (DeepSpeedCPUAdam), bf16
   deepspeed-offload        DeepSpeed ZeRO-3, parameters and optimizer offloaded
-  plain                    the model on the GPU, bf16 autocast, fused AdamW on the GPU
+  plain                    the model on the GPU, bf16 autocast, fused AdamW on the GPU (fsdp2-offload and
+                           plain: --activation-offload on wraps the forward in torch's save_on_cpu)
+  gpu-alone                forward and backward only: bf16 parameters on the GPU, no optimizer
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -41,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fsdp2_train import cap_device_memory, clipped_step, exit_without_teardown  # noqa: E402
 from peers_train import BETAS, EPS, WEIGHT_DECAY, deepspeed_config  # noqa: E402
 
-SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain")
+SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain", "gpu-alone")
 LR = 1e-4  # AdamW's other settings are peers_train.py's, for every system
 
 # (transformers config class, its fields): the published shapes, vocabularies included
@@ -82,8 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
     p.add_argument("--no-speculation", action="store_true",
                    help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
-    p.add_argument("--activation-offload", choices=["off", "on"], default="off",
-                   help="gemini: GeminiConfig.activation_offload (checkpointed blocks' inputs to the host)")
+    p.add_argument("--activation-offload", choices=["off", "on", "auto"], default="off",
+                   help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's save_on_cpu")
     p.add_argument("--checkpointing", choices=["hf", "engine-on", "engine-auto"], default="hf",
                    help="gemini: HF's gradient checkpointing, or the engine's (activation_checkpointing 'on' / 'auto')")
     p.add_argument("--seed", type=int, default=0)
@@ -194,6 +197,8 @@ def peer_system(args):
             return loss, before
 
         return model, dev, train_step, dict
+    if args.system == "gpu-alone":
+        return _gpu_alone(model, dev, cap)
     if args.system == "plain":
         cap()
         model.to(dev)
@@ -211,12 +216,32 @@ def peer_system(args):
         autocast = torch.autocast("cuda", enabled=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
 
+    saved = torch.autograd.graph.save_on_cpu(pin_memory=True) if args.activation_offload == "on" else \
+        contextlib.nullcontext()
+
     def train_step(x):
-        with autocast:
+        with autocast, saved:
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.cuda.synchronize()
         return loss, clipped_step(model, opt, args.max_norm)
+
+    return model, dev, train_step, dict
+
+
+def _gpu_alone(model, dev, cap):
+    """The GPU's own time for the same forward and backward: bf16 parameters resident, the same
+    checkpointing, no optimizer (the bound offloaded training is measured against)."""
+    model.to(dev, torch.bfloat16)
+    cap()
+
+    def train_step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        before = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        return loss, before
 
     return model, dev, train_step, dict
 
@@ -255,7 +280,10 @@ def main(argv=None) -> dict:
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else "") +
-        (", no speculation" if args.no_speculation else ""), "model": args.model,
+        (", no speculation" if args.no_speculation else "") +
+        (f", checkpointing {args.checkpointing}" if args.checkpointing != "hf" else "") +
+        (f", activation offload {args.activation_offload}" if args.activation_offload != "off" else ""),
+        "model": args.model,
         "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
         "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
