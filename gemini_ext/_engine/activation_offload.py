@@ -114,7 +114,7 @@ class ActivationOffload:
         self._depth += 1
         if self._depth > 1 or not torch.is_grad_enabled():
             return None
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        if _outer_hooks_active():
             self.counts["forwards_under_outer_hooks"] += 1
             return None
         if all(r() is None for r in self._order):  # every earlier forward's inputs are freed: start afresh
@@ -242,6 +242,15 @@ class ActivationOffload:
 
     def stats(self) -> dict:
         return {**self.counts, "host": self._buffers.stats()}
+
+
+def _outer_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active here (torch keeps a stack of them), or cannot be
+    entered (torch refuses while they are disabled): either way the engine enters none."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except RuntimeError:
+        return True
 
 
 def _weak(tensor: torch.Tensor):
