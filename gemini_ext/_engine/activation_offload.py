@@ -91,7 +91,8 @@ class ActivationOffload:
         self._in_flight: list = []  # (_Offloaded, its tensor) until the copy is done and the version checked
         self._scope = None
         self._depth = 0
-        self.accepting = True  # False while a block the planner recomputes without offloading saves its input
+        # False where the engine's block checkpointing says a checkpoint's inputs stay (block_checkpointing.py)
+        self.accepting = True
         self._handles: list = []
         self.counts = {"offloaded": 0, "offloaded_bytes": 0, "shared": 0, "kept": 0, "prefetched": 0,
                        "fetched_on_demand": 0, "forwards_under_outer_hooks": 0}

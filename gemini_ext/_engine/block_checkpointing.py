@@ -12,6 +12,9 @@ checkpointing itself (`GeminiConfig(activation_checkpointing="on"` or `"auto"`).
 - A model that checkpoints itself is left to do so: blocks whose `gradient_checkpointing` flag is
   set (transformers, checked at every call, so a flag set after enable() counts) and the
   project's `Checkpointed` blocks run their forward as it is, and `stats()` says so.
+- With activation offload, only the blocks' inputs go to the host: the offload accepts a
+  checkpoint's inputs only while a block runs (one the plan offloads, or one that checkpoints
+  itself), so other checkpoints (a loss computed in pieces, needed first in backward) keep theirs.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class BlockCheckpointing:
         self.blocks_name, blocks = require_blocks(model)
         self.num_blocks = len(blocks)
         self._offload = offload  # told per call whether a block's input may go to the host
+        if offload is not None:  # the engine knows the blocks: other checkpoints' inputs (a loss in pieces) stay
+            offload.accepting = False
         self.choices: list | None = None
         self.probe = None
         self._wrapped: list = []
@@ -79,7 +84,7 @@ class BlockCheckpointing:
             return original(*args, **kwargs)
         if _checkpoints_itself(block):
             self.counts["calls_left_to_the_model"] += 1
-            return original(*args, **kwargs)
+            return self._with_offload(True, original, args, kwargs)
         if self.probe is not None:
             return self.probe.run(index, original, args, kwargs, self)
         choice = self.choices[index] if self.choices is not None else "offload"
@@ -93,15 +98,21 @@ class BlockCheckpointing:
 
     def checkpointed(self, original, args, kwargs, offload: bool):
         self.counts["checkpointed_calls"] += 1
+        return self._with_offload(offload, torch.utils.checkpoint.checkpoint, (original, *args),
+                                  {"use_reentrant": False, **kwargs})
+
+    def _with_offload(self, offload: bool, fn, args, kwargs):
         if self._offload is None:
-            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return fn(*args, **kwargs)
         self._offload.accepting = offload
         try:
-            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            self._offload.accepting = True
+            self._offload.accepting = False
 
     def remove(self) -> None:
+        if self._offload is not None:
+            self._offload.accepting = True
         for block, wrapper in self._wrapped:
             if block.__dict__.get("forward") is wrapper:
                 del block.__dict__["forward"]
