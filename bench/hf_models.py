@@ -144,6 +144,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--max-norm", type=float, default=0.0, help="clipping for every system (0: off)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="every system: the LM head and loss this many tokens at a time (0: HF's own loss)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM, H200)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per row")
     p.add_argument("--out", default=None, help="path prefix for .md and .json")
@@ -156,7 +158,7 @@ def main(argv=None) -> list[dict]:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--max-norm", str(args.max_norm)]
+              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.smoke:
         models, budgets, common = ["tiny-mixtral"], [None], \
             ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim"]

@@ -39,6 +39,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fsdp2_train import cap_device_memory, clipped_step, exit_without_teardown  # noqa: E402
@@ -89,6 +90,9 @@ def parse_args(argv=None):
                    help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's save_on_cpu")
     p.add_argument("--checkpointing", choices=["hf", "engine-on", "engine-auto"], default="hf",
                    help="gemini: HF's gradient checkpointing, or the engine's (activation_checkpointing 'on' / 'auto')")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="every system: the LM head and loss over this many tokens at a time, each piece "
+                        "checkpointed (0: HF's own loss over the whole batch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -108,6 +112,29 @@ def build_model(name: str, seq: int, device: str, hf_checkpointing: bool = True)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def chunk_the_loss(model, chunk_tokens: int) -> None:
+    """The LM head and the loss over `chunk_tokens` tokens at a time, each piece checkpointed, so
+    the whole logits (tokens x vocabulary, in bf16 and fp32, and their gradients: 20 GB at 65,536
+    tokens of a 32,000 vocabulary) never exist at once. The head moves to `loss_head`, a child of
+    the model as before (every system shards, offloads and fetches it alike), `lm_head` becomes the
+    identity and HF's loss function gets the hidden states."""
+    model.loss_head = model.lm_head
+    model.lm_head = torch.nn.Identity()
+
+    def piece(hidden, targets):
+        return torch.nn.functional.cross_entropy(model.loss_head(hidden).float(), targets, reduction="sum")
+
+    def loss(logits, labels, vocab_size=None, **kwargs):
+        hidden = logits[..., :-1, :].reshape(-1, logits.shape[-1])
+        targets = labels[..., 1:].reshape(-1).to(hidden.device)
+        total = sum(torch.utils.checkpoint.checkpoint(piece, hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens],
+                                                      use_reentrant=False)
+                    for i in range(0, hidden.shape[0], chunk_tokens))
+        return total / (targets != -100).sum()
+
+    model.loss_function = loss
 
 
 def fp32_bytes(name: str) -> int:
@@ -140,6 +167,8 @@ def gemini_system(args, dev_kind: str):
 
     on_gpu = dev_kind == "cuda" and fp32_bytes(args.model) < 0.6 * torch.cuda.get_device_properties(0).total_memory
     model = build_model(args.model, args.seq, "cuda" if on_gpu else "cpu", hf_checkpointing=args.checkpointing == "hf")
+    if args.loss_chunk_tokens:
+        chunk_the_loss(model, args.loss_chunk_tokens)
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
     if dev_kind == "sim":
         budget = {"sim_capacity": args.budget or "2GiB"}
@@ -176,6 +205,8 @@ def peer_system(args):
     dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     model = build_model(args.model, args.seq, "cuda" if fp32_bytes(args.model) < 0.6 * total else "cpu")
+    if args.loss_chunk_tokens:
+        chunk_the_loss(model, args.loss_chunk_tokens)
 
     def cap():  # once the model is sharded or offloaded: the build's fp32 copy does not count
         torch.cuda.empty_cache()
