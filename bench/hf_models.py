@@ -51,7 +51,8 @@ LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in 
           "gemini-nospec": "gemini_ext auto, no speculation",
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
-          "gemini-act": "gemini_ext auto, activations planned", "gemini-act-offload": "gemini_ext auto, inputs offloaded",
+          "gemini-act": "gemini_ext auto, activations planned",
+          "gemini-act-offload": "gemini_ext auto, inputs offloaded",
           "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu", "gpu-alone": "GPU alone (forward and backward)"}
 
 

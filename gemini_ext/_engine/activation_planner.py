@@ -125,7 +125,8 @@ class ActivationPlanner:
         chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
         budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()
         other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
-        return self._device.capacity_bytes() - min(budget, chunk_bytes) - figures["device_other_bytes"] - other_non_model
+        chunk_need = min(budget, chunk_bytes)
+        return self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"] - other_non_model
 
     def stats(self) -> dict:
         if self.plan is None:
