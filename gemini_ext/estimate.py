@@ -48,7 +48,9 @@ checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per la
 attention, no s^2 term). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
 DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inputs but two wait in
 host memory (counted there), and the part of their copies that a block's forward or backward does
-not hide is added (activation_copies).
+not hide is added (activation_copies). With activation_checkpointing="auto" the placement is the
+first iteration's (every block checkpointed) and the step is the plan's: the core's per-block
+choice over the room the chunks leave (activation_plan), its kept blocks' recompute saved.
 """
 
 from __future__ import annotations
@@ -224,29 +226,43 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     n_trainable = sum(p.numel() for _, p in named if p.requires_grad)
     shape = model_shape(model)
     rank_tokens = tokens_per_step // world_size
+    checkpointing = checkpointing or config.activation_checkpointing != "off"  # the engine's, where it checkpoints
     activations = _activations(shape, checkpointing, rank_tokens, loss_chunk_tokens,
                                activation_bytes_per_token_override)
-    forward_flops = rank_tokens * 2 * n_total
-    flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
-    rate = peak * 1e12 * gpu_efficiency(rank_tokens)
-    passes = 3 if checkpointing else 2
-    dispatch_per_pass = len(named) * HOST_DISPATCH_S_PER_TENSOR_PASS
-    gpu_seconds = max(flops / rate, passes * dispatch_per_pass)
-    forward_seconds = max(forward_flops / rate, dispatch_per_pass)
+    gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, peak, len(named))
     offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
     cpu_rate, cpu_source = _cpu_rate(cpu_optimizer_elements_per_s)
     measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
-                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO), forward_seconds=forward_seconds,
+                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),
+                            forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
                             h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S,
                             optimizer_steps_during_backward=config.optimizer_step_in_backward)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
+    if config.activation_checkpointing == "auto" and shape is not None:  # the plan made after the first iteration
+        chunk_bytes = _chunk_device_bytes(measured, chosen)
+        planned = _activation_plan(config, shape, rank_tokens, activations, offload, chunk_bytes, capacity,
+                                   forward_seconds, gpu_seconds)
+        activations, offload, gpu_seconds = planned["activations"], planned, gpu_seconds - planned["recompute_saved_s"]
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
-                         activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token, peak_tflops=peak,
-                         device_name=name, n_total=n_total, n_trainable=n_trainable, chunk_size=chunk_size))
+                         activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token,
+                         peak_tflops=peak, device_name=name, n_total=n_total, n_trainable=n_trainable,
+                         chunk_size=chunk_size))
+
+
+def _gpu_seconds(rank_tokens: int, n_total: int, n_trainable: int, checkpointing: bool, peak_tflops: float,
+                 tensors: int) -> tuple[float, float]:
+    """The GPU's forward and backward (recompute included under checkpointing), and the forward
+    alone: FLOPs at the peak's efficiency for these tokens, or the host's dispatch where that is longer."""
+    forward_flops = rank_tokens * 2 * n_total
+    flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
+    rate = peak_tflops * 1e12 * gpu_efficiency(rank_tokens)
+    dispatch_per_pass = tensors * HOST_DISPATCH_S_PER_TENSOR_PASS
+    return (max(flops / rate, (3 if checkpointing else 2) * dispatch_per_pass),
+            max(forward_flops / rate, dispatch_per_pass))
 
 
 def _activations(shape, checkpointing: bool, rank_tokens: int, loss_chunk_tokens: int, per_token_override) -> int:
@@ -264,7 +280,7 @@ def _activation_offload(config, checkpointing: bool, shape, rank_tokens: int, fo
     the device but for OFFLOAD_IN_FLIGHT of them and waits in host memory; each copy, either way,
     costs what a block's forward (down) or backward (up) beside it does not hide."""
     none = {"device_bytes_freed": 0, "host_bytes": 0, "exposed_copy_s": 0.0}
-    if config.activation_offload != "on" or not checkpointing or shape is None:
+    if config.activation_offload == "off" or not checkpointing or shape is None:
         return none
     per_block = rank_tokens * shape.width * 2
     copy = per_block / H2D_BYTES_PER_S
@@ -273,6 +289,40 @@ def _activation_offload(config, checkpointing: bool, shape, rank_tokens: int, fo
     exposed = shape.layers * (max(0.0, copy - forward_block) + max(0.0, copy - backward_block))
     return {"device_bytes_freed": per_block * max(0, shape.layers - OFFLOAD_IN_FLIGHT),
             "host_bytes": per_block * shape.layers, "exposed_copy_s": exposed}
+
+
+def _activation_plan(config, shape, rank_tokens: int, warm_activations: int, warm_offload: dict, chunk_bytes: int,
+                     capacity: int, forward_seconds: float, gpu_seconds: float) -> dict:
+    """activation_checkpointing="auto": the engine's per-block plan (core/activation_plan.h) over
+    the room the chunks leave, from the first iteration's figures (every block checkpointed, its
+    input offloaded where offload is on). Blocks alike: 34 d bytes per token of activations, 2 d of
+    input, the forward's time in equal parts, the backward twice the forward. Returns the steady
+    iteration's activation bytes, host bytes and exposed copies, and the recompute it saves."""
+    layers, per_block_input = shape.layers, rank_tokens * shape.width * 2
+    forward_block = forward_seconds / layers
+    blocks = [(rank_tokens * shape.width * 34, per_block_input, forward_block, 2 * forward_block)] * layers
+    outside_blocks = warm_activations - (per_block_input * layers - warm_offload["device_bytes_freed"])
+    # torch's allocator holds ACTIVATION_RESERVE_RATIO of the activations' peak
+    room = int((capacity - chunk_bytes - DEVICE_OTHER_BYTES) / ACTIVATION_RESERVE_RATIO) - outside_blocks
+    link = H2D_BYTES_PER_S if config.activation_offload != "off" else 0.0
+    plan = _C.plan_activations(blocks, max(0, room), link, LOOKAHEAD, allow_keep=True,
+                               allow_recompute=config.activation_offload != "on")
+    counts = {c: plan["choices"].count(c) for c in ("keep", "recompute", "offload")}
+    recomputed = counts["recompute"] + counts["offload"]
+    return {"activations": outside_blocks + plan["device_bytes"], "host_bytes": counts["offload"] * per_block_input,
+            "device_bytes_freed": per_block_input * layers - plan["device_bytes"],
+            "exposed_copy_s": plan["added_seconds"] - recomputed * forward_block,
+            "recompute_saved_s": counts["keep"] * forward_block,
+            "plan": {**counts, "room_bytes": room, "planned_device_bytes": plan["device_bytes"], "fits": plan["fits"]}}
+
+
+def _chunk_device_bytes(m: Measurements, chosen) -> int:
+    """The chunks' bytes on the device under `chosen`: parameters and the device-held state, within the budget."""
+    itemsize = m.compute_itemsize
+    on_host = [s.optim_on_host and t for s, t in zip(chosen.sets, m.trainable)]
+    device_state = sum(b // itemsize for b, h, t in zip(m.set_shard_bytes, on_host, m.trainable) if t and not h) \
+        * m.set_bytes_per_element
+    return min(sum(m.set_shard_bytes) + device_state, chosen.device_budget_bytes or m.device_capacity_bytes)
 
 
 def _cpu_rate(given: float | None) -> tuple[float, str]:
@@ -334,7 +384,9 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "step_parts_s": {"gpu": gpu_seconds, "device_optimizer": device_optimizer, "gradients_tail": grads_tail,
                          "optimizer_wait": waited, "fetch_stall": stall,
                          "activation_copies": offload["exposed_copy_s"]},
-        "activation_offload": {"host_bytes": offload["host_bytes"], "device_bytes_freed": offload["device_bytes_freed"]},
+        "activation_offload": {"host_bytes": offload["host_bytes"],
+                               "device_bytes_freed": offload["device_bytes_freed"]},
+        "activation_plan": offload.get("plan"),  # activation_checkpointing="auto": blocks kept, recomputed, offloaded
         "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / H2D_BYTES_PER_S,
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),

@@ -12,8 +12,9 @@ them with the input offloaded (unless offload is "off").
   activations are taken as block 0's scaled by their inputs; its backward as twice its forward.
 - The room is what the chunks leave: the device capacity less the chunks' need (the placement's
   device budget, or every chunk's bytes where fewer), less what the device holds besides (torch's
-  context), less the non-model peak of the first iteration without its activations (the plan's
-  own figure for the warm-up's choices). Chunks come first: activations take what they do not use.
+  context), shrunk by how much more than its peak torch's allocator held in the first iteration,
+  less the non-model peak of that iteration without its activations (the plan's own figure for
+  the warm-up's choices). Chunks come first: activations take what they do not use.
 - The plan is made once, after the first iteration, and applied from the next forward on.
 """
 
@@ -126,7 +127,10 @@ class ActivationPlanner:
         budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()
         other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
         chunk_need = min(budget, chunk_bytes)
-        return self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"] - other_non_model
+        # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
+        held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
+        free = self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"]
+        return int(free / held) - other_non_model
 
     def stats(self) -> dict:
         if self.plan is None:

@@ -206,3 +206,26 @@ def test_activation_offload_moves_the_blocks_inputs_to_the_host():
     slow = gx.estimate.__globals__["_activation_offload"](
         gx.GeminiConfig(activation_offload="on"), True, shape, tokens, forward_seconds=1e-3, gpu_seconds=3e-3)
     assert slow["exposed_copy_s"] > 0
+
+
+def test_planned_activations_keep_blocks_where_the_chunks_leave_room():
+    """activation_checkpointing="auto": the core's plan over the room the chunks leave. On the
+    whole H200 a 6.7B model's chunks leave room for some blocks' activations (less recompute, a
+    shorter step than checkpointing every block); under a 24 GiB budget none, and the inputs
+    go to the host with offload on."""
+    model = _meta_gpt("6.7b")
+    layers = gx.estimate.__globals__["model_shape"](model).layers
+    every = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", activation_checkpointing="on"),
+                        tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    auto = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", activation_checkpointing="auto"),
+                       tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    plan = auto["activation_plan"]
+    assert 0 < plan["keep"] < layers and plan["keep"] + plan["recompute"] == layers and plan["fits"], plan
+    assert auto["step_parts_s"]["gpu"] < every["step_parts_s"]["gpu"]
+    assert auto["activation_bytes"] > every["activation_bytes"] and auto["fits"]["device"], auto
+    assert every["activation_plan"] is None
+    small = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", activation_checkpointing="auto",
+                                               activation_offload="on", gpu_memory_limit="24GiB"),
+                        tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    assert small["activation_plan"]["keep"] == 0 and small["activation_plan"]["offload"] == layers, small
+    assert small["activation_offload"]["host_bytes"] == layers * 16384 * 4096 * 2
