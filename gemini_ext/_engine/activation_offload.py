@@ -126,7 +126,7 @@ class ActivationOffload:
         return None
 
     def _leave(self, module, args, output):
-        self._depth -= 1
+        self._depth = max(0, self._depth - 1)  # also called where a pre-hook before ours raised
         if self._depth == 0 and self._scope is not None:
             self._scope.__exit__(None, None, None)
             self._scope = None
