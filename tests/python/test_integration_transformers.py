@@ -112,6 +112,30 @@ def test_the_step_in_backward_under_the_trainer_with_accumulation_is_exact(tmp_p
         assert torch.equal(params[1][name], value), name
 
 
+def test_activations_planned_under_the_trainer_train_as_without(tmp_path, monkeypatch):
+    """The Trainer's gradient checkpointing with the engine's activation offload, and the engine's
+    own checkpointing ("auto") without the Trainer's: the same parameters, bit for bit, as the
+    Trainer's checkpointing alone (tiny model: the offload threshold lowered to a byte)."""
+    from gemini_ext._engine import activation_offload
+    monkeypatch.setattr(activation_offload, "MIN_OFFLOAD_BYTES", 1)
+    runs = {"hf": (True, {}), "hf+offload": (True, {"activation_offload": "on"}),
+            "engine-auto": (False, {"activation_checkpointing": "auto", "activation_offload": "auto"})}
+    params, stats = {}, {}
+    for name, (hf_checkpointing, fields) in runs.items():
+        model = _llama()
+        args = _args(tmp_path / name, max_steps=4, gradient_checkpointing=hf_checkpointing,
+                     gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer = GeminiTrainer(model=model, args=args, train_dataset=Tokens(), gemini_config=_gemini_config(**fields))
+        trainer.train()
+        stats[name] = trainer.engine.stats()["activations"]
+        trainer.close()
+        params[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name in ("hf+offload", "engine-auto"):
+        assert all(torch.equal(params[name][n], v) for n, v in params["hf"].items()), name
+    assert stats["hf+offload"]["offload"]["offloaded"] >= 2 * 4 * ACCUM, stats["hf+offload"]  # 2 layers
+    assert stats["engine-auto"]["plan"]["decided"], stats["engine-auto"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_from_a_trainer_checkpoint_is_bit_exact(tmp_path, device):
     straight = _llama()
