@@ -365,7 +365,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         host_elements * itemsize if initial.params_born_on_device else param_bytes) + offload["host_bytes"]
     model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])  # 4 N + 2 N_trainable
     rank_tokens_per_s = facts["rank_tokens"] / step
-    device_bytes = min(param_bytes + device_state, budget) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO) \
+    device_bytes = _chunk_device_bytes(m, chosen) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO) \
         + DEVICE_OTHER_BYTES
     return {
         "plan": {"policy": config.placement_policy, "chunk_size": facts["chunk_size"], "chunk_sets": len(elements),

@@ -65,13 +65,12 @@ class BlockProbe:
         return event
 
     def forward_seconds(self) -> list[float]:
-        if not self._cuda:
-            return [end - start if start is not None else 0.0 for start, end in self._marks_or_zero()]
-        torch.cuda.synchronize()
-        return [start.elapsed_time(end) / 1e3 if start is not None else 0.0 for start, end in self._marks_or_zero()]
+        if self._cuda:
+            torch.cuda.synchronize()
+        return [0.0 if mark is None else self._elapsed(*mark) for mark in self._marks]
 
-    def _marks_or_zero(self):
-        return [m if m is not None else (None, None) for m in self._marks]
+    def _elapsed(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self._cuda else end - start
 
     def blocks(self) -> list[tuple]:
         """(activation_bytes, input_bytes, forward_seconds, backward_seconds) per block."""
