@@ -93,7 +93,23 @@ def auto_choice(row: dict) -> str:
     started = (placement.get("host_steps") or {}).get("during_backward")
     return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
             f"{placement.get('optim_chunks_on_host', '?')} host{lane}" +
-            (f", host steps started in backward: {started}" if started else ""))
+            (f", host steps started in backward: {started}" if started else "") + activation_choice(row))
+
+
+def activation_choice(row: dict) -> str:
+    """The engine's activation plan: blocks kept, recomputed, recomputed with the input offloaded,
+    and the bytes the offload moved per step."""
+    acts = (row.get("engine") or {}).get("activations") or {}
+    plan, offload = acts.get("plan") or {}, acts.get("offload") or {}
+    text = ""
+    if plan.get("decided"):
+        text += (f"; blocks {plan['keep']} kept / {plan['recompute']} recomputed / {plan['offload']} offloaded"
+                 f" (room {plan['room_bytes'] / 2**30:.1f} GiB)")
+    elif (acts.get("checkpointing") or {}).get("checkpointed_calls"):
+        text += f"; {acts['checkpointing']['blocks']} blocks checkpointed by the engine"
+    if offload.get("offloaded"):
+        text += f"; {offload['offloaded_bytes'] / row['steps'] / 1e9:.1f} GB/step to host"
+    return text
 
 
 def table(results: list[dict], peak_tflops: float) -> str:
