@@ -249,10 +249,11 @@ void def_activation_plan(py::module_& m) {
   m.def(
       "plan_activations",
       [](const std::vector<BlockCostTuple>& blocks, int64_t room_bytes, double link_bytes_per_second, int in_flight,
-         bool allow_keep, bool allow_recompute) {
+         bool allow_keep, bool allow_recompute, int64_t host_room_bytes) {
         ActivationPlanInputs in = plan_inputs(blocks, room_bytes, link_bytes_per_second, in_flight);
         in.allow_keep = allow_keep;
         in.allow_recompute = allow_recompute;
+        in.host_room_bytes = host_room_bytes;
         const ActivationPlan plan = plan_activations(in);
         py::list choices;
         for (BlockActivations c : plan.choices) choices.append(py::str(to_string(c)));
@@ -261,10 +262,11 @@ void def_activation_plan(py::module_& m) {
         out["device_bytes"] = plan.device_bytes;
         out["added_seconds"] = plan.added_seconds;
         out["fits"] = plan.fits;
+        out["host_bytes"] = plan.host_bytes;
         return out;
       },
       py::arg("blocks"), py::arg("room_bytes"), py::arg("link_bytes_per_second"), py::arg("in_flight") = 2,
-      py::arg("allow_keep") = true, py::arg("allow_recompute") = true,
+      py::arg("allow_keep") = true, py::arg("allow_recompute") = true, py::arg("host_room_bytes") = -1,
       "Per block ('keep', 'recompute' or 'offload') from (activation_bytes, input_bytes, forward_seconds, "
       "backward_seconds) in forward order; see core/activation_plan.h.");
 }

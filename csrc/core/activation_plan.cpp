@@ -103,51 +103,93 @@ double activation_added_seconds(const ActivationPlanInputs& in, const std::vecto
   return total;
 }
 
+namespace {
+
+bool allowed(const ActivationPlanInputs& in, BlockActivations choice) {
+  return choice == BlockActivations::kKeep        ? in.allow_keep
+         : choice == BlockActivations::kRecompute ? in.allow_recompute
+                                                  : in.link_bytes_per_second > 0;
+}
+
+// Moves the greedy may take from `choices`: the one freeing the most bytes per second added, or
+// n where none is left (every block keeps as little as it may, or the host has no room for another
+// input). Ties go to the larger saving, then to the earlier block.
+struct Move {
+  size_t block;
+  BlockActivations to;
+};
+
+Move best_move(const ActivationPlanInputs& in, const std::vector<BlockActivations>& choices,
+               int64_t offloaded_bytes) {
+  const size_t n = in.blocks.size();
+  Move best{n, BlockActivations::kKeep};
+  double best_rate = -1;
+  int64_t best_freed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    for (BlockActivations to : {BlockActivations::kRecompute, BlockActivations::kOffload}) {
+      if (static_cast<int>(to) <= static_cast<int>(choices[i]) || !allowed(in, to)) continue;
+      if (to == BlockActivations::kOffload && in.host_room_bytes >= 0 &&
+          offloaded_bytes + in.blocks[i].input_bytes > in.host_room_bytes)
+        continue;
+      const int64_t freed = kept_bytes(in.blocks[i], choices[i]) - kept_bytes(in.blocks[i], to);
+      if (freed <= 0) continue;
+      const double added = block_seconds(in, i, to) - block_seconds(in, i, choices[i]);
+      const double rate = added <= 0 ? std::numeric_limits<double>::infinity() : static_cast<double>(freed) / added;
+      if (rate > best_rate || (rate == best_rate && freed > best_freed)) {
+        best = Move{i, to}, best_rate = rate, best_freed = freed;
+      }
+    }
+  }
+  return best;
+}
+
+int64_t offloaded_input_bytes(const ActivationPlanInputs& in, const std::vector<BlockActivations>& choices) {
+  int64_t total = 0;
+  for (size_t i = 0; i < choices.size(); ++i)
+    if (choices[i] == BlockActivations::kOffload) total += in.blocks[i].input_bytes;
+  return total;
+}
+
+// An offloaded input the room can hold after all goes back to plain recompute (the same compute,
+// nothing over the link or on the host), the last blocks first: their inputs are fetched soonest.
+void keep_inputs_the_room_holds(const ActivationPlanInputs& in, std::vector<BlockActivations>& choices) {
+  if (!in.allow_recompute) return;
+  for (size_t i = choices.size(); i-- > 0;) {
+    if (choices[i] != BlockActivations::kOffload) continue;
+    choices[i] = BlockActivations::kRecompute;
+    if (activation_device_bytes(in, choices) > in.room_bytes) choices[i] = BlockActivations::kOffload;
+  }
+}
+
+}  // namespace
+
 ActivationPlan plan_activations(const ActivationPlanInputs& in) {
   check_inputs(in);
-  const size_t n = in.blocks.size();
-  const bool can_offload = in.link_bytes_per_second > 0;
-  auto allowed = [&](BlockActivations c) {
-    return c == BlockActivations::kKeep        ? in.allow_keep
-           : c == BlockActivations::kRecompute ? in.allow_recompute
-                                               : can_offload;
-  };
   const BlockActivations first = in.allow_keep        ? BlockActivations::kKeep
                                  : in.allow_recompute ? BlockActivations::kRecompute
                                                       : BlockActivations::kOffload;
-  const BlockActivations least = can_offload          ? BlockActivations::kOffload
-                                 : in.allow_recompute ? BlockActivations::kRecompute
-                                                      : BlockActivations::kKeep;
-  std::vector<BlockActivations> choices(n, first);
+  std::vector<BlockActivations> choices(in.blocks.size(), first);
+  if (first == BlockActivations::kOffload && in.host_room_bytes >= 0) {  // only what the host can take
+    int64_t offloaded = 0;
+    for (size_t i = 0; i < choices.size(); ++i) {
+      offloaded += in.blocks[i].input_bytes;
+      if (offloaded > in.host_room_bytes) choices[i] = BlockActivations::kKeep;
+    }
+  }
   int64_t bytes = activation_device_bytes(in, choices);
   while (bytes > in.room_bytes) {
-    // The move that frees the most bytes per second added; a free move first, the larger first.
-    size_t best_block = n;
-    BlockActivations best_to = BlockActivations::kKeep;
-    double best_rate = -1;
-    int64_t best_freed = 0;
-    for (size_t i = 0; i < n; ++i) {
-      for (BlockActivations to : {BlockActivations::kRecompute, BlockActivations::kOffload}) {
-        if (static_cast<int>(to) <= static_cast<int>(choices[i]) || !allowed(to)) continue;
-        const int64_t freed = kept_bytes(in.blocks[i], choices[i]) - kept_bytes(in.blocks[i], to);
-        if (freed <= 0) continue;
-        const double added = block_seconds(in, i, to) - block_seconds(in, i, choices[i]);
-        const double rate = added <= 0 ? std::numeric_limits<double>::infinity() : static_cast<double>(freed) / added;
-        if (rate > best_rate || (rate == best_rate && freed > best_freed)) {
-          best_block = i, best_to = to, best_rate = rate, best_freed = freed;
-        }
-      }
-    }
-    if (best_block == n) break;  // every block keeps as little as it can
-    choices[best_block] = best_to;
+    const Move move = best_move(in, choices, offloaded_input_bytes(in, choices));
+    if (move.block == choices.size()) break;  // every block keeps as little as it can
+    choices[move.block] = move.to;
     bytes = activation_device_bytes(in, choices);
   }
   ActivationPlan plan;
   plan.fits = bytes <= in.room_bytes;
-  if (!plan.fits) choices.assign(n, least);
+  if (plan.fits) keep_inputs_the_room_holds(in, choices);
   plan.choices = choices;
   plan.device_bytes = activation_device_bytes(in, choices);
   plan.added_seconds = activation_added_seconds(in, choices);
+  plan.host_bytes = offloaded_input_bytes(in, choices);
   return plan;
 }
 

@@ -23,6 +23,12 @@
 //    gives every block the least memory it allows (offloaded where the link allows it). The choices
 //    allowed narrow the moves: without kKeep the plan starts from every block recomputed, without
 //    kRecompute a block leaves kKeep only to be offloaded.
+//  * The link and the host are not free. Hidden copies make an offload cost what a recompute costs
+//    while freeing a little more, so the greedy may offload where recomputing would have fitted; a
+//    plan that fits then takes back to plain recompute every offloaded input the room holds (the
+//    last blocks first: their inputs are needed soonest), since the copies share the link with the
+//    chunks' own traffic and the inputs take host memory. Offloaded inputs never exceed
+//    `host_room_bytes` (the host memory left for them): beyond it a block stays on the device.
 // Same inputs, same plan, on every rank.
 #pragma once
 
@@ -50,6 +56,7 @@ struct ActivationPlanInputs {
   int in_flight = 2;                 // offloaded inputs on the device at once (prefetch depth)
   bool allow_keep = true;            // false: every block is checkpointed
   bool allow_recompute = true;       // false: a checkpointed block's input always goes to the host
+  int64_t host_room_bytes = -1;      // what offloaded inputs may take on the host (-1: no limit)
 };
 
 struct ActivationPlan {
@@ -57,6 +64,7 @@ struct ActivationPlan {
   int64_t device_bytes = 0;  // the plan's activation bytes on the device at their peak
   double added_seconds = 0;  // recomputes plus copies not hidden, per iteration
   bool fits = true;          // device_bytes <= room_bytes
+  int64_t host_bytes = 0;    // the offloaded inputs' bytes on the host
 };
 
 // The plan's device bytes and added time for given choices (the cost model above).

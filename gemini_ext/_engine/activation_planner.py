@@ -21,10 +21,12 @@ them with the input offloaded (unless offload is "off").
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
 from .._native import _C
+from .._units import format_bytes
 from ..placement import rates
 from .activation_offload import LOOKAHEAD
 
@@ -92,8 +94,10 @@ def _count(seen: dict, tensor: torch.Tensor):
 class ActivationPlanner:
     """Measures the first forward, then sets the blocks' choices once."""
 
-    def __init__(self, blocks, device, chunks, placer, tracer, checkpointing: str, offload: str):
+    def __init__(self, blocks, device, chunks, placer, tracer, checkpointing: str, offload: str,
+                 host_buffers=None):
         self._blocks, self._device, self._chunks = blocks, device, chunks
+        self._host_buffers = host_buffers  # where offloaded inputs go (HostBuffers), None without offload
         self._placer, self._tracer = placer, tracer
         self._offload = offload != "off"
         # what the plan may choose: keep only where the engine decides the checkpointing; plain
@@ -114,10 +118,23 @@ class ActivationPlanner:
         warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
         room = self.room_bytes(warm_bytes)
         link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
+        host_room = self._host_buffers.room_bytes() if self._host_buffers is not None else -1
         plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD, allow_keep=self._allow_keep,
-                                   allow_recompute=self._allow_recompute)
+                                   allow_recompute=self._allow_recompute, host_room_bytes=host_room)
         self._blocks.choices = plan["choices"]
-        self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link}
+        self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link, "host_room_bytes": host_room}
+        if not plan["fits"]:
+            warnings.warn(self._beyond_the_room_message(), RuntimeWarning, stacklevel=2)
+
+    def _beyond_the_room_message(self) -> str:
+        plan, b = self.plan, format_bytes
+        host = (f"; the host has room for {b(plan['host_room_bytes'])} of offloaded inputs and they take "
+                f"{b(plan['host_bytes'])}" if plan["host_room_bytes"] >= 0 else "")
+        offload = "" if self._offload else ", set activation_offload='auto'"
+        return (f"gemini_ext: the activations of {len(plan['choices'])} blocks need {b(plan['device_bytes'])} of "
+                f"the device at their least, beyond the {b(max(0, plan['room_bytes']))} that the chunks leave "
+                f"within the device budget{host}; the device will hold more than gpu_memory_limit plans for. "
+                f"Raise gpu_memory_limit, train on fewer tokens per step{offload} or free host memory.")
 
     def room_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (the module's note)."""
@@ -138,4 +155,5 @@ class ActivationPlanner:
         return {"decided": True, **{c: choices.count(c) for c in ("keep", "recompute", "offload")},
                 "choices": list(choices), "room_bytes": self.plan["room_bytes"],
                 "planned_device_bytes": self.plan["device_bytes"], "added_seconds": self.plan["added_seconds"],
-                "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"]}
+                "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"],
+                "host_bytes": self.plan["host_bytes"], "host_room_bytes": self.plan["host_room_bytes"]}

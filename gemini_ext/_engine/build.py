@@ -158,6 +158,7 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     """The engine's block checkpointing and activation offload, where the config asks for them."""
     config = parts.config
+    buffers = None
     if config.activation_offload != "off":
         buffers = HostBuffers(parts.device.context, parts.groups.ranks_on_host())
         parts.activation_offload = ActivationOffload(buffers, parts.device.torch_device)
@@ -167,7 +168,7 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     if "auto" in (config.activation_checkpointing, config.activation_offload):
         parts.activation_planner = ActivationPlanner(parts.block_checkpointing, parts.device, parts.chunks,
                                                      parts.placer, parts.tracer, config.activation_checkpointing,
-                                                     config.activation_offload)
+                                                     config.activation_offload, host_buffers=buffers)
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

@@ -67,6 +67,14 @@ class HostBuffers:
         except (MemoryError, RuntimeError):  # the resource refused (OutOfMemoryError derives from RuntimeError)
             return None
 
+    def room_bytes(self) -> int:
+        """What offloaded tensors may take at once: the buffers held, and what the host can give
+        beyond them while keeping its reserve (no limit where the host's room is unknown: -1)."""
+        room = host_available_bytes(self._ranks_on_host)
+        if room is None:
+            return -1
+        return self.reserved_bytes + max(0, room - self._reserve_bytes)
+
     def trim(self) -> None:
         """Gives every free buffer back to the resource."""
         for size, bufs in self._free.items():

@@ -31,18 +31,54 @@ TEST(ActivationPlan, EverythingKeptWhenItFits) {
   EXPECT_EQ(plan.added_seconds, 0.0);
 }
 
-TEST(ActivationPlan, HiddenCopiesMakeOffloadTheCheapestWayToFree) {
+TEST(ActivationPlan, HiddenCopiesOffloadOnlyWhatTheRoomCannotHold) {
   // A fast link hides both copies (1 MiB at 25 GB/s: 42 us against 10 and 20 ms): offloading a
-  // block costs its recompute, as recomputing does, and frees 10 MiB instead of 9.
+  // block costs its recompute, as recomputing does, and frees 10 MiB instead of 9. Five blocks
+  // must stop keeping their activations; their inputs fit the room, so none crosses the link.
   ActivationPlanInputs in = alike(8, 50 * kMiB, 25e9);
   const ActivationPlan plan = plan_activations(in);
   EXPECT_TRUE(plan.fits);
-  EXPECT_EQ(count(plan, BlockActivations::kRecompute), 0u);
-  // Kept blocks 10 MiB each, plus the working set (10) and two inputs in flight (2): 3 kept = 42.
-  EXPECT_EQ(count(plan, BlockActivations::kOffload), 5u);
-  EXPECT_EQ(plan.device_bytes, 42 * kMiB);
+  EXPECT_EQ(count(plan, BlockActivations::kKeep), 3u);
+  EXPECT_EQ(count(plan, BlockActivations::kRecompute), 5u);
+  EXPECT_EQ(count(plan, BlockActivations::kOffload), 0u);
+  // 3 kept (30 MiB) + 5 inputs + the working set (10)
+  EXPECT_EQ(plan.device_bytes, 45 * kMiB);
+  EXPECT_EQ(plan.host_bytes, 0);
   EXPECT_DOUBLE_EQ(plan.added_seconds, 5 * 0.010);
   EXPECT_EQ(plan.device_bytes, activation_device_bytes(in, plan.choices));
+}
+
+TEST(ActivationPlan, OffloadedInputsAreTheLastBlocksTheRoomCannotHold) {
+  // Every block checkpointed (no kKeep); 8 inputs and the working set are 18 MiB, the room 15:
+  // the inputs of the first blocks (fetched last in backward) go to the host.
+  ActivationPlanInputs in = alike(8, 15 * kMiB, 25e9);
+  in.allow_keep = false;
+  const ActivationPlan plan = plan_activations(in);
+  EXPECT_TRUE(plan.fits);
+  // k offloaded: (8 - k) + 10 + min(k, 2) MiB <= 15 from k = 5
+  EXPECT_EQ(count(plan, BlockActivations::kOffload), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(plan.choices[i], BlockActivations::kOffload) << i;
+  EXPECT_EQ(plan.host_bytes, 5 * kMiB);
+  EXPECT_LE(plan.device_bytes, 15 * kMiB);
+}
+
+TEST(ActivationPlan, TheHostTakesNoMoreThanItsRoom) {
+  // The same room, the host with room for three inputs: the plan cannot fit, and says so, with
+  // no more than three inputs offloaded and the rest recomputed from the device.
+  ActivationPlanInputs in = alike(8, 15 * kMiB, 25e9);
+  in.allow_keep = false;
+  in.host_room_bytes = 3 * kMiB + kMiB / 2;
+  const ActivationPlan plan = plan_activations(in);
+  EXPECT_FALSE(plan.fits);
+  EXPECT_EQ(count(plan, BlockActivations::kOffload), 3u);
+  EXPECT_EQ(count(plan, BlockActivations::kRecompute), 5u);
+  EXPECT_EQ(plan.host_bytes, 3 * kMiB);
+  // Inputs always offloaded (no plain recompute): the blocks beyond the host's room keep theirs.
+  in.allow_recompute = false;
+  const ActivationPlan kept = plan_activations(in);
+  EXPECT_FALSE(kept.fits);
+  EXPECT_EQ(count(kept, BlockActivations::kOffload), 3u);
+  EXPECT_EQ(count(kept, BlockActivations::kKeep), 5u);
 }
 
 TEST(ActivationPlan, ASlowLinkRecomputesFirstAndOffloadsOnlyWhatRecomputingCannotFree) {
