@@ -45,6 +45,8 @@ SYSTEMS = {  # column name -> hf_train.py flags
     "gemini-act": ["--system", "gemini", "--checkpointing", "engine-auto", "--activation-offload", "auto"],
     "gemini-act-offload": ["--system", "gemini", "--checkpointing", "engine-on", "--activation-offload", "on"],
     "fsdp2-offload-act": ["--system", "fsdp2-offload", "--activation-offload", "on"],  # torch's save_on_cpu
+    # DeepSpeed's activation checkpointing with cpu_checkpointing (the layers' inputs in CPU memory)
+    "deepspeed-offload-optim-act": ["--system", "deepspeed-offload-optim", "--activation-offload", "on"],
     "gpu-alone": ["--system", "gpu-alone"],  # forward and backward only, parameters resident, no optimizer
 }
 LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
@@ -53,7 +55,8 @@ LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in 
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
           "gemini-act": "gemini_ext auto, activations planned",
           "gemini-act-offload": "gemini_ext auto, inputs offloaded",
-          "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu", "gpu-alone": "GPU alone (forward and backward)"}
+          "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu",
+          "deepspeed-offload-optim-act": "DeepSpeed ZeRO-3, optimizer offloaded, CPU checkpointing", "gpu-alone": "GPU alone (forward and backward)"}
 
 
 def unavailable(name: str, smoke: bool) -> str | None:

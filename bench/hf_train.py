@@ -21,7 +21,9 @@ Systems:
   fsdp2-offload            FSDP2 per decoder layer and at the root, CPUOffloadPolicy(pin_memory=True),
                            fp32 parameters with bf16 compute, fused CPU AdamW
   deepspeed-offload-optim  DeepSpeed ZeRO-3, the optimizer offloaded (DeepSpeedCPUAdam), bf16
-  deepspeed-offload        DeepSpeed ZeRO-3, parameters and optimizer offloaded
+  deepspeed-offload        DeepSpeed ZeRO-3, parameters and optimizer offloaded (both DeepSpeed systems:
+                           --activation-offload on checkpoints the layers with DeepSpeed's own checkpoint,
+                           its inputs in CPU memory: cpu_checkpointing)
   plain                    the model on the GPU, bf16 autocast, fused AdamW on the GPU (fsdp2-offload and
                            plain: --activation-offload on wraps the forward in torch's save_on_cpu)
   gpu-alone                forward and backward only: bf16 parameters on the GPU, no optimizer, the whole device (--budget ignored)
@@ -87,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--no-speculation", action="store_true",
                    help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
     p.add_argument("--activation-offload", choices=["off", "on", "auto"], default="off",
-                   help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's save_on_cpu")
+                   help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's "
+                        "save_on_cpu; deepspeed: 'on' is DeepSpeed's checkpointing with cpu_checkpointing")
     p.add_argument("--checkpointing", choices=["hf", "engine-on", "engine-auto"], default="hf",
                    help="gemini: HF's gradient checkpointing, or the engine's (activation_checkpointing 'on' / 'auto')")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
@@ -217,6 +220,11 @@ def peer_system(args):
 
         config = deepspeed_config(args.system, args.batch, LR, args.max_norm)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        if args.activation_offload == "on":  # the layers' checkpoints through DeepSpeed, inputs to the CPU (its
+            # cpu_checkpointing; without partition_activations, 0.19.8 recomputed HF's layers from
+            # inputs of the wrong shape in a trial on the CPU accelerator)
+            deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
         cap()
 
         def train_step(x):
