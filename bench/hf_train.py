@@ -331,6 +331,8 @@ def main(argv=None) -> dict:
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
         "setup_s": setup_s,
         "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        # what torch's allocator held at its most (its cached segments, fragmentation included)
+        "peak_torch_reserved_bytes": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     summary.update(engine=final_stats())

@@ -224,6 +224,24 @@ def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, off
     assert sorted(plan["choices"]) == sorted([goes, goes, "keep"]) and plan["fits"], plan
 
 
+def test_the_plan_offloads_no_more_than_the_host_has_room_for(monkeypatch):
+    """No device room and no host room beyond the reserve: the measured forward's inputs stay on
+    the device (refused), the plan offloads nothing (with host room it would offload every block,
+    as above) and every block recomputes from the device; the engine warns that the activations
+    exceed the room."""
+    from gemini_ext._engine import host_buffers
+
+    plain = _train(_gpt(False), "sim")
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    monkeypatch.setattr(host_buffers, "host_available_bytes", lambda ranks: host_buffers.RESERVE_BYTES)
+    with pytest.warns(RuntimeWarning, match="the host has room for 0 B of offloaded inputs"):
+        capped = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
+    _same_bits(plain, capped)
+    plan, offload = capped[2]["plan"], capped[2]["offload"]
+    assert plan["choices"] == ["recompute"] * 3 and not plan["fits"] and plan["host_bytes"] == 0, plan
+    assert offload["offloaded"] == 0 and offload["host"]["refused"] == offload["kept"] == 2, offload
+
+
 def test_offload_auto_offloads_only_what_the_room_needs(monkeypatch):
     """activation_offload="auto" under the engine's checkpointing "on": every block recomputes, and
     its input goes to the host only where the room needs it (here never; with no room, every one)."""
