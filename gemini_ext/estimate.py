@@ -19,6 +19,12 @@ A step is the GPU's work plus what the GPU waits for:
   GPU's work and bounds it: HOST_DISPATCH_S_PER_TENSOR_PASS per parameter tensor and pass
   (forward, the recomputed forward, backward), from the wall time of the forward and backward of
   the 6.7B GPT at 1024 tokens on the H200's host (0.168 s over 389 tensors and three passes).
+  Longer sequences add attention-score work that grows with their length and that the efficiency,
+  taken at 1024-token sequences, does not hold: per token, layer and causal forward 2 d s FLOPs
+  (QK^T and AV over s/2 keys on average), of which what lies beyond s = ATTENTION_BASE_SEQ is
+  added, in the forward, the recomputed forward and the backward (ATTENTION_BACKWARD_PER_FORWARD
+  times the forward: a fused attention kernel's backward recomputes the scores). `seq_len=` gives
+  s; without it the sequences are taken as ATTENTION_BASE_SEQ long.
 - device_optimizer: the fused Adam kernel over the device-held state, on the compute stream
   between backward and the next forward: 28 bytes per element (20 with bf16 moments, 14 with
   the 8-byte state) at
@@ -86,6 +92,8 @@ DEVICE_OTHER_BYTES = 1536 << 20  # CUDA context and libraries, outside torch and
 HOST_DISPATCH_S_PER_TENSOR_PASS = 1.45e-4  # the host's share of a pass, per parameter tensor (H200 host)
 DEVICE_OPTIMIZER_BYTES_PER_S = 3.5e12  # the device Adam kernel's HBM traffic rate (H200: 4.8 TB/s peak)
 PROBE_ELEMENTS = 1 << 26
+ATTENTION_BASE_SEQ = 1024  # GPU_EFFICIENCY's sequences: their attention-score work is inside it
+ATTENTION_BACKWARD_PER_FORWARD = 2.5  # a fused attention kernel's backward: scores recomputed, four products
 SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on it
 
 
@@ -176,14 +184,16 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
              world_size: int = 1, checkpointing: bool = True, loss_chunk_tokens: int | None = None,
              activation_bytes_per_token_override: int | None = None, device_bytes=None, host_bytes=None,
              peak_tflops: float | None = None, device_name: str | None = None,
-             cpu_optimizer_elements_per_s: float | None = None) -> dict:
+             cpu_optimizer_elements_per_s: float | None = None, seq_len: int | None = None) -> dict:
     """The plan, device and host bytes and the predicted step time (the module's note) of
     training `model` under `config` with `tokens_per_step` tokens per optimizer step over
     `world_size` ranks (one host). Nothing is allocated on the device; the model may be on meta.
     device_bytes, host_bytes, peak_tflops, device_name and cpu_optimizer_elements_per_s (the CPU
     Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine.
     loss_chunk_tokens: the loss's logits are computed this many tokens at a time (checkpointed
-    pieces); None reads it from gemini_ext's GPT, 0 is the whole batch at once."""
+    pieces); None reads it from gemini_ext's GPT, 0 is the whole batch at once. seq_len: the
+    sequences' length, for the attention-score work beyond 1024-token sequences (the module's note);
+    None: 1024."""
     config = config or GeminiConfig(placement_policy="auto")
     if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
         raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
@@ -229,7 +239,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     checkpointing = checkpointing or config.activation_checkpointing != "off"  # the engine's, where it checkpoints
     activations = _activations(shape, checkpointing, rank_tokens, loss_chunk_tokens,
                                activation_bytes_per_token_override)
-    gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, peak, len(named))
+    attention = _attention_forward_flops(shape, rank_tokens, seq_len)
+    gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, peak, len(named),
+                                                attention)
     offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
@@ -253,12 +265,23 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                          chunk_size=chunk_size))
 
 
+def _attention_forward_flops(shape, rank_tokens: int, seq_len: int | None) -> float:
+    """The causal forward's attention-score FLOPs beyond ATTENTION_BASE_SEQ-token sequences (the
+    module's note)."""
+    if seq_len is None or shape is None:
+        return 0.0
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"gx.estimate: seq_len must be a positive int (tokens per sequence), got {seq_len!r}.")
+    return 2.0 * shape.width * max(0, seq_len - ATTENTION_BASE_SEQ) * rank_tokens * shape.layers
+
+
 def _gpu_seconds(rank_tokens: int, n_total: int, n_trainable: int, checkpointing: bool, peak_tflops: float,
-                 tensors: int) -> tuple[float, float]:
+                 tensors: int, attention_forward_flops: float = 0.0) -> tuple[float, float]:
     """The GPU's forward and backward (recompute included under checkpointing), and the forward
     alone: FLOPs at the peak's efficiency for these tokens, or the host's dispatch where that is longer."""
-    forward_flops = rank_tokens * 2 * n_total
-    flops = forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable)
+    forward_flops = rank_tokens * 2 * n_total + attention_forward_flops
+    flops = (forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable) +
+             attention_forward_flops * ATTENTION_BACKWARD_PER_FORWARD)
     rate = peak_tflops * 1e12 * gpu_efficiency(rank_tokens)
     dispatch_per_pass = tensors * HOST_DISPATCH_S_PER_TENSOR_PASS
     return (max(flops / rate, (3 if checkpointing else 2) * dispatch_per_pass),

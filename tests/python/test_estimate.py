@@ -147,6 +147,24 @@ def test_at_few_tokens_the_hosts_dispatch_bounds_the_gpu_part():
     assert many["step_parts_s"]["gpu"] > 5 * 3 * per_pass
 
 
+def test_long_sequences_add_their_attention_work():
+    """Per token, layer and causal forward 2 d (s - 1024) FLOPs beyond 1024-token sequences, in the
+    forward, its recompute and the backward (2.5 forwards): at 16k tokens of one sequence the 6.7B
+    GPT's GPU part grows by that work at the same efficiency; 1024-token sequences add nothing."""
+    model = _meta_gpt("6.7b")
+    cfg = GPT_PRESETS["6.7b"]
+    base = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", **H200)
+    assert gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", seq_len=1024,
+                       **H200)["step_parts_s"]["gpu"] == base["step_parts_s"]["gpu"]
+    long = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", seq_len=16384, **H200)
+    attention = 2 * cfg.d_model * (16384 - 1024) * 16384 * cfg.n_layers * (1 + 1 + 2.5)
+    n = sum(p.numel() for p in model.parameters())
+    linear = 16384 * (2 * n * 2 + 4 * n)  # the forward, its recompute, the backward
+    assert long["step_parts_s"]["gpu"] == pytest.approx(base["step_parts_s"]["gpu"] * (linear + attention) / linear)
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", seq_len=0, **H200)
+
+
 def test_steps_from_backward_overlap_the_next_forward_in_its_order():
     """Two host sets at the back of four equal ones, a 1 s backward and forward, 1 element/s: the
     back set is ready at 0.25 s and done at 1.25 s, the other at 2.25 s, which the forward reaches
