@@ -189,11 +189,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     training `model` under `config` with `tokens_per_step` tokens per optimizer step over
     `world_size` ranks (one host). Nothing is allocated on the device; the model may be on meta.
     device_bytes, host_bytes, peak_tflops, device_name and cpu_optimizer_elements_per_s (the CPU
-    Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine.
-    loss_chunk_tokens: the loss's logits are computed this many tokens at a time (checkpointed
-    pieces); None reads it from gemini_ext's GPT, 0 is the whole batch at once. seq_len: the
-    sequences' length, for the attention-score work beyond 1024-token sequences (the module's note);
-    None: 1024."""
+    Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine. loss_chunk_tokens:
+    the loss's logits this many tokens at a time (checkpointed pieces); None reads it from gemini_ext's
+    GPT, 0 is the whole batch. seq_len: tokens per sequence (the module's note; None: 1024)."""
     config = config or GeminiConfig(placement_policy="auto")
     if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
         raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
@@ -239,9 +237,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     checkpointing = checkpointing or config.activation_checkpointing != "off"  # the engine's, where it checkpoints
     activations = _activations(shape, checkpointing, rank_tokens, loss_chunk_tokens,
                                activation_bytes_per_token_override)
-    attention = _attention_forward_flops(shape, rank_tokens, seq_len)
     gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, peak, len(named),
-                                                attention)
+                                                _attention_forward_flops(shape, rank_tokens, seq_len))
     offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
