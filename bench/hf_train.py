@@ -96,6 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="every system: the LM head and loss over this many tokens at a time, each piece "
                         "checkpointed (0: HF's own loss over the whole batch)")
+    p.add_argument("--state", choices=["fp32", "8-byte"], default="fp32",
+                   help="gemini: fp32 masters and AdamW moments, or the 8-byte state (bf16 parameters and "
+                        "moments: optimizer_state_dtype='bf16', master_weights=False); the peers: fp32 only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -178,10 +181,11 @@ def gemini_system(args, dev_kind: str):
     if args.no_speculation:  # the engine reads the host's free memory for spares here only
         from gemini_ext.optim import wrapper
         wrapper.host_available_bytes = lambda ranks=1: 0
+    state = {"optimizer_state_dtype": "bf16", "master_weights": False} if args.state == "8-byte" else {}
     cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
                           optimizer_step_in_backward=args.step_in_backward, activation_offload=args.activation_offload,
                           activation_checkpointing={"hf": "off", "engine-on": "on",
-                                                    "engine-auto": "auto"}[args.checkpointing], **budget)
+                                                    "engine-auto": "auto"}[args.checkpointing], **budget, **state)
     engine = gx.enable(model, cfg).__enter__()
     opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                            weight_decay=WEIGHT_DECAY)
@@ -290,6 +294,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
         raise SystemExit("hf_train.py: launch it with torchrun (--nproc-per-node 1 for one GPU).")
+    if args.state != "fp32" and args.system not in ("gemini", "gpu-alone"):
+        raise SystemExit(f"hf_train.py --state {args.state}: gemini_ext's option; {args.system} trains fp32 state.")
     if args.device == "sim" and args.system != "gemini":
         raise SystemExit(f"hf_train.py --device sim: only --system gemini runs there, not {args.system}.")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -322,7 +328,8 @@ def main(argv=None) -> dict:
         "system": args.system + (" + step in backward" if args.step_in_backward else "") +
         (", no speculation" if args.no_speculation else "") +
         (f", checkpointing {args.checkpointing}" if args.checkpointing != "hf" else "") +
-        (f", activation offload {args.activation_offload}" if args.activation_offload != "off" else ""),
+        (f", activation offload {args.activation_offload}" if args.activation_offload != "off" else "") +
+        (f", {args.state} state" if args.state != "fp32" else ""),
         "model": args.model,
         "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
         "batch": args.batch, "seq_len": args.seq,

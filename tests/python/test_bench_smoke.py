@@ -319,3 +319,18 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
         assert r["engine"]["placement"]["policy"] == "auto"
     assert all(r.get("skipped") for r in rows if r["name"] not in trained)
     assert "optimizer chunks" in (tmp_path / "hf.md").read_text()
+
+
+def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
+    """bench/hf_map.py --smoke --state 8-byte: a tiny Llama with the engine's activation plan through
+    bench/hf_train.py on sim; the row carries gx.estimate's prediction made before it ran and its
+    bound's parts, the GPU-alone row is listed as skipped on sim, and the table gives the error."""
+    pytest.importorskip("transformers")
+    out = run_python("bench/hf_map.py", "--smoke", "--state", "8-byte", "--out", str(tmp_path / "map"))
+    assert out.returncode == 0, out.stderr
+    alone, row = json.loads((tmp_path / "map.json").read_text())
+    assert alone["name"] == "gpu-alone" and alone["skipped"]
+    assert row["name"] == "gemini-act" and "8-byte state" in row["system"] and len(row["losses"]) == 3, row.get("error")
+    assert row["estimate"]["step_s"] > 0 and row["engine"]["activations"]["plan"]["decided"], row["estimate"]
+    assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
+    assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()

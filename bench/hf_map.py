@@ -1,0 +1,183 @@
+"""The map: transformers' causal LMs under gemini_ext `auto` with activations planned
+(activation_checkpointing and activation_offload "auto") at every device budget and token count
+asked for, each row beside the same model's GPU alone at the same tokens (bench/hf_train.py's
+gpu-alone: forward and backward, bf16 parameters resident, no optimizer), its overlap bound and
+`gx.estimate`'s prediction made before the row runs, from this machine (its device, its host's
+available memory, the CPU Adam rate measured here). Every run is a fresh process (bench/hf_models.py's
+runner); peers (bench/hf_models.py's systems) run beside the engine where --systems names them.
+
+    python3 bench/hf_map.py --models llama-7b --budgets 24GiB,40GiB,whole --shapes 4x2048,16x2048,32x2048,1x65536 --out /tmp/map
+    python3 bench/hf_map.py --models llama-13b --state 8-byte --budgets 40GiB --shapes 16x2048
+    python3 bench/hf_map.py --smoke              # a tiny Llama on sim (tests)
+
+Shapes are batch x sequence length. The bound is max(GPU alone, the CPU Adam of the host-held
+optimizer state at the rate the engine probed, the larger direction's copies at the link rate it
+probed): no overlap can beat it. The estimate is gx.estimate with the row's config, seq_len and
+loss pieces; its error is (estimate - measured) / measured. Clipping (--max-norm) and the loss in
+pieces (--loss-chunk-tokens) are the same for every row. Writes markdown and JSON beside --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_models  # noqa: E402  (the systems and the runner of one row)
+
+STATE_FIELDS = {"fp32": {}, "8-byte": {"optimizer_state_dtype": "bf16", "master_weights": False}}
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'16x2048' -> (16, 2048)."""
+    try:
+        batch, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: expected batch x sequence length such as 16x2048, got {text!r}") from None
+    if batch <= 0 or seq <= 0:
+        raise SystemExit(f"--shapes: batch and sequence length must be positive, got {text!r}")
+    return batch, seq
+
+
+def predicted(model_name: str, batch: int, seq: int, budget: str | None, args) -> dict:
+    """gx.estimate of the row before it runs (the model on meta), or the error it raised."""
+    import gemini_ext as gx
+    from hf_train import build_model
+
+    model = build_model(model_name, seq, "meta", hf_checkpointing=False)
+    config = gx.GeminiConfig(placement_policy="auto", max_norm=args.max_norm, gpu_memory_limit=budget,
+                             activation_checkpointing="auto", activation_offload="auto", **STATE_FIELDS[args.state])
+    device = {"device_bytes": args.device_bytes, "device_name": args.device_name} if args.smoke else {}
+    try:
+        e = gx.estimate(model, config, tokens_per_step=batch * seq, seq_len=seq,
+                        loss_chunk_tokens=args.loss_chunk_tokens, cpu_optimizer_elements_per_s=args.cpu_rate,
+                        **device)
+    except Exception as exc:  # a plan that cannot fit raises; the row still runs and says so
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"step_s": e["step_time_s"], "fits": e["fits"], "step_parts_s": e["step_parts_s"],
+            "activation_plan": e["activation_plan"], "rates": e["rates"]}
+
+
+def bound(row: dict, gpu_alone_s: float | None) -> dict:
+    """The row's overlap bound: the longest of the GPU alone, the CPU's Adam over the host-held
+    optimizer state and the copies of the busier direction, at the rates the engine probed."""
+    engine = row.get("engine") or {}
+    placement = engine.get("placement") or {}
+    decision = placement.get("decision") or {}
+    cpu_rate, link = decision.get("cpu_optimizer_elements_per_s"), decision.get("h2d_bytes_per_s")
+    host_elements = (placement.get("optim_chunks_on_host") or 0) * (engine.get("chunk_size") or 0)
+    traffic = engine.get("traffic") or {}
+    per_step = max(traffic.get("h2d_bytes", 0), traffic.get("d2h_bytes", 0)) / max(1, row.get("steps", 1))
+    parts = {"gpu": gpu_alone_s, "cpu": host_elements / cpu_rate if cpu_rate else None,
+             "pcie": per_step / link if link else None}
+    known = [v for v in parts.values() if v is not None]
+    return {**parts, "bound": max(known) if known and gpu_alone_s is not None else None}
+
+
+def cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(rows: list[dict], peak_tflops: float) -> str:
+    lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB | host RSS GiB | "
+             "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) | auto chose |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = (f"| {r['model']} | {r['budget'] or 'whole device'} | {r['batch'] * r['seq']:,} "
+                f"({r['batch']} x {r['seq']}) | {hf_models.LABELS[r['name']]} |")
+        if "step_s_median" not in r:
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
+            continue
+        step, tokens = r["step_s_median"], r["batch"] * r["seq"]
+        mfu = 6 * (r.get("active_parameters") or r["parameters"]) * tokens / step / (peak_tflops * 1e12)
+        chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
+        b, est = r.get("bound") or {}, r.get("estimate") or {}
+        est_text = (f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})" if "step_s" in est else
+                    est.get("error", "-")[:80])
+        cells = [f"{step:.3f}", f"{tokens / step:,.0f}", f"{mfu:.1%}",
+                 f"{((r.get('peak_torch_device_bytes') or 0) + chunks) / 2**30:.1f}",
+                 f"{(r.get('peak_host_rss_bytes') or 0) / 2**30:.1f}",
+                 " / ".join(cell(b.get(k), ".2f") for k in ("gpu", "cpu", "pcie")),
+                 f"{step / b['bound']:.2f}" if b.get("bound") else "-", est_text, hf_models.auto_choice(r)]
+        lines.append(head + " " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], args) -> str:
+    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, "
+            f"{args.state} optimizer state, MFU against {args.peak_tflops:.0f} TFLOP/s\n\n" +
+            table(rows, args.peak_tflops))
+    if args.out:
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(rows, f, indent=2, default=str)
+    return text
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-7b", help="comma-separated names of bench/hf_train.py's MODELS")
+    p.add_argument("--budgets", default="24GiB,40GiB,whole", help="comma-separated; 'whole': the whole device")
+    p.add_argument("--shapes", default="4x2048,16x2048,32x2048,1x65536", help="comma-separated batch x seq")
+    p.add_argument("--systems", default="gemini-act", help="comma-separated bench/hf_models.py systems per budget")
+    p.add_argument("--state", choices=sorted(STATE_FIELDS), default="fp32",
+                   help="gemini_ext's optimizer state: fp32 masters and moments, or the 8-byte state")
+    p.add_argument("--no-gpu-alone", action="store_true", help="leave out the GPU-alone rows (no bound)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--loss-chunk-tokens", type=int, default=8192)
+    p.add_argument("--cpu-rate", type=float, default=None, help="the estimate's CPU Adam rate (default: measured)")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--timeout", type=int, default=300, help="seconds per row")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="a tiny Llama on sim, the estimate for an H100")
+    args = p.parse_args(argv)
+    args.device_bytes, args.device_name = "2GiB", "H100"  # the smoke run's estimate: no device here
+    if args.smoke:
+        args.models, args.budgets, args.shapes, args.steps, args.loss_chunk_tokens = "tiny-llama", "whole", "2x32", 3, 0
+    unknown = {n.strip() for n in args.systems.split(",")} - set(hf_models.SYSTEMS)
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {list(hf_models.SYSTEMS)}")
+    return args
+
+
+def run(name: str, model: str, batch: int, seq: int, budget: str | None, args) -> dict:
+    common = ["--model", model, "--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps),
+              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens),
+              "--state", args.state] + (["--device", "sim"] if args.smoke else [])
+    why_not = hf_models.unavailable(name, args.smoke)
+    row = {"skipped": why_not} if why_not else hf_models.run_row(name, common, budget, args.timeout)
+    row.update(name=name, model=model, budget=budget, batch=batch, seq=seq)
+    print(f"{model} {budget or 'whole device'} {batch}x{seq} {name}: " + (
+        f"{row['step_s_median']:.3f} s/step" if "step_s_median" in row else row.get("skipped") or row.get("error", "?")),
+        flush=True)
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
+    systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    rows = []
+    for model in (m.strip() for m in args.models.split(",") if m.strip()):
+        for batch, seq in (parse_shape(s) for s in args.shapes.split(",") if s.strip()):
+            alone = None if args.no_gpu_alone else run("gpu-alone", model, batch, seq, None, args)
+            if alone is not None:
+                rows.append(alone)
+            for budget in budgets:
+                estimate = predicted(model, batch, seq, budget, args)
+                for name in systems:
+                    row = run(name, model, batch, seq, budget, args)
+                    if name.startswith("gemini"):
+                        row.update(estimate=estimate, bound=bound(row, (alone or {}).get("step_s_median")))
+                    rows.append(row)
+                    write(rows, args)  # after every row: a run cut short keeps what it measured
+    print("\n" + write(rows, args))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
