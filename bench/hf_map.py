@@ -3,7 +3,8 @@
 asked for, each row beside the same model's GPU alone at the same tokens (bench/hf_train.py's
 gpu-alone: forward and backward, bf16 parameters resident, no optimizer), its overlap bound and
 `gx.estimate`'s prediction made before the row runs, from this machine (its device, its host's
-available memory, the CPU Adam rate measured here). Every run is a fresh process (bench/hf_models.py's
+available memory, the CPU Adam rate measured here, the GPU's rate on this model from the GPU-alone
+row). Every run is a fresh process (bench/hf_models.py's
 runner); peers (bench/hf_models.py's systems) run beside the engine where --systems names them.
 
     python3 bench/hf_map.py --models llama-7b --budgets 24GiB,40GiB,whole --shapes 4x2048,16x2048,32x2048,1x65536 --out /tmp/map
@@ -41,19 +42,26 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, seq
 
 
-def predicted(model_name: str, batch: int, seq: int, budget: str | None, args) -> dict:
-    """gx.estimate of the row before it runs (the model on meta), or the error it raised."""
+def predicted(model_name: str, batch: int, seq: int, budget: str | None, gpu_alone_s: float | None, args) -> dict:
+    """gx.estimate of the row before it runs (the model on meta), or the error it raised. With the
+    GPU-alone row measured, the GPU's rate is this model's there: the estimate's FLOPs of that same
+    forward and backward (every block recomputed, no optimizer) over its measured time."""
     import gemini_ext as gx
     from hf_train import build_model
 
     model = build_model(model_name, seq, "meta", hf_checkpointing=False)
-    config = gx.GeminiConfig(placement_policy="auto", max_norm=args.max_norm, gpu_memory_limit=budget,
-                             activation_checkpointing="auto", activation_offload="auto", **STATE_FIELDS[args.state])
-    device = {"device_bytes": args.device_bytes, "device_name": args.device_name} if args.smoke else {}
+    common = dict(tokens_per_step=batch * seq, seq_len=seq, loss_chunk_tokens=args.loss_chunk_tokens,
+                  cpu_optimizer_elements_per_s=args.cpu_rate,
+                  **({"device_bytes": args.device_bytes, "device_name": args.device_name} if args.smoke else {}))
+    state = STATE_FIELDS[args.state]
     try:
-        e = gx.estimate(model, config, tokens_per_step=batch * seq, seq_len=seq,
-                        loss_chunk_tokens=args.loss_chunk_tokens, cpu_optimizer_elements_per_s=args.cpu_rate,
-                        **device)
+        if gpu_alone_s:
+            alone = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", **state), **common)
+            gpu_flops = alone["step_parts_s"]["gpu"] * alone["rates"]["gpu_flops_per_s"]
+            common["gpu_flops_per_s"] = gpu_flops / gpu_alone_s
+        config = gx.GeminiConfig(placement_policy="auto", max_norm=args.max_norm, gpu_memory_limit=budget,
+                                 activation_checkpointing="auto", activation_offload="auto", **state)
+        e = gx.estimate(model, config, **common)
     except Exception as exc:  # a plan that cannot fit raises; the row still runs and says so
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"step_s": e["step_time_s"], "fits": e["fits"], "step_parts_s": e["step_parts_s"],
@@ -168,7 +176,7 @@ def main(argv=None) -> list[dict]:
             if alone is not None:
                 rows.append(alone)
             for budget in budgets:
-                estimate = predicted(model, batch, seq, budget, args)
+                estimate = predicted(model, batch, seq, budget, (alone or {}).get("step_s_median"), args)
                 for name in systems:
                     row = run(name, model, batch, seq, budget, args)
                     if name.startswith("gemini"):

@@ -19,6 +19,9 @@ A step is the GPU's work plus what the GPU waits for:
   GPU's work and bounds it: HOST_DISPATCH_S_PER_TENSOR_PASS per parameter tensor and pass
   (forward, the recomputed forward, backward), from the wall time of the forward and backward of
   the 6.7B GPT at 1024 tokens on the H200's host (0.168 s over 389 tensors and three passes).
+  `gpu_flops_per_s=` replaces peak x efficiency with a rate measured for the model at hand (its
+  forward and backward alone on the GPU: another implementation of the same blocks, transformers'
+  eager Llama say, runs at another fraction of the peak).
   Longer sequences add attention-score work that grows with their length and that the efficiency,
   taken at 1024-token sequences, does not hold: per token, layer and causal forward 2 d s FLOPs
   (QK^T and AV over s/2 keys on average), of which what lies beyond s = ATTENTION_BASE_SEQ is
@@ -184,14 +187,16 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
              world_size: int = 1, checkpointing: bool = True, loss_chunk_tokens: int | None = None,
              activation_bytes_per_token_override: int | None = None, device_bytes=None, host_bytes=None,
              peak_tflops: float | None = None, device_name: str | None = None,
-             cpu_optimizer_elements_per_s: float | None = None, seq_len: int | None = None) -> dict:
+             cpu_optimizer_elements_per_s: float | None = None, seq_len: int | None = None,
+             gpu_flops_per_s: float | None = None) -> dict:
     """The plan, device and host bytes and the predicted step time (the module's note) of
     training `model` under `config` with `tokens_per_step` tokens per optimizer step over
     `world_size` ranks (one host). Nothing is allocated on the device; the model may be on meta.
     device_bytes, host_bytes, peak_tflops, device_name and cpu_optimizer_elements_per_s (the CPU
     Adam kernel's rate there, e.g. from bench/cpu_adam.py) describe another machine. loss_chunk_tokens:
     the loss's logits this many tokens at a time (checkpointed pieces); None reads it from gemini_ext's
-    GPT, 0 is the whole batch. seq_len: tokens per sequence (the module's note; None: 1024)."""
+    GPT, 0 is the whole batch. seq_len: tokens per sequence (the module's note; None: 1024).
+    gpu_flops_per_s: the GPU's achieved rate on this model (e.g. its measured forward and backward)."""
     config = config or GeminiConfig(placement_policy="auto")
     if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
         raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
@@ -199,6 +204,8 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
         raise ValueError(f"gx.estimate: tokens_per_step must be a positive int, got {tokens_per_step!r}.")
     if world_size < 1:
         raise ValueError(f"gx.estimate: world_size must be >= 1, got {world_size}.")
+    if gpu_flops_per_s is not None and not gpu_flops_per_s > 0:
+        raise ValueError(f"gx.estimate: gpu_flops_per_s must be > 0 (FLOP/s), got {gpu_flops_per_s!r}.")
     loss_chunk_tokens = _loss_chunk_tokens(model, loss_chunk_tokens)
     capacity, peak, name = _device_figures(config, device_bytes, peak_tflops, device_name)
     compute_dtype = COMPUTE_DTYPES[config.precision]
@@ -211,12 +218,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
         raise NotImplementedError(unsupported)
     layout = ChunkLayout(chunks, named, compute_dtype, torch.device("cpu"), MAX_STATE_KINDS, chunk_size,
                          STATE_DTYPES[config.optimizer_state_dtype], config.master_weights)
-    if host_bytes is not None:
-        available, source = parse_bytes(host_bytes, "gx.estimate(host_bytes=...)"), "given"
-        available //= world_size
-    else:
-        budget = host_budget(world_size)
-        available, source = (budget.bytes, budget.source) if budget is not None else (None, None)
+    available, source = _host_available(host_bytes, world_size)
     releasable = sum(p.numel() * p.element_size() for _, p in named if p.device.type == "cpu")
     base = dict(device_kind="cuda", allocator_mode="default", device_capacity_bytes=capacity,
                 device_total_bytes=capacity, set_shard_bytes=tuple(layout.shard_bytes),
@@ -237,8 +239,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     checkpointing = checkpointing or config.activation_checkpointing != "off"  # the engine's, where it checkpoints
     activations = _activations(shape, checkpointing, rank_tokens, loss_chunk_tokens,
                                activation_bytes_per_token_override)
-    gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, peak, len(named),
-                                                _attention_forward_flops(shape, rank_tokens, seq_len))
+    gpu_rate = gpu_flops_per_s or peak * 1e12 * gpu_efficiency(rank_tokens)
+    gpu_seconds, forward_seconds = _gpu_seconds(rank_tokens, n_total, n_trainable, checkpointing, gpu_rate,
+                                                len(named), _attention_forward_flops(shape, rank_tokens, seq_len))
     offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
@@ -259,7 +262,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
                          activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token,
                          peak_tflops=peak, device_name=name, n_total=n_total, n_trainable=n_trainable,
-                         chunk_size=chunk_size))
+                         chunk_size=chunk_size, gpu_flops_per_s=gpu_rate))
 
 
 def _attention_forward_flops(shape, rank_tokens: int, seq_len: int | None) -> float:
@@ -272,14 +275,21 @@ def _attention_forward_flops(shape, rank_tokens: int, seq_len: int | None) -> fl
     return 2.0 * shape.width * max(0, seq_len - ATTENTION_BASE_SEQ) * rank_tokens * shape.layers
 
 
-def _gpu_seconds(rank_tokens: int, n_total: int, n_trainable: int, checkpointing: bool, peak_tflops: float,
+def _host_available(host_bytes, world_size: int) -> tuple:
+    """(the host bytes each rank may use, where the figure comes from): given, or this host's."""
+    if host_bytes is not None:
+        return parse_bytes(host_bytes, "gx.estimate(host_bytes=...)") // world_size, "given"
+    budget = host_budget(world_size)
+    return (budget.bytes, budget.source) if budget is not None else (None, None)
+
+
+def _gpu_seconds(rank_tokens: int, n_total: int, n_trainable: int, checkpointing: bool, rate: float,
                  tensors: int, attention_forward_flops: float = 0.0) -> tuple[float, float]:
     """The GPU's forward and backward (recompute included under checkpointing), and the forward
-    alone: FLOPs at the peak's efficiency for these tokens, or the host's dispatch where that is longer."""
+    alone: FLOPs at `rate` (FLOP/s), or the host's dispatch where that is longer."""
     forward_flops = rank_tokens * 2 * n_total + attention_forward_flops
     flops = (forward_flops * (2 if checkpointing else 1) + rank_tokens * (2 * n_total + 2 * n_trainable) +
              attention_forward_flops * ATTENTION_BACKWARD_PER_FORWARD)
-    rate = peak_tflops * 1e12 * gpu_efficiency(rank_tokens)
     dispatch_per_pass = tensors * HOST_DISPATCH_S_PER_TENSOR_PASS
     return (max(flops / rate, (3 if checkpointing else 2) * dispatch_per_pass),
             max(forward_flops / rate, dispatch_per_pass))
@@ -331,7 +341,7 @@ def _activation_plan(config, shape, rank_tokens: int, warm_activations: int, war
     recomputed = counts["recompute"] + counts["offload"]
     return {"activations": outside_blocks + plan["device_bytes"], "host_bytes": counts["offload"] * per_block_input,
             "device_bytes_freed": per_block_input * layers - plan["device_bytes"],
-            "exposed_copy_s": plan["added_seconds"] - recomputed * forward_block,
+            "exposed_copy_s": max(0.0, plan["added_seconds"] - recomputed * forward_block),  # no rounding below 0
             "recompute_saved_s": counts["keep"] * forward_block,
             "plan": {**counts, "room_bytes": room, "planned_device_bytes": plan["device_bytes"], "fits": plan["fits"]}}
 
@@ -410,7 +420,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
         "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / H2D_BYTES_PER_S,
         "tokens_per_s": facts["tokens_per_step"] / step,
         "mfu": rank_tokens_per_s * model_flops / (facts["peak_tflops"] * 1e12),
-        "rates": {"gpu_flops_per_s": facts["peak_tflops"] * 1e12 * gpu_efficiency(facts["rank_tokens"]),
+        "rates": {"gpu_flops_per_s": facts["gpu_flops_per_s"],
                   "cpu_optimizer_elements_per_s": cpu_rate, "cpu_optimizer_source": cpu_source,
                   "link_optimizer_elements_per_s": LINK_ELEMENTS_PER_S,
                   "h2d_bytes_per_s": H2D_BYTES_PER_S},

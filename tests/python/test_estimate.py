@@ -147,7 +147,7 @@ def test_at_few_tokens_the_hosts_dispatch_bounds_the_gpu_part():
     assert many["step_parts_s"]["gpu"] > 5 * 3 * per_pass
 
 
-def test_long_sequences_add_their_attention_work():
+def test_long_sequences_add_their_attention_work_and_a_measured_rate_replaces_the_peaks():
     """Per token, layer and causal forward 2 d (s - 1024) FLOPs beyond 1024-token sequences, in the
     forward, its recompute and the backward (2.5 forwards): at 16k tokens of one sequence the 6.7B
     GPT's GPU part grows by that work at the same efficiency; 1024-token sequences add nothing."""
@@ -163,6 +163,12 @@ def test_long_sequences_add_their_attention_work():
     assert long["step_parts_s"]["gpu"] == pytest.approx(base["step_parts_s"]["gpu"] * (linear + attention) / linear)
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
         gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", seq_len=0, **H200)
+    # a measured rate in place of the peak's efficiency: half the rate, twice the GPU's part
+    half = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB",
+                       gpu_flops_per_s=base["rates"]["gpu_flops_per_s"] / 2, **H200)
+    assert half["step_parts_s"]["gpu"] == pytest.approx(2 * base["step_parts_s"]["gpu"])
+    with pytest.raises(ValueError, match="gpu_flops_per_s must be > 0"):
+        gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", gpu_flops_per_s=0, **H200)
 
 
 def test_steps_from_backward_overlap_the_next_forward_in_its_order():
