@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     est.add_argument("--min-chunk-size-m", type=float, default=None,
                      help="GeminiConfig.min_chunk_size_m (default 32)")
     est.add_argument("--gpu-memory-limit", default=None, help="GeminiConfig.gpu_memory_limit, e.g. 24GiB")
+    est.add_argument("--gpu-flops-per-s", type=float, default=None,
+                     help="the GPU's achieved rate on this model, e.g. from its forward and backward alone "
+                          "(default: the device's peak times the estimate's efficiency)")
     est.add_argument("--seq-len", type=int, default=None,
                      help="tokens per sequence: the attention-score work of sequences longer than 1024 (default 1024)")
     est.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
@@ -92,7 +95,7 @@ ESTIMATE_FLAGS = {"device_bytes": "--device-bytes", "host_bytes": "--host-bytes"
                   "min_chunk_size_m": "--min-chunk-size-m", "gpu_memory_limit": "--gpu-memory-limit",
                   "max_norm": "--max-norm", "optimizer_step_in_backward": "--step-in-backward",
                   "optimizer_state_dtype": "--optimizer-state-dtype", "master_weights": "--no-master-weights",
-                  "placement_policy": "--policy", "seq_len": "--seq-len",
+                  "placement_policy": "--policy", "seq_len": "--seq-len", "gpu_flops_per_s": "--gpu-flops-per-s",
                   "activation_bytes_per_token_override": "--hf-config of a model with an embedding and blocks"}
 
 
@@ -148,7 +151,8 @@ def _estimate(args) -> int:
                          checkpointing=not args.no_checkpointing, loss_chunk_tokens=args.loss_chunk_tokens,
                          device_bytes=number(args.device_bytes), host_bytes=number(args.host_bytes),
                          peak_tflops=args.peak_tflops, device_name=args.device_name,
-                         cpu_optimizer_elements_per_s=args.cpu_rate, seq_len=args.seq_len)
+                         cpu_optimizer_elements_per_s=args.cpu_rate, seq_len=args.seq_len,
+                         gpu_flops_per_s=args.gpu_flops_per_s)
     except (ValueError, TypeError, NotImplementedError, _C.OutOfMemoryError, torch.OutOfMemoryError) as exc:
         print(f"gemini-ext estimate: {in_flags(str(exc))}", file=sys.stderr)
         return 2
