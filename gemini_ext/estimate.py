@@ -54,7 +54,10 @@ block's input (L d bf16) and the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16 
 fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B and 6.7B, where
 the formula gives 895 and 665) and only for one piece of tokens where the loss is computed in
 checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash
-attention, no s^2 term). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
+attention, no s^2 term), or for a gated MLP of inner width i (Llama's SwiGLU) 30 d + 8 i bytes:
+in bf16 the attention's inputs and outputs, q and k before and after the rotary embedding, two
+RMSNorms' fp32 inputs, and the gate, up, activation and product of the MLP (transformers'
+LLaMA-7B on an H100: the engine counted 52.6 d per token, the formula gives 51.5 d). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
 DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inputs but two wait in
 host memory (counted there), and the part of their copies that a block's forward or backward does
 not hide is added (activation_copies). With activation_checkpointing="auto" the placement is the
@@ -89,6 +92,9 @@ GPU_EFFICIENCY = ((1024, 0.58), (4096, 0.65), (8192, 0.665), (16384, 0.672))
 H2D_BYTES_PER_S = 55e9          # pinned copies over PCIe 5 x16, either direction (the H200 machine)
 OFFLOAD_IN_FLIGHT = LOOKAHEAD    # offloaded block inputs on the device at once (fetched ahead in backward)
 LINK_ELEMENTS_PER_S = 2.8e9     # the device's Adam kernel over mapped host state (bench/link_adam.py)
+BLOCK_BYTES_PER_WIDTH = 34      # a block's saved tensors per token and unit of width (GPT: GELU MLP of 4 d)
+GATED_BLOCK_BYTES_PER_WIDTH = 30  # a gated-MLP block's (Llama): attention, two RMSNorms kept in fp32, rotary
+GATED_BYTES_PER_MLP_WIDTH = 8      # ... and per unit of the MLP's inner width: gate, up, their activation, product
 ACTIVATION_RESERVE_RATIO = 1.22  # torch's reserved / peak allocated at the end of an iteration
 LOGIT_BYTES_PER_VOCAB = 12.6  # per token: bf16 logits, fp32 copy, fp32 and bf16 gradients (H200, 6.7B and 15.4B)
 DEVICE_OTHER_BYTES = 1536 << 20  # CUDA context and libraries, outside torch and the chunks
@@ -102,27 +108,41 @@ SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """What the activation and FLOP models read from a model: layers, width, vocabulary."""
+    """What the activation and FLOP models read from a model: layers, width, vocabulary, and the
+    width of a gated MLP's inner projections (0: not gated)."""
     layers: int
     width: int
     vocab: int
+    gated_mlp_width: int = 0
+
+    def block_activation_bytes_per_token(self) -> int:
+        """A block's saved tensors per token without checkpointing (the module's note)."""
+        if self.gated_mlp_width:
+            return GATED_BLOCK_BYTES_PER_WIDTH * self.width + GATED_BYTES_PER_MLP_WIDTH * self.gated_mlp_width
+        return BLOCK_BYTES_PER_WIDTH * self.width
 
 
 def model_shape(model: torch.nn.Module) -> Shape | None:
-    """Layers (the longest ModuleList), width and vocabulary (the largest embedding), or None."""
+    """Layers (the longest ModuleList), width and vocabulary (the largest embedding), or None; the
+    MLP is gated where two Linear layers of the first block share the widest output, wider than the
+    width (gate and up projections)."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if not embeddings or not lists:
         return None
     vocab = max(embeddings, key=lambda e: e.num_embeddings)
-    return Shape(max(len(m) for m in lists), vocab.embedding_dim, vocab.num_embeddings)
+    blocks = max(lists, key=len)
+    outs = [m.out_features for m in blocks[0].modules() if isinstance(m, torch.nn.Linear)] if len(blocks) else []
+    inner = max(outs, default=0)  # an MLP wider than the model; two of that width: gated
+    gated = inner if inner > vocab.embedding_dim and outs.count(inner) >= 2 else 0
+    return Shape(len(blocks), vocab.embedding_dim, vocab.num_embeddings, gated)
 
 
 def activation_bytes(shape: Shape, checkpointing: bool, tokens: int, loss_chunk_tokens: int = 0) -> int:
     """The activations' bytes of `tokens` tokens per step; the logits' part counts only the loss's
     piece of `loss_chunk_tokens` tokens where the loss is computed that many at a time."""
     logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
-    per_layer = shape.width * (2 if checkpointing else 34)
+    per_layer = shape.width * 2 if checkpointing else shape.block_activation_bytes_per_token()
     return tokens * shape.layers * per_layer + int(logit_tokens * shape.vocab * LOGIT_BYTES_PER_VOCAB)
 
 
@@ -325,12 +345,13 @@ def _activation_plan(config, shape, rank_tokens: int, warm_activations: int, war
                      capacity: int, forward_seconds: float, gpu_seconds: float) -> dict:
     """activation_checkpointing="auto": the engine's per-block plan (core/activation_plan.h) over
     the room the chunks leave, from the first iteration's figures (every block checkpointed, its
-    input offloaded where offload is on). Blocks alike: 34 d bytes per token of activations, 2 d of
+    input offloaded where offload is on). Blocks alike: their activations per token as counted above, 2 d of
     input, the forward's time in equal parts, the backward twice the forward. Returns the steady
     iteration's activation bytes, host bytes and exposed copies, and the recompute it saves."""
     layers, per_block_input = shape.layers, rank_tokens * shape.width * 2
     forward_block = forward_seconds / layers
-    blocks = [(rank_tokens * shape.width * 34, per_block_input, forward_block, 2 * forward_block)] * layers
+    blocks = [(rank_tokens * shape.block_activation_bytes_per_token(), per_block_input, forward_block,
+               2 * forward_block)] * layers
     outside_blocks = warm_activations - (per_block_input * layers - warm_offload["device_bytes_freed"])
     # torch's allocator holds ACTIVATION_RESERVE_RATIO of the activations' peak
     room = int((capacity - chunk_bytes - DEVICE_OTHER_BYTES) / ACTIVATION_RESERVE_RATIO) - outside_blocks

@@ -253,3 +253,24 @@ def test_planned_activations_keep_blocks_where_the_chunks_leave_room():
                         tokens_per_step=16384, host_bytes="125.5GiB", **H200)
     assert small["activation_plan"]["keep"] == 0 and small["activation_plan"]["offload"] == layers, small
     assert small["activation_offload"]["host_bytes"] == layers * 16384 * 4096 * 2
+
+
+def test_a_gated_mlp_counts_its_inner_width():
+    """transformers' Llama (gate and up projections of the intermediate size): 30 d + 8 i bytes of
+    activations per token and block; the project's GPT (one 4 d projection) and a Mixtral-style MoE
+    (experts held as stacked tensors, not Linear layers): 34 d."""
+    transformers = pytest.importorskip("transformers")
+    model_shape = gx.estimate.__globals__["model_shape"]
+
+    def meta(cls, **fields):
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
+    llama = model_shape(meta("LlamaConfig", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    assert (llama.layers, llama.width, llama.gated_mlp_width) == (3, 64, 176)
+    assert llama.block_activation_bytes_per_token() == 30 * 64 + 8 * 176
+    moe = model_shape(meta("MixtralConfig", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, vocab_size=100))
+    gpt = model_shape(_meta_gpt("small"))
+    assert moe.gated_mlp_width == gpt.gated_mlp_width == 0
+    assert gpt.block_activation_bytes_per_token() == 34 * gpt.width
