@@ -334,3 +334,21 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     assert row["estimate"]["step_s"] > 0 and row["engine"]["activations"]["plan"]["decided"], row["estimate"]
     assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
     assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()
+
+
+def test_hf_map_bound_is_the_longest_of_gpu_cpu_and_link():
+    """bench/hf_map.py's bound from a row's figures: 42 host sets of 157M elements at 3.64G/s is
+    1.82 s of CPU, 88.7 GB up and 82.4 GB down over 6 steps at 51.3 GB/s is 0.29 s of link; the GPU
+    alone's 3.69 s bounds it, and without a GPU-alone figure there is no bound."""
+    import sys
+    spec = importlib.util.spec_from_file_location("hf_map", os.path.join(REPO, "bench", "hf_map.py"))
+    hf_map = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    spec.loader.exec_module(hf_map)
+    row = {"steps": 6, "engine": {"chunk_size": 157319168, "traffic": {"h2d_bytes": 88.7e9, "d2h_bytes": 82.4e9},
+                                  "placement": {"optim_chunks_on_host": 42, "decision": {
+                                      "cpu_optimizer_elements_per_s": 3.64e9, "h2d_bytes_per_s": 51.3e9}}}}
+    b = hf_map.bound(row, 3.69)
+    assert b["cpu"] == pytest.approx(42 * 157319168 / 3.64e9) and b["pcie"] == pytest.approx(88.7e9 / 6 / 51.3e9)
+    assert b["bound"] == 3.69 and hf_map.bound(row, None)["bound"] is None
+    assert hf_map.bound(row, 1.0)["bound"] == pytest.approx(b["cpu"])
