@@ -314,7 +314,7 @@ def main(argv=None) -> dict:
         sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    losses, step_s, optimizer_s = [], [], []
+    losses, step_s, optimizer_s, reserved = [], [], [], []
     for step in range(args.steps):
         x = batch_of(model, args, step, dev)
         start = time.perf_counter()
@@ -322,6 +322,8 @@ def main(argv=None) -> dict:
         losses.append(loss.item())
         step_s.append(time.perf_counter() - start)
         optimizer_s.append(time.perf_counter() - before_opt)
+        if dev.type == "cuda":  # what torch's allocator holds after each step: does the first step's hold persist?
+            reserved.append(torch.cuda.memory_reserved(dev))
         print(f"step {step}: loss {losses[-1]:.4f}, {step_s[-1]:.3f} s", flush=True)
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
@@ -340,6 +342,7 @@ def main(argv=None) -> dict:
         "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         # what torch's allocator held at its most (its cached segments, fragmentation included)
         "peak_torch_reserved_bytes": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+        "torch_reserved_bytes_after_each_step": reserved,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     summary.update(engine=final_stats())
