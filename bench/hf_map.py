@@ -21,7 +21,6 @@ pieces (--loss-chunk-tokens) are the same for every row. Writes markdown and JSO
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -99,7 +98,7 @@ def table(rows: list[dict], peak_tflops: float) -> str:
             lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
             continue
         step, tokens = r["step_s_median"], r["batch"] * r["seq"]
-        mfu = 6 * (r.get("active_parameters") or r["parameters"]) * tokens / step / (peak_tflops * 1e12)
+        mfu = hf_models.row_mfu(r, tokens, peak_tflops)
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         b, est = r.get("bound") or {}, r.get("estimate") or {}
         est_text = (f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})" if "step_s" in est else
@@ -114,15 +113,9 @@ def table(rows: list[dict], peak_tflops: float) -> str:
 
 
 def write(rows: list[dict], args) -> str:
-    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, "
-            f"{args.state} optimizer state, MFU against {args.peak_tflops:.0f} TFLOP/s\n\n" +
-            table(rows, args.peak_tflops))
-    if args.out:
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump(rows, f, indent=2, default=str)
-    return text
+    return hf_models.save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, "
+                          f"{args.state} optimizer state, MFU against {args.peak_tflops:.0f} TFLOP/s\n\n" +
+                          table(rows, args.peak_tflops), rows, args.out)
 
 
 def parse_args(argv):

@@ -128,8 +128,7 @@ def table(results: list[dict], peak_tflops: float) -> str:
             lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
             continue
         step = r["step_s_median"]
-        active = r.get("active_parameters") or r["parameters"]  # an MoE: the experts a token is routed to
-        mfu = 6 * active * r["tokens_per_step"] / step / (peak_tflops * 1e12)
+        mfu = row_mfu(r, r["tokens_per_step"], peak_tflops)
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         peak = (r.get("peak_torch_device_bytes") or 0) + chunks
         rss = r.get("peak_host_rss_bytes")
@@ -142,16 +141,27 @@ def table(results: list[dict], peak_tflops: float) -> str:
     return "\n".join(lines)
 
 
-def write_tables(results: list[dict], args) -> str:
-    """The markdown table of `results` (returned), written with the JSON beside --out."""
-    text = (f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
-            f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops))
-    if args.out:
-        with open(args.out + ".md", "w") as f:
+def row_mfu(row: dict, tokens_per_step: int, peak_tflops: float) -> float:
+    """6 N FLOPs per token over the row's median step against the peak; N the parameters a token
+    computes with (an MoE: the experts a token is routed to)."""
+    active = row.get("active_parameters") or row["parameters"]
+    return 6 * active * tokens_per_step / row["step_s_median"] / (peak_tflops * 1e12)
+
+
+def save(text: str, results: list[dict], out: str | None) -> str:
+    """`text` (returned) and `results` as markdown and JSON beside the path prefix `out`, if any."""
+    if out:
+        with open(out + ".md", "w") as f:
             f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
+        with open(out + ".json", "w") as f:
             json.dump(results, f, indent=2, default=str)
     return text
+
+
+def write_tables(results: list[dict], args) -> str:
+    """The markdown table of `results` (returned), written with the JSON beside --out."""
+    return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
+                f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops), results, args.out)
 
 
 def main(argv=None) -> list[dict]:
