@@ -63,8 +63,8 @@ def predicted(model_name: str, batch: int, seq: int, budget: str | None, gpu_alo
         e = gx.estimate(model, config, **common)
     except Exception as exc:  # a plan that cannot fit raises; the row still runs and says so
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"step_s": e["step_time_s"], "fits": e["fits"], "step_parts_s": e["step_parts_s"],
-            "activation_plan": e["activation_plan"], "rates": e["rates"]}
+    return {"step_s": e["step_time_s"], **{k: e[k] for k in ("fits", "step_parts_s", "activation_plan", "rates", "plan",
+                                                               "device_bytes", "host_bytes", "pcie_bound_s")}}
 
 
 def bound(row: dict, gpu_alone_s: float | None) -> dict:
