@@ -50,10 +50,12 @@ A step is the GPU's work plus what the GPU waits for:
   evicted and fetched again; the fetch of those bytes at the link's rate is counted once.
 PCIe traffic (host sets' parameters up, their gradients down) overlaps compute on this machine;
 it is reported as a bound, not added. Activation memory, per token: under checkpointing each
-block's input (L d bf16) and the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16 logits, their
-fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B and 6.7B, where
-the formula gives 895 and 665) and only for one piece of tokens where the loss is computed in
-checkpointed pieces, GPTConfig.loss_chunk_tokens); without it, 34 d bytes per layer (flash
+block's input (L d bf16) and the larger of the loss's logits (LOGIT_BYTES_PER_VOCAB x V: bf16
+logits, their fp32 copy, its fp32 and bf16 gradients; measured 897 and 665 kB per token at 15.4B
+and 6.7B, where the formula gives 895 and 665; only one piece of tokens where the loss is computed
+in checkpointed pieces, GPTConfig.loss_chunk_tokens) and one block's recomputed activations, which
+its backward holds after the loss (with the loss in pieces of a long step, the larger); without
+checkpointing, 34 d bytes per layer (flash
 attention, no s^2 term), or for a gated MLP of inner width i (Llama's SwiGLU) 30 d + 8 i bytes:
 in bf16 the attention's inputs and outputs, q and k before and after the rotary embedding, two
 RMSNorms' fp32 inputs, and the gate, up, activation and product of the MLP (transformers'
@@ -61,8 +63,24 @@ LLaMA-7B on an H100: the engine counted 52.6 d per token, the formula gives 51.5
 DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inputs but two wait in
 host memory (counted there), and the part of their copies that a block's forward or backward does
 not hide is added (activation_copies). With activation_checkpointing="auto" the placement is the
-first iteration's (every block checkpointed) and the step is the plan's: the core's per-block
-choice over the room the chunks leave (activation_plan), its kept blocks' recompute saved.
+first iteration's and the step is the plan's: the core's per-block choice over the room the
+chunks leave (activation_plan), its kept blocks' recompute saved. The first iteration keeps block
+0's activations (the planner measures them) beside a recomputed block's and the others' inputs
+(offloaded unless activation_offload is "off"): two blocks' activations, which the placement
+plans the chunks around, so at long steps under a budget the chunks get less than the parameters.
+
+[Note: what the map of LLaMA-7B on an H100 taught (8k to 64k tokens, 24 GiB to the whole device)]
+- The first iteration's peak decides the chunk budget. Counting only the inputs and the logits,
+  the estimate gave the chunks 33.9 GiB at 40 GiB and 32k tokens where the engine measured a
+  non-model peak of 14.1 GiB and gave them 21.7 GiB (3 optimizer sets on the device, not 9); with
+  the two blocks' activations above it gives 21.2 GiB and the engine's split.
+- Where that budget is below the parameters (64k tokens at 24 and 40 GiB) the engine streams
+  them: every chunk fetched in the forward and again in the backward, each fetch waited for.
+  fetch_stall counts the displaced bytes once; the steps measured 0.7-4.8 s above the GPU alone
+  there (-37% at 24 GiB and 32 x 2048 tokens, -18% for one 65,536-token sequence): not modelled.
+- The host's rates in the step fall below the probes: the CPU lane kept 0.62-0.95 of its probed
+  rate and the link lane 0.43-0.67 (RATE_SHARES_WHILE_BOTH_RUN assumes 0.84 and 0.70), so
+  host-bound steps (8k tokens) come out 13-15% short.
 """
 
 from __future__ import annotations
@@ -139,11 +157,20 @@ def model_shape(model: torch.nn.Module) -> Shape | None:
 
 
 def activation_bytes(shape: Shape, checkpointing: bool, tokens: int, loss_chunk_tokens: int = 0) -> int:
-    """The activations' bytes of `tokens` tokens per step; the logits' part counts only the loss's
-    piece of `loss_chunk_tokens` tokens where the loss is computed that many at a time."""
+    """The activations' peak bytes of `tokens` tokens per step; the logits' part counts only the
+    loss's piece of `loss_chunk_tokens` tokens where the loss is computed that many at a time.
+    Under checkpointing the peak is the blocks' inputs and the larger of the loss's logits and one
+    block's recomputed activations (its backward, after the loss)."""
+    logits = int(logits_bytes(shape, tokens, loss_chunk_tokens))
+    if not checkpointing:
+        return tokens * shape.layers * shape.block_activation_bytes_per_token() + logits
+    return tokens * shape.layers * shape.width * 2 + max(logits, tokens * shape.block_activation_bytes_per_token())
+
+
+def logits_bytes(shape: Shape, tokens: int, loss_chunk_tokens: int = 0) -> float:
+    """The loss's logits and their gradients: its piece of `loss_chunk_tokens` tokens, or every token."""
     logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
-    per_layer = shape.width * 2 if checkpointing else shape.block_activation_bytes_per_token()
-    return tokens * shape.layers * per_layer + int(logit_tokens * shape.vocab * LOGIT_BYTES_PER_VOCAB)
+    return logit_tokens * shape.vocab * LOGIT_BYTES_PER_VOCAB
 
 
 def _loss_chunk_tokens(model: torch.nn.Module, given: int | None) -> int:
@@ -218,14 +245,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     GPT, 0 is the whole batch. seq_len: tokens per sequence (the module's note; None: 1024).
     gpu_flops_per_s: the GPU's achieved rate on this model (e.g. its measured forward and backward)."""
     config = config or GeminiConfig(placement_policy="auto")
-    if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
-        raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
-    if not isinstance(tokens_per_step, int) or tokens_per_step <= 0:
-        raise ValueError(f"gx.estimate: tokens_per_step must be a positive int, got {tokens_per_step!r}.")
-    if world_size < 1:
-        raise ValueError(f"gx.estimate: world_size must be >= 1, got {world_size}.")
-    if gpu_flops_per_s is not None and not gpu_flops_per_s > 0:
-        raise ValueError(f"gx.estimate: gpu_flops_per_s must be > 0 (FLOP/s), got {gpu_flops_per_s!r}.")
+    _check_arguments(config, tokens_per_step, world_size, gpu_flops_per_s)
     loss_chunk_tokens = _loss_chunk_tokens(model, loss_chunk_tokens)
     capacity, peak, name = _device_figures(config, device_bytes, peak_tflops, device_name)
     compute_dtype = COMPUTE_DTYPES[config.precision]
@@ -265,17 +285,20 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     offload = _activation_offload(config, checkpointing, shape, rank_tokens, forward_seconds, gpu_seconds)
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
+    planned = config.activation_checkpointing == "auto" and shape is not None
+    # the planner measures the first forward with block 0 kept: its activations beside the others' inputs
+    warm = activations + (rank_tokens * shape.block_activation_bytes_per_token() if planned else 0)
     cpu_rate, cpu_source = _cpu_rate(cpu_optimizer_elements_per_s)
-    measured = Measurements(**base, non_model_peak_bytes=activations, device_other_bytes=DEVICE_OTHER_BYTES,
-                            non_model_reserved_bytes=int(activations * ACTIVATION_RESERVE_RATIO),
+    measured = Measurements(**base, non_model_peak_bytes=warm, device_other_bytes=DEVICE_OTHER_BYTES,
+                            non_model_reserved_bytes=int(warm * ACTIVATION_RESERVE_RATIO),
                             forward_seconds=forward_seconds,
                             backward_seconds=gpu_seconds - forward_seconds, cpu_optimizer_elements_per_s=cpu_rate,
                             h2d_bytes_per_s=H2D_BYTES_PER_S, link_optimizer_elements_per_s=LINK_ELEMENTS_PER_S,
                             optimizer_steps_during_backward=config.optimizer_step_in_backward)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
-    if config.activation_checkpointing == "auto" and shape is not None:  # the plan made after the first iteration
+    if planned:  # the plan made after the first iteration
         chunk_bytes = _chunk_device_bytes(measured, chosen)
-        planned = _activation_plan(config, shape, rank_tokens, activations, offload, chunk_bytes, capacity,
+        planned = _activation_plan(config, shape, rank_tokens, loss_chunk_tokens, chunk_bytes, capacity,
                                    forward_seconds, gpu_seconds)
         activations, offload, gpu_seconds = planned["activations"], planned, gpu_seconds - planned["recompute_saved_s"]
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
@@ -283,6 +306,17 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                          activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token,
                          peak_tflops=peak, device_name=name, n_total=n_total, n_trainable=n_trainable,
                          chunk_size=chunk_size, gpu_flops_per_s=gpu_rate))
+
+
+def _check_arguments(config: GeminiConfig, tokens_per_step, world_size: int, gpu_flops_per_s) -> None:
+    if config.precision not in COMPUTE_DTYPES or config.precision == "fp32":
+        raise ValueError(f"gx.estimate: precision={config.precision!r}: the step-time model is for bf16/fp16 compute.")
+    if not isinstance(tokens_per_step, int) or tokens_per_step <= 0:
+        raise ValueError(f"gx.estimate: tokens_per_step must be a positive int, got {tokens_per_step!r}.")
+    if world_size < 1:
+        raise ValueError(f"gx.estimate: world_size must be >= 1, got {world_size}.")
+    if gpu_flops_per_s is not None and not gpu_flops_per_s > 0:
+        raise ValueError(f"gx.estimate: gpu_flops_per_s must be > 0 (FLOP/s), got {gpu_flops_per_s!r}.")
 
 
 def _attention_forward_flops(shape, rank_tokens: int, seq_len: int | None) -> float:
@@ -341,18 +375,19 @@ def _activation_offload(config, checkpointing: bool, shape, rank_tokens: int, fo
             "host_bytes": per_block * shape.layers, "exposed_copy_s": exposed}
 
 
-def _activation_plan(config, shape, rank_tokens: int, warm_activations: int, warm_offload: dict, chunk_bytes: int,
+def _activation_plan(config, shape, rank_tokens: int, loss_chunk_tokens: int, chunk_bytes: int,
                      capacity: int, forward_seconds: float, gpu_seconds: float) -> dict:
     """activation_checkpointing="auto": the engine's per-block plan (core/activation_plan.h) over
-    the room the chunks leave, from the first iteration's figures (every block checkpointed, its
-    input offloaded where offload is on). Blocks alike: their activations per token as counted above, 2 d of
-    input, the forward's time in equal parts, the backward twice the forward. Returns the steady
+    the room the chunks leave, from the first iteration's figures. Blocks alike: their activations
+    per token as counted above, 2 d of input, the forward's time in equal parts, the backward twice
+    the forward. The plan's bytes hold the inputs kept and a recomputed block's activations; beside
+    them the loss's logits count where they are larger than that block's. Returns the steady
     iteration's activation bytes, host bytes and exposed copies, and the recompute it saves."""
     layers, per_block_input = shape.layers, rank_tokens * shape.width * 2
     forward_block = forward_seconds / layers
-    blocks = [(rank_tokens * shape.block_activation_bytes_per_token(), per_block_input, forward_block,
-               2 * forward_block)] * layers
-    outside_blocks = warm_activations - (per_block_input * layers - warm_offload["device_bytes_freed"])
+    block_bytes = rank_tokens * shape.block_activation_bytes_per_token()
+    blocks = [(block_bytes, per_block_input, forward_block, 2 * forward_block)] * layers
+    outside_blocks = max(0, int(logits_bytes(shape, rank_tokens, loss_chunk_tokens)) - block_bytes)
     # torch's allocator holds ACTIVATION_RESERVE_RATIO of the activations' peak
     room = int((capacity - chunk_bytes - DEVICE_OTHER_BYTES) / ACTIVATION_RESERVE_RATIO) - outside_blocks
     link = H2D_BYTES_PER_S if config.activation_offload != "off" else 0.0

@@ -11,7 +11,7 @@ import torch
 
 import gemini_ext as gx
 from gemini_ext.__main__ import main as cli
-from gemini_ext.estimate import HOST_DISPATCH_S_PER_TENSOR_PASS
+from gemini_ext.estimate import HOST_DISPATCH_S_PER_TENSOR_PASS, LOGIT_BYTES_PER_VOCAB, model_shape
 from gemini_ext.models import GPT, GPT_PRESETS
 
 H200 = dict(device_bytes=150_109_880_320, device_name="NVIDIA H200", cpu_optimizer_elements_per_s=4.6e9)
@@ -51,15 +51,19 @@ def test_a_15b_model_on_one_h200_splits_its_state_and_waits_for_the_host():
 
 def test_a_loss_in_token_pieces_counts_one_pieces_logits():
     """loss_chunk_tokens (given, or read from gemini_ext's GPT): the logits' bytes count for one
-    piece of tokens, not the batch; at 15.4B and 16k tokens that frees the device of about 6 GB
-    of logits, so no parameter chunk is evicted (the plan of 7.3 GB evicted at once), and the
-    command line takes it too."""
+    piece of tokens, not the batch, and then the peak is the larger of that piece and one block's
+    recomputed activations (its backward); at 15.4B and 16k tokens that frees the device of about
+    4 GB, so fewer parameter bytes are evicted, and the command line takes it too."""
     model = _meta_gpt("15b")
     whole = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", **H200)
     pieces = gx.estimate(model, tokens_per_step=16384, host_bytes="125.5GiB", loss_chunk_tokens=2048, **H200)
-    vocab_bytes = (16384 - 2048) * 32000 * gx.estimate.__globals__["LOGIT_BYTES_PER_VOCAB"]
-    assert whole["activation_bytes"] - pieces["activation_bytes"] == pytest.approx(vocab_bytes, abs=2)
-    assert whole["plan"]["evicted_param_bytes"] > 0 == pieces["plan"]["evicted_param_bytes"]
+    shape = model_shape(model)
+    piece_bytes = 2048 * 32000 * LOGIT_BYTES_PER_VOCAB
+    block_bytes = 16384 * shape.block_activation_bytes_per_token()
+    assert block_bytes > piece_bytes, "at 16k tokens a block's recompute outweighs a 2048-token piece of logits"
+    assert whole["activation_bytes"] - pieces["activation_bytes"] == \
+        pytest.approx(16384 * 32000 * LOGIT_BYTES_PER_VOCAB - block_bytes, abs=2)
+    assert whole["plan"]["evicted_param_bytes"] > pieces["plan"]["evicted_param_bytes"]
     assert pieces["step_time_s"] < whole["step_time_s"]
     with torch.device("meta"):
         chunked = GPT(dataclasses.replace(GPT_PRESETS["15b"], loss_chunk_tokens=2048))
@@ -235,7 +239,8 @@ def test_activation_offload_moves_the_blocks_inputs_to_the_host():
 def test_planned_activations_keep_blocks_where_the_chunks_leave_room():
     """activation_checkpointing="auto": the core's plan over the room the chunks leave. On the
     whole H200 a 6.7B model's chunks leave room for some blocks' activations (less recompute, a
-    shorter step than checkpointing every block); under a 24 GiB budget none, and the inputs
+    shorter step than checkpointing every block); under a 24 GiB budget at most the one the
+    measured forward kept (its room is given back), and the other inputs
     go to the host with offload on."""
     model = _meta_gpt("6.7b")
     layers = gx.estimate.__globals__["model_shape"](model).layers
@@ -251,8 +256,9 @@ def test_planned_activations_keep_blocks_where_the_chunks_leave_room():
     small = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", activation_checkpointing="auto",
                                                activation_offload="on", gpu_memory_limit="24GiB"),
                         tokens_per_step=16384, host_bytes="125.5GiB", **H200)
-    assert small["activation_plan"]["keep"] == 0 and small["activation_plan"]["offload"] == layers, small
-    assert small["activation_offload"]["host_bytes"] == layers * 16384 * 4096 * 2
+    kept = small["activation_plan"]["keep"]  # at most the block the measured forward kept: its room is given back
+    assert kept <= 1 and small["activation_plan"]["offload"] == layers - kept, small
+    assert small["activation_offload"]["host_bytes"] == (layers - kept) * 16384 * 4096 * 2
 
 
 def test_a_gated_mlp_counts_its_inner_width():
@@ -274,3 +280,25 @@ def test_a_gated_mlp_counts_its_inner_width():
     gpt = model_shape(_meta_gpt("small"))
     assert moe.gated_mlp_width == gpt.gated_mlp_width == 0
     assert gpt.block_activation_bytes_per_token() == 34 * gpt.width
+
+
+def test_the_planners_first_iteration_sets_the_chunk_budget_as_the_engine_measured_it():
+    """activation_checkpointing and activation_offload "auto": the placement plans from the first
+    iteration, whose forward keeps block 0's activations and whose backward recomputes a block's:
+    two blocks' activations beside the inputs in flight. transformers' LLaMA-7B config on an H100,
+    4 x 2048 tokens' loss pieces of 8192, against the engine's figures there: at 16 x 2048 tokens and
+    40 GiB a non-model peak of 14.1 GiB and a chunk budget of 21.7 GiB (3 optimizer sets on the
+    device); at 32 x 2048 tokens and 24 GiB a budget below the parameters' 13.2 GiB, so they stream."""
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+            hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048))
+    h100 = dict(device_bytes=85017493504, device_name="H100", host_bytes="125GiB", cpu_optimizer_elements_per_s=5e9,
+                loss_chunk_tokens=8192, seq_len=2048)
+    planned = dict(placement_policy="auto", max_norm=1.0, activation_checkpointing="auto", activation_offload="auto")
+    mid = gx.estimate(llama, gx.GeminiConfig(gpu_memory_limit="40GiB", **planned), tokens_per_step=16 * 2048, **h100)
+    assert mid["plan"]["chunk_budget_bytes"] == pytest.approx(21.7 * 2**30, rel=0.05), mid["plan"]
+    assert mid["plan"]["evicted_param_bytes"] == 0 and mid["plan"]["optim_sets_on_device"] == 3, mid["plan"]
+    low = gx.estimate(llama, gx.GeminiConfig(gpu_memory_limit="24GiB", **planned), tokens_per_step=32 * 2048, **h100)
+    assert low["plan"]["evicted_param_bytes"] > 12 * 2**30, low["plan"]
