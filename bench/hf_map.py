@@ -10,17 +10,22 @@ runner); peers (bench/hf_models.py's systems) run beside the engine where --syst
     python3 bench/hf_map.py --models llama-7b --budgets 24GiB,40GiB,whole --shapes 4x2048,16x2048,32x2048,1x65536 --out /tmp/map
     python3 bench/hf_map.py --models llama-13b --state 8-byte --budgets 40GiB --shapes 16x2048
     python3 bench/hf_map.py --smoke              # a tiny Llama on sim (tests)
+    python3 bench/hf_map.py --reestimate /tmp/map.json --out /tmp/map-now   # this tree's estimates of those rows
 
 Shapes are batch x sequence length. The bound is max(GPU alone, the CPU Adam of the host-held
 optimizer state at the rate the engine probed, the larger direction's copies at the link rate it
 probed): no overlap can beat it. The estimate is gx.estimate with the row's config, seq_len and
 loss pieces; its error is (estimate - measured) / measured. Clipping (--max-norm) and the loss in
 pieces (--loss-chunk-tokens) are the same for every row. Writes markdown and JSON beside --out.
+--reestimate runs nothing: it makes each engine row's estimate again with this tree's gx.estimate
+from what the row's estimate was made from, a check of a changed estimate against measured rows
+(not a prediction: the rows were seen first).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -46,34 +51,71 @@ def predicted(model_name: str, batch: int, seq: int, budget: str | None, gpu_alo
     GPU-alone row measured, the GPU's rate is this model's there: the estimate's FLOPs of that same
     forward and backward (every block recomputed, no optimizer) over its measured time."""
     import gemini_ext as gx
-    from hf_train import build_model
 
-    model = build_model(model_name, seq, "meta", hf_checkpointing=False)
+    model = meta_model(model_name, seq)
     common = dict(tokens_per_step=batch * seq, seq_len=seq, loss_chunk_tokens=args.loss_chunk_tokens,
                   cpu_optimizer_elements_per_s=args.cpu_rate,
                   **({"device_bytes": args.device_bytes, "device_name": args.device_name} if args.smoke else {}))
-    state = STATE_FIELDS[args.state]
     try:
         if gpu_alone_s:
-            alone = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", **state), **common)
+            alone = gx.estimate(model, gx.GeminiConfig(placement_policy="auto", **STATE_FIELDS[args.state]), **common)
             gpu_flops = alone["step_parts_s"]["gpu"] * alone["rates"]["gpu_flops_per_s"]
             common["gpu_flops_per_s"] = gpu_flops / gpu_alone_s
-        config = gx.GeminiConfig(placement_policy="auto", max_norm=args.max_norm, gpu_memory_limit=budget,
-                                 activation_checkpointing="auto", activation_offload="auto", **state)
-        e = gx.estimate(model, config, **common)
+        return estimate_row(model, budget, common, args)
     except Exception as exc:  # a plan that cannot fit raises; the row still runs and says so
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"step_s": e["step_time_s"], **{k: e[k] for k in ("fits", "step_parts_s", "activation_plan", "rates", "plan",
-                                                               "device_bytes", "host_bytes", "pcie_bound_s")}}
+
+
+def meta_model(model_name: str, seq: int):
+    from hf_train import build_model
+
+    return build_model(model_name, seq, "meta", hf_checkpointing=False)
+
+
+def estimate_row(model, budget: str | None, common: dict, args) -> dict:
+    """gx.estimate of `auto` with activations planned, and what it was made from."""
+    import gemini_ext as gx
+
+    config = gx.GeminiConfig(placement_policy="auto", max_norm=args.max_norm, gpu_memory_limit=budget,
+                             activation_checkpointing="auto", activation_offload="auto", **STATE_FIELDS[args.state])
+    e = gx.estimate(model, config, **common)
+    return {"step_s": e["step_time_s"], "device_name": e["inputs"]["device_name"],
+            **{k: e[k] for k in ("fits", "step_parts_s", "activation_plan", "rates", "plan", "device_bytes",
+                                 "host_bytes", "pcie_bound_s")}}
+
+
+def reestimate(rows: list[dict], args) -> list[dict]:
+    """Each engine row's estimate made again by this tree's gx.estimate from what the row's own
+    estimate was made from (the machine's device and host bytes, its CPU rate and the GPU-alone
+    rate): `estimate_now`, beside the estimate made before the row ran. The bound again too."""
+    for row in rows:
+        before = row.get("estimate") or {}
+        if "rates" not in before:
+            continue
+        common = dict(tokens_per_step=row["batch"] * row["seq"], seq_len=row["seq"],
+                      loss_chunk_tokens=args.loss_chunk_tokens,
+                      cpu_optimizer_elements_per_s=before["rates"]["cpu_optimizer_elements_per_s"],
+                      gpu_flops_per_s=before["rates"]["gpu_flops_per_s"],
+                      device_bytes=before["fits"]["device_capacity_bytes"],
+                      host_bytes=before["fits"]["host_available_bytes"],
+                      device_name=before.get("device_name") or args.device_name)
+        row["estimate_now"] = estimate_row(meta_model(row["model"], row["seq"]), row["budget"], common, args)
+        alone = next((r.get("step_s_median") for r in rows if r.get("name") == "gpu-alone" and
+                      (r["model"], r["batch"], r["seq"]) == (row["model"], row["batch"], row["seq"])), None)
+        row["bound"] = bound(row, alone or (row.get("bound") or {}).get("gpu"))
+    return rows
 
 
 def bound(row: dict, gpu_alone_s: float | None) -> dict:
     """The row's overlap bound: the longest of the GPU alone, the CPU's Adam over the host-held
-    optimizer state and the copies of the busier direction, at the rates the engine probed."""
+    optimizer state and the copies of the busier direction, at the rates the engine probed (where
+    its decision has none, parameters streamed, the estimate's: its CPU probe on the same host)."""
     engine = row.get("engine") or {}
     placement = engine.get("placement") or {}
     decision = placement.get("decision") or {}
-    cpu_rate, link = decision.get("cpu_optimizer_elements_per_s"), decision.get("h2d_bytes_per_s")
+    rates = (row.get("estimate") or {}).get("rates") or {}  # the probes the estimate took on this machine
+    cpu_rate = decision.get("cpu_optimizer_elements_per_s") or rates.get("cpu_optimizer_elements_per_s")
+    link = decision.get("h2d_bytes_per_s") or rates.get("h2d_bytes_per_s")
     host_elements = (placement.get("optim_chunks_on_host") or 0) * (engine.get("chunk_size") or 0)
     traffic = engine.get("traffic") or {}
     per_step = max(traffic.get("h2d_bytes", 0), traffic.get("d2h_bytes", 0)) / max(1, row.get("steps", 1))
@@ -87,27 +129,31 @@ def cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def estimate_cell(est: dict, step: float) -> str:
+    return f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})" if "step_s" in est else est.get("error", "-")[:80]
+
+
 def table(rows: list[dict], peak_tflops: float) -> str:
+    again = any("estimate_now" in r for r in rows)
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB | host RSS GiB | "
-             "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) | auto chose |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) |" + (" estimate now s (error) |" if again else "") +
+             " auto chose |", "|---" * (14 if again else 13) + "|"]
     for r in rows:
         head = (f"| {r['model']} | {r['budget'] or 'whole device'} | {r['batch'] * r['seq']:,} "
                 f"({r['batch']} x {r['seq']}) | {hf_models.LABELS[r['name']]} |")
         if "step_s_median" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} |" + " |" * (8 + again))
             continue
         step, tokens = r["step_s_median"], r["batch"] * r["seq"]
         mfu = hf_models.row_mfu(r, tokens, peak_tflops)
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         b, est = r.get("bound") or {}, r.get("estimate") or {}
-        est_text = (f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})" if "step_s" in est else
-                    est.get("error", "-")[:80])
         cells = [f"{step:.3f}", f"{tokens / step:,.0f}", f"{mfu:.1%}",
                  f"{((r.get('peak_torch_device_bytes') or 0) + chunks) / 2**30:.1f}",
                  f"{(r.get('peak_host_rss_bytes') or 0) / 2**30:.1f}",
                  " / ".join(cell(b.get(k), ".2f") for k in ("gpu", "cpu", "pcie")),
-                 f"{step / b['bound']:.2f}" if b.get("bound") else "-", est_text, hf_models.auto_choice(r)]
+                 f"{step / b['bound']:.2f}" if b.get("bound") else "-", estimate_cell(est, step)] + (
+            [estimate_cell(r.get("estimate_now") or {}, step)] if again else []) + [hf_models.auto_choice(r)]
         lines.append(head + " " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -135,8 +181,13 @@ def parse_args(argv):
     p.add_argument("--timeout", type=int, default=300, help="seconds per row")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="a tiny Llama on sim, the estimate for an H100")
+    p.add_argument("--reestimate", nargs="+", metavar="JSON", default=None,
+                   help="no runs: the rows of these maps' JSON with every estimate made again by this tree "
+                        "(--state, --max-norm and --loss-chunk-tokens as the runs had them)")
+    p.add_argument("--device-name", default="H100",
+                   help="--reestimate: the device whose peak the rows' estimates name, where they do not")
     args = p.parse_args(argv)
-    args.device_bytes, args.device_name = "2GiB", "H100"  # the smoke run's estimate: no device here
+    args.device_bytes = "2GiB"  # the smoke run's estimate: no device here
     if args.smoke:
         args.models, args.budgets, args.shapes, args.steps, args.loss_chunk_tokens = "tiny-llama", "whole", "2x32", 3, 0
     unknown = {n.strip() for n in args.systems.split(",")} - set(hf_models.SYSTEMS)
@@ -160,6 +211,13 @@ def run(name: str, model: str, batch: int, seq: int, budget: str | None, args) -
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.reestimate:
+        rows = []
+        for path in args.reestimate:
+            with open(path) as f:
+                rows += json.load(f)
+        print(write(reestimate(rows, args), args))
+        return rows
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     systems = [n.strip() for n in args.systems.split(",") if n.strip()]
     rows = []
@@ -173,7 +231,8 @@ def main(argv=None) -> list[dict]:
                 for name in systems:
                     row = run(name, model, batch, seq, budget, args)
                     if name.startswith("gemini"):
-                        row.update(estimate=estimate, bound=bound(row, (alone or {}).get("step_s_median")))
+                        row["estimate"] = estimate
+                        row["bound"] = bound(row, (alone or {}).get("step_s_median"))
                     rows.append(row)
                     write(rows, args)  # after every row: a run cut short keeps what it measured
     print("\n" + write(rows, args))

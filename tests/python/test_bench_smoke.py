@@ -324,7 +324,8 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
 def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     """bench/hf_map.py --smoke --state 8-byte: a tiny Llama with the engine's activation plan through
     bench/hf_train.py on sim; the row carries gx.estimate's prediction made before it ran and its
-    bound's parts, the GPU-alone row is listed as skipped on sim, and the table gives the error."""
+    bound's parts, the GPU-alone row is listed as skipped on sim, and the table gives the error;
+    --reestimate makes that estimate again from what the row recorded."""
     pytest.importorskip("transformers")
     out = run_python("bench/hf_map.py", "--smoke", "--state", "8-byte", "--out", str(tmp_path / "map"))
     assert out.returncode == 0, out.stderr
@@ -334,6 +335,13 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     assert row["estimate"]["step_s"] > 0 and row["engine"]["activations"]["plan"]["decided"], row["estimate"]
     assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
     assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()
+    # --reestimate: the same tree from the same recorded inputs makes the same estimate, in its own column
+    again = run_python("bench/hf_map.py", "--reestimate", str(tmp_path / "map.json"), "--state", "8-byte",
+                       "--loss-chunk-tokens", "0", "--out", str(tmp_path / "now"))
+    assert again.returncode == 0, again.stderr
+    _, now = json.loads((tmp_path / "now.json").read_text())
+    assert now["estimate_now"]["step_s"] == pytest.approx(row["estimate"]["step_s"], rel=1e-9), now["estimate_now"]
+    assert "estimate now s (error)" in (tmp_path / "now.md").read_text()
 
 
 def test_hf_map_bound_is_the_longest_of_gpu_cpu_and_link():
