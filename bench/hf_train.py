@@ -13,7 +13,8 @@ betas (0.9, 0.999), eps 1e-8, weight decay 0.1) with fp32 master weights and mom
 token sequences with labels equal to the inputs. The budget caps torch's allocator for the peers
 (set_per_process_memory_fraction, set once the model is sharded or offloaded) and is gemini_ext's
 gpu_memory_limit. Every system builds the model on the GPU where its fp32 weights take less than
-60% of the device, else on the CPU: where it is built does not change the step.
+60% of the device, else (the GPU alone and gemini_ext's 8-byte state, which keep bf16 parameters only)
+on the GPU in bf16 where that takes less, else on the CPU: where it is built does not change the step.
 
 Systems:
   gemini                   gemini_ext (--policy, --step-in-backward, --activation-offload, --checkpointing;
@@ -104,16 +105,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def build_model(name: str, seq: int, device: str, hf_checkpointing: bool = True):
-    """The transformers model of `name` on `device`, fp32, with HF's gradient checkpointing unless
-    told otherwise."""
+def build_model(name: str, seq: int, device: str, hf_checkpointing: bool = True, dtype: torch.dtype = torch.float32):
+    """The transformers model of `name` on `device`, in `dtype`, with HF's gradient checkpointing
+    unless told otherwise."""
     import transformers
 
     cls_name, fields = MODELS[name]
     cfg = getattr(transformers, cls_name)(**fields, max_position_embeddings=max(seq, 128), use_cache=False)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if hf_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -141,6 +142,18 @@ def chunk_the_loss(model, chunk_tokens: int) -> None:
         return total / (targets != -100).sum()
 
     model.loss_function = loss
+
+
+def build_place(fp32_model_bytes: int, device_bytes: int, bf16_parameters_only: bool) -> tuple[str, torch.dtype]:
+    """Where and in which dtype a system builds the model: on the GPU in fp32 where that takes less
+    than 60% of the device; where the system keeps bf16 parameters only (the GPU alone, gemini_ext
+    with the 8-byte state) on the GPU in bf16 where that does; else on the CPU in fp32. The CPU's
+    initialisation is slow (LLaMA-13B's took longer than a row's two minutes on the H100's host)."""
+    if fp32_model_bytes < 0.6 * device_bytes:
+        return "cuda", torch.float32
+    if bf16_parameters_only and fp32_model_bytes // 2 < 0.6 * device_bytes:
+        return "cuda", torch.bfloat16
+    return "cpu", torch.float32
 
 
 def fp32_bytes(name: str) -> int:
@@ -171,8 +184,9 @@ def gemini_system(args, dev_kind: str):
     """(model, compute device, train_step, final stats): gemini_ext over the model built where it fits."""
     import gemini_ext as gx
 
-    on_gpu = dev_kind == "cuda" and fp32_bytes(args.model) < 0.6 * torch.cuda.get_device_properties(0).total_memory
-    model = build_model(args.model, args.seq, "cuda" if on_gpu else "cpu", hf_checkpointing=args.checkpointing == "hf")
+    place, dtype = build_place(fp32_bytes(args.model), torch.cuda.get_device_properties(0).total_memory,
+                               args.state == "8-byte") if dev_kind == "cuda" else ("cpu", torch.float32)
+    model = build_model(args.model, args.seq, place, hf_checkpointing=args.checkpointing == "hf", dtype=dtype)
     if args.loss_chunk_tokens:
         chunk_the_loss(model, args.loss_chunk_tokens)
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
@@ -211,7 +225,8 @@ def peer_system(args):
     """(model, device, train_step, stats) for FSDP2, DeepSpeed or plain PyTorch."""
     dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
-    model = build_model(args.model, args.seq, "cuda" if fp32_bytes(args.model) < 0.6 * total else "cpu")
+    place, dtype = build_place(fp32_bytes(args.model), total, args.system == "gpu-alone")
+    model = build_model(args.model, args.seq, place, dtype=dtype)
     if args.loss_chunk_tokens:
         chunk_the_loss(model, args.loss_chunk_tokens)
 

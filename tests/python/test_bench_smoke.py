@@ -360,3 +360,20 @@ def test_hf_map_bound_is_the_longest_of_gpu_cpu_and_link():
     assert b["cpu"] == pytest.approx(42 * 157319168 / 3.64e9) and b["pcie"] == pytest.approx(88.7e9 / 6 / 51.3e9)
     assert b["bound"] == 3.69 and hf_map.bound(row, None)["bound"] is None
     assert hf_map.bound(row, 1.0)["bound"] == pytest.approx(b["cpu"])
+
+
+def test_hf_train_builds_each_model_where_it_fits():
+    """bench/hf_train.py's place for building a model: LLaMA-7B's 27 GB of fp32 weights on an
+    80 GB GPU; LLaMA-13B's 52 GB on the CPU for a system with fp32 state, on the GPU in bf16 for one
+    that keeps bf16 parameters only (whose CPU build outlasted a row's time); beyond that the CPU."""
+    import sys
+    import torch
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    spec = importlib.util.spec_from_file_location("hf_train", os.path.join(REPO, "bench", "hf_train.py"))
+    hf_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_train)
+    h100 = 85_017_493_504
+    assert hf_train.build_place(26_953_662_464, h100, False) == ("cuda", torch.float32)
+    assert hf_train.build_place(52_063_467_520, h100, False) == ("cpu", torch.float32)
+    assert hf_train.build_place(52_063_467_520, h100, True) == ("cuda", torch.bfloat16)
+    assert hf_train.build_place(120_000_000_000, h100, True) == ("cpu", torch.float32)
