@@ -78,9 +78,10 @@ plans the chunks around, so at long steps under a budget the chunks get less tha
   them: every chunk fetched in the forward and again in the backward, each fetch waited for.
   fetch_stall counts the displaced bytes once; the steps measured 0.7-4.8 s above the GPU alone
   there (-37% at 24 GiB and 32 x 2048 tokens, -18% for one 65,536-token sequence): not modelled.
-- The host's rates in the step fall below the probes: the CPU lane kept 0.62-0.95 of its probed
-  rate and the link lane 0.43-0.67 (RATE_SHARES_WHILE_BOTH_RUN assumes 0.84 and 0.70), so
-  host-bound steps (8k tokens) come out 13-15% short.
+- Host-bound steps (8k tokens) come out 13-14% short: the optimizer's wait is predicted within
+  0.1 s, but the engine's forward and backward took 0.15-0.17 s beyond the GPU alone's and step()
+  itself 0.03-0.15 s, neither counted. In the step the host's lanes kept 0.62-0.95 (CPU) and
+  0.42-0.67 (link) of their probed rates, against the 0.84 and 0.70 of RATE_SHARES_WHILE_BOTH_RUN.
 """
 
 from __future__ import annotations
