@@ -170,10 +170,11 @@ ActivationPlan plan_activations(const ActivationPlanInputs& in) {
                                                       : BlockActivations::kOffload;
   std::vector<BlockActivations> choices(in.blocks.size(), first);
   if (first == BlockActivations::kOffload && in.host_room_bytes >= 0) {  // only what the host can take
+    // beyond it a block is still checkpointed (keep is not allowed), its input left on the device
     int64_t offloaded = 0;
     for (size_t i = 0; i < choices.size(); ++i) {
       offloaded += in.blocks[i].input_bytes;
-      if (offloaded > in.host_room_bytes) choices[i] = BlockActivations::kKeep;
+      if (offloaded > in.host_room_bytes) choices[i] = BlockActivations::kRecompute;
     }
   }
   int64_t bytes = activation_device_bytes(in, choices);

@@ -28,7 +28,9 @@
 //    plan that fits then takes back to plain recompute every offloaded input the room holds (the
 //    last blocks first: their inputs are needed soonest), since the copies share the link with the
 //    chunks' own traffic and the inputs take host memory. Offloaded inputs never exceed
-//    `host_room_bytes` (the host memory left for them): beyond it a block stays on the device.
+//    `host_room_bytes` (the host memory left for them): beyond it a block stays on the device,
+//    recomputed from its input there where it may not be kept (kRecompute: what the runtime does
+//    with an input the host refuses, even where plain recompute is not a choice).
 // Same inputs, same plan, on every rank.
 #pragma once
 
