@@ -299,9 +299,9 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
     if planned:  # the plan made after the first iteration
         chunk_bytes = _chunk_device_bytes(measured, chosen)
-        planned = _activation_plan(config, shape, rank_tokens, loss_chunk_tokens, chunk_bytes, capacity,
-                                   forward_seconds, gpu_seconds)
-        activations, offload, gpu_seconds = planned["activations"], planned, gpu_seconds - planned["recompute_saved_s"]
+        plan = _activation_plan(config, shape, rank_tokens, loss_chunk_tokens, chunk_bytes, capacity,
+                                forward_seconds, gpu_seconds)
+        activations, offload, gpu_seconds = plan["activations"], plan, gpu_seconds - plan["recompute_saved_s"]
     return _summary(config, layout, measured, initial, chosen, gpu_seconds, forward_seconds, cpu_rate, cpu_source,
                     dict(tokens_per_step=tokens_per_step, world_size=world_size, rank_tokens=rank_tokens,
                          activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token,
