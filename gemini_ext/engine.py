@@ -124,10 +124,27 @@ class GeminiEngine:
         from .optim import GeminiOptimizer  # optim builds on this module, not the other way round
         return GeminiOptimizer(self, cls, params, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Same as loss.backward() (the fp16 loss scale is applied by the engine's hooks)."""
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(**kwargs); under fp16 the loss is multiplied by the loss scale here, so it
+        may be computed from any tensor, not only from the model's outputs
+        (_engine/loss_scale_boundary.py)."""
         self.internal.check_open("backward")
-        loss.backward()
+        with self.scale_loss(loss) as scaled:
+            scaled.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor):
+        """`with engine.scale_loss(loss) as scaled: scaled.backward()`: under fp16 `scaled` is the
+        loss times the current loss scale and the engine's own scaling at the model's outputs stands
+        aside for that backward (the form for a loss that does not come from the model's outputs,
+        and for frameworks that run backward themselves); otherwise `scaled` is `loss`."""
+        self.internal.check_open("scale_loss")
+        boundary = self.internal.loss_scale
+        if boundary is None:
+            yield loss
+            return
+        with boundary.caller_scales() as scale:
+            yield loss * scale
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -32,6 +32,7 @@ from .device import ComputeDevice
 from .fill import ChunkFill, allocated_on_write
 from .hooks import HookSet
 from .host_buffers import HostBuffers
+from .loss_scale_boundary import LossScaleBoundary
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
 from .param_access import ParamAccess
@@ -54,6 +55,8 @@ def build_parts(model: torch.nn.Module, config, process_group, param_init_fn, ma
     # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
     parts.groups = DataParallelGroups(data_parallel, config.extra_dp_size)
     parts.scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
+    if parts.scaler is not None:
+        parts.loss_scale = LossScaleBoundary(lambda: parts.scaler.scale)
     parts.clipper = GradClipper(parts)
     timer = SetupTimer()
     policy = make_policy(config)
@@ -146,7 +149,7 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
             parts.activation_offload.backward_started()
 
     parts.hooks = HookSet(runtime, model, layout.params,
-                          scale_fn=(lambda: parts.scaler.scale) if parts.scaler is not None else None,
+                          loss_scale=parts.loss_scale,
                           on_backward_start=on_backward_start,
                           on_forward_start=lambda: parts.access.absorb_writes())
     parts.access = ParamAccess(parts, model)

@@ -42,6 +42,7 @@ class EngineInternals(Protocol):
     sharded_state: "ShardedState"       # this rank's share of the state as DTensors (DCP)
     clipper: "GradClipper"
     scaler: "DynamicLossScaler | None"  # fp16 only
+    loss_scale: Any                     # fp16 only: loss_scale_boundary.LossScaleBoundary
     counters: "TrainingCounters"
     chunk_size: int                     # elements per chunk
     buffers: Any                        # buffers.BufferPlacement: the model's buffers on the compute device

@@ -23,11 +23,7 @@ import torch
 
 from .._native import _C
 from ..placement.costs import TIERS
-
-
-def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:
-    """Whether a chunk of dtype `chunk` represents every value of dtype `orig` exactly."""
-    return orig == chunk or (chunk == torch.float32 and orig in (torch.bfloat16, torch.float16))
+from .layout import held_exactly
 
 
 def allocated_on_write(layout, device_first: list, compute_device) -> set:
@@ -85,7 +81,7 @@ class ChunkFill:
                 del value
                 self._part_done("write", t)
                 kind = layout.exact_kind(i)
-                chunk_dtype = torch.float32 if kind == "master" else layout.compute_dtype
+                chunk_dtype = torch.float32 if kind in ("master", "frozen_master") else layout.compute_dtype
                 if sharded:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                     self.released_sharded += 1
@@ -110,14 +106,10 @@ class ChunkFill:
                 self._allocate_device_copy(handle[0])
             chunks.write_slot(handle, "device" if handle[0] in on_device else host, value)
 
-        if not p.requires_grad:
-            write(layout.handles[("frozen", i)])
-            chunks.transition(layout.handles[("frozen", i)], _C.TensorState.HOLD)
-            return
-        write(layout.handles[("param", i)])
-        if layout.has_master:
-            write(layout.handles[("master", i)])
-        for kind in layout.trainable_kinds:
+        kinds = layout.kinds_of(i)
+        for kind in kinds:
+            if kind in ("param", "master", "frozen", "frozen_wide", "frozen_master"):  # values, not companions
+                write(layout.handles[(kind, i)])
             chunks.transition(layout.handles[(kind, i)], _C.TensorState.HOLD)
 
     def _allocate_device_copy(self, chunk: int) -> None:

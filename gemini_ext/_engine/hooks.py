@@ -54,7 +54,7 @@ def _compiled_autograd_active() -> bool:
 class HookSet:
     """All hooks of one engine; `remove()` takes them off again."""
 
-    def __init__(self, gm, model: torch.nn.Module, params: list, scale_fn=None, on_backward_start=None,
+    def __init__(self, gm, model: torch.nn.Module, params: list, loss_scale=None, on_backward_start=None,
                  on_forward_start=None):
         self.gm = gm
         self._on_backward_start = on_backward_start
@@ -66,7 +66,8 @@ class HookSet:
         # Host wall times of the last forward (its start to the backward's) and backward pass.
         self._forward_began = self._backward_began = 0.0
         self.last_forward_seconds = self.last_backward_seconds = 0.0
-        self._scale_fn = scale_fn
+        self._loss_scale = loss_scale  # fp16: loss_scale_boundary.LossScaleBoundary, else None
+        self._grads_this_backward = 0  # parameter gradients the current backward delivered
         index = {id(p): i for i, p in enumerate(params)}
         for module in model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -78,8 +79,8 @@ class HookSet:
         for i, p in enumerate(params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._post_accumulate, i)))
-        if scale_fn is not None:
-            self._handles.append(model.register_forward_hook(self._scale_outputs))
+        if loss_scale is not None:
+            loss_scale.attach(model)
         if params:  # a failed forward whose inputs differ in dtype or device from the parameters says so
             self._handles.append(input_hints.register(model, params[0].dtype, params[0].device))
 
@@ -87,6 +88,8 @@ class HookSet:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._loss_scale is not None:
+            self._loss_scale.remove()
 
     # --- forward ---------------------------------------------------------------------------
     def _pre_forward(self, mid, module, args):
@@ -110,14 +113,6 @@ class HookSet:
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
-        return None
-
-    def _scale_outputs(self, module, args, output):
-        if not torch.is_grad_enabled():
-            return None
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                t.register_hook(lambda g: g * self._scale_fn())
         return None
 
     # --- backward --------------------------------------------------------------------------
@@ -146,6 +141,7 @@ class HookSet:
 
     def _post_accumulate(self, index, param):
         self._backward_started()
+        self._grads_this_backward += 1
         self.gm.post_accumulate_grad(index, param)
 
     def _forward_started(self, on_forward_start) -> None:
@@ -158,5 +154,8 @@ class HookSet:
 
     def _end_backward(self):
         self._graph_task = None
+        grads, self._grads_this_backward = self._grads_this_backward, 0
         self.gm.end_backward()
         self.last_backward_seconds = time.perf_counter() - self._backward_began
+        if self._loss_scale is not None:
+            self._loss_scale.end_backward(grads)  # raises where nothing applied the fp16 scale

@@ -8,7 +8,11 @@ for the optimizer's state. The optimizer is created after enable(), so the state
 out for the native rule with the most state kinds (Adam: two) but get memory only when an
 optimizer is attached, and only for its rule's kinds (`bind_states`: SGD with momentum and Lion
 use one, plain SGD and generically stepped optimizers none). Frozen parameters (requires_grad=False
-at enable) go to a `frozen` group without companions. Every group starts on the host. The k-th
+at enable) go to a `frozen` group without companions, where the compute dtype holds their values
+exactly; the others (fp32 parameters under bf16 or fp16) go to `frozen_wide` with an fp32
+companion `frozen_master` on the host (its chunk set's master: never stepped, it is what state
+dicts, checkpoints and close() read, and writes reach both), so that a frozen parameter comes
+back from the engine bit for bit as it went in. Every group starts on the host. The k-th
 chunk of every group forms chunk set k: the unit that placement decides and the optimizer steps.
 """
 
@@ -27,6 +31,13 @@ from ..search import ALIGNMENT_NUMEL, search_chunk_configuration, wider_search
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHUNK_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter dtypes enable() takes
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GeminiConfig.optimizer_state_dtype
+FROZEN_KINDS = ("frozen",)                         # frozen parameters the compute dtype holds exactly
+FROZEN_WIDE_KINDS = ("frozen_wide", "frozen_master")  # the others, with their exact values beside
+
+
+def held_exactly(orig: torch.dtype, chunk: torch.dtype) -> bool:
+    """Whether a chunk of dtype `chunk` represents every value of dtype `orig` exactly."""
+    return orig == chunk or (chunk == torch.float32 and orig in (torch.bfloat16, torch.float16))
 
 
 def choose_chunk_size(model, named, config, world_size: int) -> int:
@@ -110,8 +121,12 @@ class ChunkLayout:
         self.trainable_kinds = ("param", "grad") + self.state_groups + (("master",) if self.has_master else ())
         host = chunks.host_tier
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        # Frozen parameters the compute dtype holds exactly, and the others (fp32 under a 16-bit
+        # precision), which keep their exact value in an fp32 companion on the host.
+        frozen = [(n, p) for n, p in named if not p.requires_grad and held_exactly(p.dtype, compute_dtype)]
+        frozen_wide = [(n, p) for n, p in named if not p.requires_grad and not held_exactly(p.dtype, compute_dtype)]
         group_dtype = {"param": compute_dtype, "grad": compute_dtype, "frozen": compute_dtype,
+                       "frozen_wide": compute_dtype, "frozen_master": STATE_DTYPE,
                        **{kind: state_dtype for kind in self.state_groups}}
         # Each group's chunks are no larger than what the group holds: a LoRA adapter's few thousand
         # trainable elements get chunks of their size, not the frozen base model's (whose gradient,
@@ -120,24 +135,28 @@ class ChunkLayout:
             for kind in self.trainable_kinds:
                 chunks.create_group(kind, group_dtype.get(kind, STATE_DTYPE), _fitted(chunk_size, trainable), host,
                                     ALIGNMENT_NUMEL)
-        if frozen:
-            chunks.create_group("frozen", compute_dtype, _fitted(chunk_size, frozen), host, ALIGNMENT_NUMEL)
+        for kinds, members in ((FROZEN_KINDS, frozen), (FROZEN_WIDE_KINDS, frozen_wide)):
+            for kind in kinds if members else ():
+                chunks.create_group(kind, group_dtype[kind], _fitted(chunk_size, members), host, ALIGNMENT_NUMEL)
         self.handles = {}  # (kind, parameter index) -> (chunk, slot)
         self.names, self.params, self.orig, self.numels = [], [], [], []
-        for name, p in trainable + frozen:
+        self._kinds = []  # per parameter: its groups, the compute-dtype one first
+        for name, p in trainable + frozen + frozen_wide:
             idx = len(self.params)
             self.names.append(name)
             self.params.append(p)
             self.numels.append(p.numel())
             self.orig.append((p.dtype, compute_device if p.is_meta else p.device))
-            for kind in (self.trainable_kinds if p.requires_grad else ("frozen",)):
+            kinds = self.trainable_kinds if p.requires_grad else (
+                FROZEN_KINDS if held_exactly(p.dtype, compute_dtype) else FROZEN_WIDE_KINDS)
+            self._kinds.append(kinds)
+            for kind in kinds:
                 self.handles[(kind, idx)] = chunks.register_tensor(kind, name, p.numel(), list(p.shape))
         chunks.close_chunks()  # the layouts are known from here: plan before any memory is taken
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.sets = self._chunk_sets(chunks)
         # (chunk, slot) of each parameter's compute-dtype copy
-        self.slots = [self.handles[("param", i) if p.requires_grad else ("frozen", i)]
-                      for i, p in enumerate(self.params)]
+        self.slots = [self.handles[(kinds[0], i)] for i, kinds in enumerate(self._kinds)]
         infos = {s.param: chunks.chunk_info(s.param) for s in self.sets}
         self.shard_bytes = [infos[s.param]["shard_numel"] * compute_dtype.itemsize for s in self.sets]
         # per parameter: (offset, numel) in its chunk and that chunk's shard size, for pieces()
@@ -169,7 +188,13 @@ class ChunkLayout:
                                       master=companions["master"][n] if self.has_master else -1,
                                       state_slots=tuple(companions[k][n] for k in self.state_groups)))
         sets.extend(SetChunks(param=c) for c in ids("frozen"))
+        sets.extend(SetChunks(param=c, master=m) for c, m in zip(ids("frozen_wide"), ids("frozen_master")))
         return sets
+
+    def frozen_master_shard_bytes(self) -> int:
+        """This rank's bytes of the frozen parameters' exact fp32 values (host only)."""
+        return sum(shard // self.compute_dtype.itemsize * STATE_DTYPE.itemsize
+                   for s, shard in zip(self.sets, self.shard_bytes) if not s.trainable and s.master >= 0)
 
     def unbound_state_chunks(self) -> list[int]:
         """The state chunks no optimizer uses yet (they are created without memory)."""
@@ -212,8 +237,12 @@ class ChunkLayout:
         """The group whose chunk holds parameter idx's value exactly: its fp32 master, else its
         parameter chunk (fp32 precision), or the frozen chunk."""
         if not self.params[idx].requires_grad:
-            return "frozen"
+            return self._kinds[idx][-1]  # "frozen", or "frozen_master" beside "frozen_wide"
         return "master" if self.has_master else "param"
+
+    def kinds_of(self, idx: int) -> tuple:
+        """The groups holding parameter idx: its compute-dtype chunk's first."""
+        return self._kinds[idx]
 
     def value_kinds(self, idx: int, with_state: bool) -> list[str]:
         """The value kinds of parameter idx that checkpoints and state dicts carry: "param" (its
@@ -243,14 +272,16 @@ class ChunkLayout:
         their chunk sets, each chunk counted once whatever its tier and over every rank together
         (padding included): a parameter chunk in the compute dtype; a trainable set adds its
         gradient, fp32 master and the optimizer's state kinds (the planned ones before an
-        optimizer is attached). A frozen parameter costs its compute-dtype bytes only."""
+        optimizer is attached). A frozen parameter costs its compute-dtype bytes, and 4 more on the host
+        where the compute dtype does not hold it exactly (fp32 under a 16-bit precision)."""
         kinds = len(self.state_kinds) if self.state_kinds else self.planned_state_kinds
         per_element = set_bytes_per_element(self.compute_dtype, kinds, self.state_dtype, self.has_master)
         out = {"trainable": {"parameters": 0, "bytes": 0}, "frozen": {"parameters": 0, "bytes": 0}}
         for chunks, (padded, payload) in zip(self.sets, self._set_numels):
             entry = out["trainable" if chunks.trainable else "frozen"]
             entry["parameters"] += payload
-            entry["bytes"] += padded * (self.compute_dtype.itemsize + (per_element if chunks.trainable else 0))
+            extra = per_element if chunks.trainable else STATE_DTYPE.itemsize if chunks.master >= 0 else 0
+            entry["bytes"] += padded * (self.compute_dtype.itemsize + extra)
         for entry in out.values():
             entry["bytes_per_parameter"] = entry["bytes"] / entry["parameters"] if entry["parameters"] else 0.0
         return out

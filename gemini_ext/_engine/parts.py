@@ -28,6 +28,7 @@ class EngineParts:
         self.groups = self.device = self.layout = self.chunks = self.runtime = None
         self.placer = self.tracer = self.throughput = self.access = self.sharded_state = self.clipper = None
         self.scaler = self.hooks = self.buffers = self.chunk_size = None
+        self.loss_scale = None  # fp16: where the scale enters backward (loss_scale_boundary.py)
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
         self.block_checkpointing = self.activation_offload = self.activation_planner = None  # as the config asks
 
@@ -70,6 +71,8 @@ class EngineParts:
         self.check_no_steps_in_backward("zero_grad()")
         self.runtime.zero_grad()
         self.clipper.reset()
+        if self.loss_scale is not None:
+            self.loss_scale.reset()
 
     def end_iteration(self) -> dict:
         report = self.runtime.end_iteration()

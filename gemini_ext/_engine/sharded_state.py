@@ -148,7 +148,7 @@ class ShardedState:
         layout = self._internal.layout
         gm = self._internal.runtime
         kinds = layout.state_kinds
-        trainable = sorted(layout.index(p) for g in opt.param_groups for p in g["params"])
+        trainable = sorted(layout.index(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
         # one kind at a time in the chunks' order: each gathered chunk is read to the end once
         values = {kind: {idx: self.share(kind, idx) for idx in trainable} for kind in kinds}
         gm.release_read_cache()
@@ -179,6 +179,8 @@ class ShardedState:
                                  "the same groups.")
         for g in opt.param_groups:
             for p in g["params"]:
+                if not p.requires_grad:
+                    continue  # frozen: no state
                 idx = layout.index(p)
                 name = layout.names[idx]
                 entry = state.get(name)

@@ -73,6 +73,14 @@ class GeminiFabricStrategy(DDPStrategy):
         self.precision = Precision()  # the engine computes in its precision: no autocast on top
         return module
 
+    def backward(self, tensor, module, *args, **kwargs) -> None:
+        """fp16: the loss is scaled here (it may come from a submodule's outputs; see lightning.py)."""
+        if self.engine is None or self.engine.closed:
+            return super().backward(tensor, module, *args, **kwargs)
+        with self.engine.scale_loss(tensor) as scaled:
+            super().backward(scaled, module, *args, **kwargs)
+        return None
+
     def setup_optimizer(self, optimizer):
         if self.engine is None or self.engine.closed:
             raise ValueError("GeminiFabricStrategy: set up the model first (fabric.setup(model, optimizer), or "

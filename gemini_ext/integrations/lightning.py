@@ -122,6 +122,15 @@ class GeminiStrategy(DDPStrategy):
             self.optimizers = [opt if isinstance(opt, GeminiOptimizer) else GeminiOptimizer(opt, module)]
         self.setup_precision_plugin()
 
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """fp16: the loss is scaled here, since `training_step` may compute it from a submodule's
+        outputs, which the engine's scaling at the LightningModule's outputs never sees."""
+        if self.engine is None or self.engine.closed:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.engine.scale_loss(closure_loss) as scaled:
+            super().backward(scaled, optimizer, *args, **kwargs)
+        return closure_loss
+
     def model_to_device(self) -> None:
         pass  # the engine placed the parameters (in chunks) and the buffers
 

@@ -256,6 +256,9 @@ class GeminiTrainerMixin:
             now = self._traffic()
             logs.update({k: v - self._traffic_mark[k] for k, v in now.items()})
             self._traffic_mark = now
+            stats = self.engine.stats()
+            if stats["loss_scale"] is not None:  # fp16: the scale now and the steps skipped so far
+                logs.update({"gemini/loss_scale": stats["loss_scale"], "gemini/skipped_steps": stats["skipped_steps"]})
         super().log(logs, start_time)
 
     def close(self) -> None:

@@ -140,11 +140,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 idx = parts.layout.index(p)
-                if not p.requires_grad:
-                    raise ValueError(f"gemini_ext optimizer: parameter {parts.layout.names[idx]!r} has "
-                                     "requires_grad=False; frozen parameters have no optimizer state. Leave it out.")
-                group_of[idx] = gi
+                if p.requires_grad:  # a frozen one stays in its group and is never stepped, as in torch.optim
+                    group_of[idx] = gi
         kinds = rule.kinds_for(self.param_groups)
+        if rule.native:  # the state chunks get memory below: the host must hold them (placement/host_fit.py)
+            parts.placer.check_host_holds_optimizer_state(parts.runtime, len(kinds))
         parts.attach_optimizer(self)  # raises if the engine has one already
         try:
             parts.runtime.attach_optimizer(rule.name, list(kinds), group_of, parts.layout.state_chunks_for(kinds),
@@ -196,6 +196,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         parts = self._parts
         parts.check_open("optimizer.step")
         parts.check_no_stray_grads()
+        if parts.loss_scale is not None:
+            parts.loss_scale.check_step()  # a backward left unscaled gradients (fp16)
         parts.access.absorb_writes()  # in-place writes to parameters reach the masters before the step
         report = parts.end_iteration()  # the access trace of forward + backward is complete
         multiplier = self._grad_multiplier(report["counters"]["backward_passes"])
@@ -392,6 +394,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
         kinds = self._parts.layout.state_kinds
         saved_ids = [pid for g in groups for pid in g["params"]]
         for (pos, idx), saved_id in zip(self._ordered_params(), saved_ids):
+            if not self._parts.layout.params[idx].requires_grad:
+                continue  # frozen: no state (torch's optimizer has none for it either)
             entry = state.get(saved_id)
             if entry is None:
                 gm.set_step(idx, 0)

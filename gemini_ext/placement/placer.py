@@ -16,7 +16,7 @@ import warnings
 
 from .. import allocator
 from .._native import _C
-from . import host_memory, rates
+from . import host_fit, host_memory, rates
 from .._env import logger
 from .costs import set_bytes_per_element
 from .policies import Measurements, Placement, SetPlacement
@@ -96,10 +96,35 @@ class Placer:
         if self.policy.reads_host_memory:
             releasable = int(self._groups.reduce(self._releasable_host_bytes(), "min"))
         self.current = self.policy.initial(self._measure(host_releasable_bytes=releasable))
+        self._check_host_holds(host_fit.enable_demand(self._layout, self.current, self._device.kind,
+                                                      self._device.capacity_bytes()), "enable()", with_release=True)
         self._report(self.current)
         if self.policy.reads_rates:
             self._probe_rates()  # now, while nothing else runs (rates.py)
         return self.current
+
+    def check_host_holds_optimizer_state(self, runtime, state_kinds: int) -> None:
+        """Before an optimizer's state chunks get memory: the host holds them (host_fit.py)."""
+        demand = host_fit.optimizer_demand(self._layout, runtime.set_placements(), state_kinds, self._device.kind,
+                                           self._device.capacity_bytes())
+        self._check_host_holds(demand, f"the optimizer's state ({state_kinds} kind(s) per parameter)",
+                               with_release=False)
+
+    def _check_host_holds(self, demand, what: str, with_release: bool) -> None:
+        """host_fit.check over the least host budget of any rank (collective: every rank checks)."""
+        budget = host_memory.host_budget(self._groups.ranks_on_host())
+        available = None if budget is None else budget.bytes
+        if with_release and available is not None:
+            available += self._releasable_host_bytes()
+        least = self._groups.reduce(available if available is not None else -1, "min")
+        available = None if least < 0 else int(least)
+        fixes = ("free host memory, use more data-parallel ranks (each holds 1/N of the chunks), keep the optimizer "
+                 "state in bf16 (optimizer_state_dtype='bf16'), or train a smaller model")
+        if self._device.kind == "sim" and host_fit.SIM_DEVICE_IS_HOST_MEMORY:
+            fixes += ("; a smaller sim_capacity or gpu_memory_limit moves the sim device's chunks to the host tier "
+                      "but does not lower the total, since the sim device is host memory")
+        host_fit.check(demand, available, None if budget is None else budget.source, what,
+                       fixes)
 
     def set_specs(self) -> list[dict]:
         """Per chunk set: its chunks and placement, as the GeminiManager takes them (the state

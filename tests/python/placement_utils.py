@@ -10,8 +10,10 @@ CHUNK_BYTES = 4096 * 4
 
 
 def host_budget(monkeypatch, available):
-    """The host budget reads `available` bytes (placement/host_memory.py)."""
-    from gemini_ext.placement import host_memory
+    """The host budget reads `available` bytes (placement/host_memory.py): the host of a machine
+    the test emulates, whose GPU the sim device stands for (its memory is not this host's)."""
+    from gemini_ext.placement import host_fit, host_memory
+    monkeypatch.setattr(host_fit, "SIM_DEVICE_IS_HOST_MEMORY", False)
     budget = host_memory.HostBudget(available, "a test's figure")
     monkeypatch.setattr(host_memory, "host_budget", lambda *args, **kwargs: budget)
     monkeypatch.setattr(host_memory, "host_available_bytes", lambda *args, **kwargs: available)
