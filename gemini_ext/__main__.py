@@ -125,7 +125,9 @@ def _estimate(args) -> int:
             from .models import GPT, GPT_PRESETS
 
             if args.preset not in GPT_PRESETS:
-                raise SystemExit(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}")
+                print(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}",
+                      file=sys.stderr)
+                return 2
             preset = GPT_PRESETS[args.preset]
             if args.loss_chunk_tokens is not None:
                 preset = dataclasses.replace(preset, loss_chunk_tokens=args.loss_chunk_tokens)

@@ -77,7 +77,12 @@ class Booster:
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: GeminiOptimizer | None = None) -> None:
-        loss.backward()
+        """The optimizer's engine runs the backward (fp16: the loss scaled once, wherever it was
+        computed); without one, loss.backward()."""
+        if optimizer is not None:
+            optimizer.engine.backward(loss)
+        else:
+            loss.backward()
 
     @staticmethod
     def _engine_of(model) -> GeminiEngine:

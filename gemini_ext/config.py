@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from typing import Any
 
 from ._env import DEVICES
@@ -179,11 +181,35 @@ class GeminiConfig:
         return cfg[world_size]
 
     def replace(self, **overrides: Any) -> "GeminiConfig":
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"GeminiConfig has no field(s) {unknown}; known fields: {sorted(known)}.")
+        check_field_names(overrides)
         return dataclasses.replace(self, **overrides)
+
+
+def check_field_names(given) -> None:
+    """TypeError naming each name in `given` that is no GeminiConfig field, with the field it was
+    probably meant to be."""
+    known = [f.name for f in dataclasses.fields(GeminiConfig)]
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(f"GeminiConfig has no field {', '.join(hints)}; the fields are: {', '.join(known)} "
+                    "(README.md, Configuration).")
+
+
+_dataclass_init = GeminiConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _checked_init(self, *args, **kwargs):
+    check_field_names(kwargs)  # before the dataclass's own TypeError, which suggests nothing
+    _dataclass_init(self, *args, **kwargs)
+
+
+GeminiConfig.__init__ = _checked_init
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -268,9 +268,16 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                                                             layout.state_dtype, layout.has_master),
                 master_itemsize=4 if layout.has_master else 0,
                 compute_itemsize=compute_dtype.itemsize, sharded=world_size > 1, world_size=world_size,
-                host_available_bytes=available, host_budget_source=source, host_releasable_bytes=releasable)
+                host_available_bytes=available, host_budget_source=source, host_releasable_bytes=releasable,
+                frozen_master_bytes=layout.frozen_master_shard_bytes())
     policy = make_policy(config)
-    initial = policy.initial(Measurements(**base))  # raises OutOfMemoryError where nothing fits
+    try:
+        initial = policy.initial(Measurements(**base))
+    except _C.OutOfMemoryError:  # the host is too small for what the device cannot take either
+        if available is None:
+            raise
+        # the plan of a host with room, reported as not fitting this one (fits["host"] is False)
+        initial = policy.initial(Measurements(**{**base, "host_available_bytes": None}))
 
     # The first iteration, predicted.
     n_total = sum(p.numel() for _, p in named)
@@ -449,7 +456,8 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
     step = gpu_seconds + device_optimizer + grads_tail + waited + stall + offload["exposed_copy_s"]
     pcie = 2 * host_elements * itemsize + 2 * displaced  # host sets' parameters up and gradients down
     host_bytes = host_elements * m.set_bytes_per_element + (
-        host_elements * itemsize if initial.params_born_on_device else param_bytes) + offload["host_bytes"]
+        host_elements * itemsize if initial.params_born_on_device else param_bytes) + offload["host_bytes"] \
+        + m.frozen_master_bytes
     model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])  # 4 N + 2 N_trainable
     rank_tokens_per_s = facts["rank_tokens"] / step
     device_bytes = _chunk_device_bytes(m, chosen) + int(facts["activation_bytes"] * ACTIVATION_RESERVE_RATIO) \

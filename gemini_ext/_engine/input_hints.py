@@ -27,7 +27,7 @@ def register(model: torch.nn.Module, compute_dtype: torch.dtype, compute_device:
         exc = sys.exc_info()[1]
         if not isinstance(exc, Exception) or any(n.startswith(HINT_PREFIX) for n in getattr(exc, "__notes__", ())):
             return None  # no exception in flight, or an inner engine's hook said it already
-        hint = describe_mismatch(args, kwargs, compute_dtype, compute_device)
+        hint = describe_mismatch(args, kwargs, compute_dtype, compute_device, str(exc))
         if hint is not None:
             exc.add_note(hint)
         return None
@@ -35,15 +35,24 @@ def register(model: torch.nn.Module, compute_dtype: torch.dtype, compute_device:
     return model.register_forward_hook(annotate, with_kwargs=True, always_call=True)
 
 
-def describe_mismatch(args, kwargs, compute_dtype: torch.dtype, compute_device: torch.device) -> str | None:
+def describe_mismatch(args, kwargs, compute_dtype: torch.dtype, compute_device: torch.device,
+                      error: str = "") -> str | None:
     flat = tree_flatten((args, kwargs))[0]
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
     autocast = torch.is_autocast_enabled(compute_device.type)
     wrong_dtype = [t for t in tensors if t.is_floating_point() and t.dtype != compute_dtype and not autocast]
     wrong_device = [t for t in tensors if t.device.type != compute_device.type]
-    if not wrong_dtype and not wrong_device:
+    # Integer inputs are token ids for an Embedding as a rule; named only where the error is about
+    # a dtype (a Long tensor reached a Linear layer, say).
+    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex()] if "dtype" in error else []
+    if not wrong_dtype and not wrong_device and not integer:
         return None
     parts = []
+    if integer:
+        found = sorted({str(t.dtype) for t in integer})
+        parts.append(f"{len(integer)} integer input(s) in {', '.join(found)} where the error is about a dtype: a layer "
+                     f"that computes with parameters (Linear, Conv) takes floating inputs in {compute_dtype} "
+                     f"(x.to({compute_dtype})); token ids go to an Embedding")
     if wrong_dtype:
         found = sorted({str(t.dtype) for t in wrong_dtype})
         parts.append(f"{len(wrong_dtype)} floating input(s) in {', '.join(found)} while the managed parameters compute "

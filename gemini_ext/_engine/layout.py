@@ -10,7 +10,7 @@ optimizer is attached, and only for its rule's kinds (`bind_states`: SGD with mo
 use one, plain SGD and generically stepped optimizers none). Frozen parameters (requires_grad=False
 at enable) go to a `frozen` group without companions, where the compute dtype holds their values
 exactly; the others (fp32 parameters under bf16 or fp16) go to `frozen_wide` with an fp32
-companion `frozen_master` on the host (its chunk set's master: never stepped, it is what state
+companion `frozen_master` in pageable host memory (its chunk set's master: never stepped, it is what state
 dicts, checkpoints and close() read, and writes reach both), so that a frozen parameter comes
 back from the engine bit for bit as it went in. Every group starts on the host. The k-th
 chunk of every group forms chunk set k: the unit that placement decides and the optimizer steps.
@@ -137,7 +137,9 @@ class ChunkLayout:
                                     ALIGNMENT_NUMEL)
         for kinds, members in ((FROZEN_KINDS, frozen), (FROZEN_WIDE_KINDS, frozen_wide)):
             for kind in kinds if members else ():
-                chunks.create_group(kind, group_dtype[kind], _fitted(chunk_size, members), host, ALIGNMENT_NUMEL)
+                # exact frozen values are read at state dicts and close() only: pageable memory
+                tier = "pageable_host" if kind == "frozen_master" else host
+                chunks.create_group(kind, group_dtype[kind], _fitted(chunk_size, members), tier, ALIGNMENT_NUMEL)
         self.handles = {}  # (kind, parameter index) -> (chunk, slot)
         self.names, self.params, self.orig, self.numels = [], [], [], []
         self._kinds = []  # per parameter: its groups, the compute-dtype one first

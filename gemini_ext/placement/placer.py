@@ -83,7 +83,8 @@ class Placer:
             master_itemsize=4 if layout.has_master else 0,
             compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
             world_size=self._groups.world_size, host_available_bytes=available, host_budget_source=source,
-            device_total_bytes=self._device.total_bytes(), **iteration)
+            device_total_bytes=self._device.total_bytes(), frozen_master_bytes=layout.frozen_master_shard_bytes(),
+            **iteration)
 
     def _releasable_host_bytes(self) -> int:
         """The model's host tensors enable() releases as their values land in chunks: every

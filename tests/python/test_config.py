@@ -73,4 +73,9 @@ def test_chunk_config_dict_flat_and_per_world_size():
 def test_replace_refuses_unknown_fields():
     with pytest.raises(TypeError, match="no field.*'chunk_sise'"):
         gx.GeminiConfig().replace(chunk_sise=3)
+    # a typo gets the field it was meant to be, when built and when overridden through enable()
+    with pytest.raises(TypeError, match="no field 'placement_polcy' \\(did you mean 'placement_policy'\\?\\)"):
+        gx.GeminiConfig(placement_polcy="auto")
+    with pytest.raises(TypeError, match="did you mean 'max_norm'"):
+        gx.GeminiConfig().replace(max_nrom=1.0)
     assert gx.GeminiConfig().replace(max_norm=1.0).max_norm == 1.0

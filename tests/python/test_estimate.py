@@ -194,6 +194,13 @@ def test_the_command_line_speaks_in_flags_says_what_does_not_fit_and_prints_its_
         err = capsys.readouterr().err
         assert "--device-bytes" in err and "--device-name" in err and "device_bytes=" not in err, err
         assert "Traceback" not in err
+    assert cli(["estimate", "--preset", "7b", "--tokens-per-step", "64"]) == 2  # a wrong argument
+    assert "unknown preset '7b'" in capsys.readouterr().err
+    # a host too small for what the device cannot take either: the plan, its overage, exit status 1
+    assert cli(["estimate", "--preset", "6.7b", "--tokens-per-step", "8192", "--device-bytes", "80GB",
+                "--device-name", "H100", "--host-bytes", "16GiB", "--cpu-rate", "4e9"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("plan ") and "does not fit: the host needs" in out and "GiB over" in out, out
     assert cli(["estimate", "--preset", "tiny", "--tokens-per-step", "0", "--device-bytes", "80GB",
                 "--device-name", "H100", "--cpu-rate", "4e9"]) == 2
     assert "--tokens-per-step must be a positive int" in capsys.readouterr().err

@@ -76,7 +76,18 @@ def test_lora_trains_as_plain_peft_and_saves_the_adapter_peft_saves(tmp_path, de
 
 
 def test_a_frozen_base_costs_its_compute_dtype_bytes_only():
+    """A base in the compute dtype costs 2 bytes per parameter under bf16; one in fp32 adds its
+    exact values on the host (4 bytes), which close() and state dicts give back."""
+    _, wide = _lora_models()
+    with gx.enable(wide, gx.GeminiConfig(device="sim", precision="bf16")) as engine:
+        costs, padding = engine.stats()["parameters"]["frozen"], engine.stats()["wasted_bytes_all_groups"]
+        assert 6.0 <= costs["bytes_per_parameter"] <= 6.0 + 3 * padding / costs["parameters"]  # bf16 padding, x3
+        frozen_sets = [s for s in engine.internal.layout.sets if not s.trainable]
+        assert frozen_sets and all(s.optimizer_side().keys() == {"master"} for s in frozen_sets)
+        tiers = {engine.internal.chunks.chunk_info(s.master)["shard_tiers"] for s in frozen_sets}
+        assert tiers == {"pageable_host"}, tiers
     _, mine = _lora_models()
+    mine.to(torch.bfloat16)  # a base loaded in bf16, as from_pretrained loads one saved in bf16
     frozen = sum(p.numel() for p in mine.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in mine.parameters() if p.requires_grad)
     with gx.enable(mine, gx.GeminiConfig(device="sim", precision="bf16", search_range_m=0.01,
@@ -90,6 +101,7 @@ def test_a_frozen_base_costs_its_compute_dtype_bytes_only():
         assert costs["trainable"]["bytes_per_parameter"] >= 16.0
     # the default chunk search: the adapter's chunks are sized to it, not to the base model
     _, again = _lora_models()
+    again.to(torch.bfloat16)
     with gx.enable(again, gx.GeminiConfig(device="sim", precision="bf16")) as engine:
         engine.optimizer(torch.optim.AdamW, lr=1e-3)
         assert 16.0 <= engine.stats()["parameters"]["trainable"]["bytes_per_parameter"] <= 32.0, \

@@ -279,3 +279,25 @@ def test_parameters_are_taken_as_torch_takes_them():
     with gx.enable(model, config("sim")) as engine:
         with pytest.raises(TypeError, match="got a single Parameter"):
             engine.optimizer(torch.optim.AdamW, next(model.parameters()), lr=LR)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.RMSprop])
+def test_frozen_parameters_in_the_optimizers_list_are_kept_and_never_stepped(opt_cls):
+    """torch.optim takes parameters with requires_grad=False and never steps them (PEFT's examples
+    pass model.parameters()): so does the engine's optimizer, native or generic, and its state
+    dict has torch's layout (groups list every parameter, state only the stepped ones)."""
+    model, reference = make_models()
+    for m in (model, reference):
+        m.blocks[0].requires_grad_(False)
+    ref_opt = opt_cls(reference.parameters(), lr=LR)
+    with gx.enable(model, config("sim")) as engine:
+        opt = engine.optimizer(opt_cls, model.parameters(), lr=LR)
+        assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+        for step in range(3):
+            train_step(model, opt, step, torch.device("cpu"))
+            train_step(reference, ref_opt, step, torch.device("cpu"))
+        ours, theirs = opt.state_dict(), ref_opt.state_dict()
+        assert sorted(ours["state"]) == sorted(theirs["state"])
+        assert ours["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
+        opt.load_state_dict(ours)
+    assert max(max_relative_difference(model, reference).values()) <= 1e-5

@@ -74,8 +74,8 @@ class AutoPolicy(PlacementPolicy):
         if m.host_available_bytes is None:
             return HostPlan(state_bytes, state_bytes, param_bytes, None, None, False)
         after = m.host_available_bytes + m.host_releasable_bytes
-        room_after = after - host_reserve_bytes(after)
-        room_during = m.host_available_bytes - host_reserve_bytes(after)
+        room_after = after - host_reserve_bytes(after) - m.frozen_master_bytes
+        room_during = m.host_available_bytes - host_reserve_bytes(after) - m.frozen_master_bytes
         # What enable() allocates on the host before it releases the model's tensors: a host
         # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
         master = m.master_itemsize if m.master_itemsize is not None else (4 if m.compute_itemsize != 4 else 0)

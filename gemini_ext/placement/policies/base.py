@@ -55,6 +55,7 @@ class Measurements:
     host_available_bytes: int | None = None  # the least of any rank (policies with reads_host_memory)
     host_budget_source: str | None = None  # where that figure comes from, in words (host_memory.HostBudget)
     host_releasable_bytes: int = 0      # the model's host tensors enable() releases as it fills (least of any rank)
+    frozen_master_bytes: int = 0        # the exact fp32 values of frozen parameters (layout.py): host, outside the plan
     master_itemsize: int | None = None  # a set's master, bytes per element (None: 4 beside 16-bit params)
     device_total_bytes: int = 0         # the whole device (cuda), whatever gpu_memory_limit says
     non_model_peak_bytes: int = 0       # the last iteration's, the most of any rank
