@@ -2,12 +2,12 @@
 
 [Note: loss scaling without touching the user's loss]
 `loss.backward()` must work unchanged, so the engine scales the gradient where it enters the
-model: a hook on every floating output of the root module multiplies the incoming gradient by
-the current scale. Parameter gradients are therefore scaled by `scale`; the optimizer divides by
-it (folded into the CPU Adam's gradient factor, no extra pass) after checking the global norm for
-inf/NaN. An overflow skips the step (counted here, in `skipped_steps`) and counts against `hysteresis`: after `hysteresis`
-consecutive overflows the scale is multiplied by `backoff_factor` (not below `min_scale`);
-`growth_interval` clean steps in a row multiply it by `growth_factor` (not above `max_scale`).
+model, once per gradient (_engine/loss_scale_boundary.py). Parameter gradients are therefore
+scaled by `scale`; the optimizer divides by it (folded into the CPU Adam's gradient factor, no
+extra pass) after checking the global norm for inf/NaN. An overflow skips the step (counted
+here, in `skipped_steps`) and counts against `hysteresis`: after `hysteresis` consecutive
+overflows the scale is multiplied by `backoff_factor` (not below `min_scale`); `growth_interval`
+clean steps in a row multiply it by `growth_factor` (not above `max_scale`).
 """
 
 from __future__ import annotations

@@ -116,9 +116,9 @@ class LossScaleBoundary:
                 "gemini_ext: precision='fp16' scales the loss where gradients enter the model (its outputs), and "
                 f"this backward reached {parameter_gradients} parameters without passing through any output of the "
                 "model given to gx.enable (was the loss computed from a submodule's output or a tensor captured "
-                "inside the model?). Its gradients are not scaled: optimizer.step() refuses them and zero_grad() drops "
-                "them. Call engine.backward(loss) instead of loss.backward() (it scales the loss itself), compute the loss from "
-                "the outputs of the model itself, or use precision='bf16'.")
+                "inside the model?). Its gradients are not scaled: optimizer.step() refuses them and zero_grad() "
+                "drops them. Call engine.backward(loss) instead of loss.backward() (it scales the loss itself), "
+                "compute the loss from the outputs of the model itself, or use precision='bf16'.")
 
     def check_step(self) -> None:
         """Raises where a backward since the last zero_grad() left unscaled gradients in the chunks."""
