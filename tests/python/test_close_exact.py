@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import gemini_ext as gx
+from conftest import DEVICES
+from parity_utils import torch_device
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,15 +35,16 @@ def _model(dtype):
     return model
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", list(DTYPES))
 @pytest.mark.parametrize("model_dtype", list(DTYPES))
-def test_close_gives_back_frozen_values_and_trained_state_bit_for_bit(model_dtype, precision):
-    model = _model(DTYPES[model_dtype])
+def test_close_gives_back_frozen_values_and_trained_state_bit_for_bit(model_dtype, precision, device):
+    model = _model(DTYPES[model_dtype]).to(torch_device(device))
     at_enable = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    cfg = gx.GeminiConfig(device="sim", precision=precision, chunk_config_dict={"chunk_size": 4096},
+    cfg = gx.GeminiConfig(device=device, precision=precision, chunk_config_dict={"chunk_size": 4096},
                           initial_scale=2.0 ** 8)
-    x = torch.randint(0, 128, (2, 16))
+    x = torch.randint(0, 128, (2, 16), device=torch_device(device))
     with gx.enable(model, cfg) as engine:
         opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=1e-2)  # frozen ones included, as torch
         for _ in range(3):
@@ -55,12 +58,12 @@ def test_close_gives_back_frozen_values_and_trained_state_bit_for_bit(model_dtyp
     for n in frozen:
         assert params[n].dtype == at_enable[n].dtype
         assert torch.equal(params[n], at_enable[n]), n
-        assert torch.equal(state[n], at_enable[n].float()), f"{n}: the state dict holds the exact value"
+        assert torch.equal(state[n], at_enable[n].float().cpu()), f"{n}: the state dict holds the exact value"
     trained = [n for n in params if n not in frozen]
     assert any(not torch.equal(params[n], at_enable[n]) for n in trained), "training moved the trained ones"
     for n in trained:
         assert params[n].dtype == at_enable[n].dtype
-        assert torch.equal(params[n], state[n].to(at_enable[n].dtype)), n
+        assert torch.equal(params[n].cpu(), state[n].to(at_enable[n].dtype)), n
     for n, b in model.named_buffers():
         assert b.dtype == buffers[n].dtype and torch.equal(b, buffers[n]), n
-    assert torch.equal(model.seen, torch.full((4,), 4.5, dtype=DTYPES[model_dtype]))
+    assert torch.equal(model.seen.cpu(), torch.full((4,), 4.5, dtype=DTYPES[model_dtype]))
