@@ -101,15 +101,15 @@ class ChunkFill:
         """Each rank fills the part of each tensor that lies in its shard (all of it unsharded)."""
         layout, chunks = self._layout, self._chunks
 
-        def write(handle):
+        def write(handle, kind):
             if handle[0] in self._allocate_on_write:
                 self._allocate_device_copy(handle[0])
-            chunks.write_slot(handle, "device" if handle[0] in on_device else host, value)
+            chunks.write_slot(handle, "device" if handle[0] in on_device else layout.home_tier(kind, host), value)
 
         kinds = layout.kinds_of(i)
         for kind in kinds:
             if kind in ("param", "master", "frozen", "frozen_wide", "frozen_master"):  # values, not companions
-                write(layout.handles[(kind, i)])
+                write(layout.handles[(kind, i)], kind)
             chunks.transition(layout.handles[(kind, i)], _C.TensorState.HOLD)
 
     def _allocate_device_copy(self, chunk: int) -> None:

@@ -137,9 +137,8 @@ class ChunkLayout:
                                     ALIGNMENT_NUMEL)
         for kinds, members in ((FROZEN_KINDS, frozen), (FROZEN_WIDE_KINDS, frozen_wide)):
             for kind in kinds if members else ():
-                # exact frozen values are read at state dicts and close() only: pageable memory
-                tier = "pageable_host" if kind == "frozen_master" else host
-                chunks.create_group(kind, group_dtype[kind], _fitted(chunk_size, members), tier, ALIGNMENT_NUMEL)
+                chunks.create_group(kind, group_dtype[kind], _fitted(chunk_size, members), self.home_tier(kind, host),
+                                    ALIGNMENT_NUMEL)
         self.handles = {}  # (kind, parameter index) -> (chunk, slot)
         self.names, self.params, self.orig, self.numels = [], [], [], []
         self._kinds = []  # per parameter: its groups, the compute-dtype one first
@@ -241,6 +240,12 @@ class ChunkLayout:
         if not self.params[idx].requires_grad:
             return self._kinds[idx][-1]  # "frozen", or "frozen_master" beside "frozen_wide"
         return "master" if self.has_master else "param"
+
+    @staticmethod
+    def home_tier(kind: str, host: str) -> str:
+        """The host tier a group's chunks start on: `host` (pinned, where pin_memory), but the exact
+        frozen values, read by state dicts and close() only, in pageable memory."""
+        return "pageable_host" if kind == "frozen_master" else host
 
     def kinds_of(self, idx: int) -> tuple:
         """The groups holding parameter idx: its compute-dtype chunk's first."""

@@ -127,7 +127,7 @@ def test_fp16_training_of_transformers_models_matches_grad_scaler(device, name):
     # fp16 rounding shows more than fp32's in the mixtures' rarely routed experts and through
     # Qwen2's biases.
     worst = {k: v for k, v in _relative_differences(model, reference.master).items() if not k.endswith("k_proj.bias")}
-    tolerance = 2e-3 if name == "llama" else 1e-2
+    tolerance = 2e-3 if name == "llama" else 2e-2
     assert max(worst.values()) < tolerance, {k: v for k, v in worst.items() if v >= tolerance}
 
 
