@@ -35,6 +35,10 @@ Tier Residency::where_current(ChunkId id) const {
   const Chunk& c = mgr_.chunk(id);
   if (c.shard_tiers().contains(mgr_.host_tier())) return mgr_.host_tier();
   if (c.shard_tiers().contains(Tier::kDevice)) return Tier::kDevice;
+  // A group homed off the manager's host tier (the exact values of frozen parameters live in
+  // pageable memory beside pinned chunks) has its one copy there.
+  for (Tier t : {Tier::kPinnedHost, Tier::kPageableHost})
+    if (c.shard_tiers().contains(t)) return t;
   GX_INTERNAL_ASSERT(false, "chunk ", id, " holds no data on any tier");
 }
 
