@@ -227,15 +227,16 @@ def _same_rows():
 SAME_ROWS_WEIGHTS = 2e-2
 
 
-def _reference_on_same_rows(model, max_norm=0.0, steps=STEPS):
+def _reference_on_same_rows(model, max_norm=0.0, steps=STEPS, device="sim"):
     ids, labels = _same_rows()
-    reference = TorchFp16(copy.deepcopy(model), torch.device("cpu"), max_norm=max_norm)
-    x, y = ids.repeat(BATCH, 1), labels.repeat(BATCH, 1)
+    reference = TorchFp16(copy.deepcopy(model), torch_device(device), max_norm=max_norm)
+    x, y = ids.repeat(BATCH, 1).to(torch_device(device)), labels.repeat(BATCH, 1).to(torch_device(device))
     losses = [reference.step(lambda m: m(input_ids=x, labels=y).loss) for _ in range(steps)]
     return reference, losses
 
 
-def test_trainer_with_fp16_trains_and_skips_as_grad_scaler(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_with_fp16_trains_and_skips_as_grad_scaler(tmp_path, device):
     """transformers' Trainer with fp16=True (its default clipping at 1.0) against GradScaler."""
     from gemini_ext.integrations.transformers import GeminiTrainer
 
@@ -248,13 +249,13 @@ def test_trainer_with_fp16_trains_and_skips_as_grad_scaler(tmp_path):
             return {"input_ids": ids, "labels": labels}
 
     model = _model("llama")
-    reference, expected = _reference_on_same_rows(model, max_norm=1.0)
+    reference, expected = _reference_on_same_rows(model, max_norm=1.0, device=device)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
         weight_decay=0.1, lr_scheduler_type="constant", max_grad_norm=1.0, fp16=True, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, optim="adamw_torch")
+        save_strategy="no", report_to=[], use_cpu=device != "cuda", disable_tqdm=True, optim="adamw_torch")
     trainer = GeminiTrainer(model=model, args=args, train_dataset=Rows(),
-                            gemini_config=_config("sim"))
+                            gemini_config=_config(device))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     trainer.close()
@@ -267,17 +268,18 @@ def test_trainer_with_fp16_trains_and_skips_as_grad_scaler(tmp_path):
     assert max(worst.values()) < SAME_ROWS_WEIGHTS, worst
 
 
-def test_accelerate_loop_with_fp16_matches_grad_scaler():
+@pytest.mark.parametrize("device", DEVICES)
+def test_accelerate_loop_with_fp16_matches_grad_scaler(device):
     accelerate = pytest.importorskip("accelerate")
     from gemini_ext.integrations.accelerate import prepare
 
     model = _model("llama")
-    reference, expected = _reference_on_same_rows(model)
+    reference, expected = _reference_on_same_rows(model, device=device)
     ids, labels = _same_rows()
-    x, y = ids.repeat(BATCH, 1), labels.repeat(BATCH, 1)
-    accelerator = accelerate.Accelerator(cpu=True)
+    x, y = ids.repeat(BATCH, 1).to(torch_device(device)), labels.repeat(BATCH, 1).to(torch_device(device))
+    accelerator = accelerate.Accelerator(cpu=device != "cuda")
     losses = []
-    with gx.enable(model, _config("sim")) as engine:
+    with gx.enable(model, _config(device)) as engine:
         prepare(accelerator, engine)
         model, opt = accelerator.prepare(model, engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR,
                                                                  weight_decay=0.1))
