@@ -111,6 +111,28 @@ def in_flags(message: str) -> str:
     return message
 
 
+def _estimate_model(args):
+    """The model to estimate, built on meta: a preset of gemini_ext's GPT or a transformers config;
+    None (with the message printed) for an unknown preset."""
+    import torch
+
+    with torch.device("meta"):
+        if args.preset:
+            from .models import GPT, GPT_PRESETS
+
+            if args.preset not in GPT_PRESETS:
+                print(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}",
+                      file=sys.stderr)
+                return None
+            preset = GPT_PRESETS[args.preset]
+            if args.loss_chunk_tokens is not None:
+                preset = dataclasses.replace(preset, loss_chunk_tokens=args.loss_chunk_tokens)
+            return GPT(preset)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
+
+
 def _estimate(args) -> int:
     import json
     import warnings
@@ -120,22 +142,10 @@ def _estimate(args) -> int:
     from . import GeminiConfig, _C, format_bytes
     from .estimate import estimate
 
-    with torch.device("meta"):
-        if args.preset:
-            from .models import GPT, GPT_PRESETS
+    model = _estimate_model(args)
+    if model is None:
+        return 2
 
-            if args.preset not in GPT_PRESETS:
-                print(f"gemini-ext estimate: unknown preset {args.preset!r}; choose from {sorted(GPT_PRESETS)}",
-                      file=sys.stderr)
-                return 2
-            preset = GPT_PRESETS[args.preset]
-            if args.loss_chunk_tokens is not None:
-                preset = dataclasses.replace(preset, loss_chunk_tokens=args.loss_chunk_tokens)
-            model = GPT(preset)
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config))
     def number(text):
         return int(text) if text and text.isdigit() else text
 

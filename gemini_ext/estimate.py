@@ -271,13 +271,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                 host_available_bytes=available, host_budget_source=source, host_releasable_bytes=releasable,
                 frozen_master_bytes=layout.frozen_master_shard_bytes())
     policy = make_policy(config)
-    try:
-        initial = policy.initial(Measurements(**base))
-    except _C.OutOfMemoryError:  # the host is too small for what the device cannot take either
-        if available is None:
-            raise
-        # the plan of a host with room, reported as not fitting this one (fits["host"] is False)
-        initial = policy.initial(Measurements(**{**base, "host_available_bytes": None}))
+    initial = _initial_placement(policy, base)
 
     # The first iteration, predicted.
     n_total = sum(p.numel() for _, p in named)
@@ -314,6 +308,18 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
                          activation_bytes=activations, activation_offload=offload, activation_bytes_per_token=per_token,
                          peak_tflops=peak, device_name=name, n_total=n_total, n_trainable=n_trainable,
                          chunk_size=chunk_size, gpu_flops_per_s=gpu_rate))
+
+
+def _initial_placement(policy, base: dict):
+    """The policy's plan before the first iteration. Where the host is too small for what the device
+    cannot take either (enable() would raise), the plan of a host with room, which the summary then
+    reports as not fitting this one (fits["host"] is False)."""
+    try:
+        return policy.initial(Measurements(**base))
+    except _C.OutOfMemoryError:
+        if base["host_available_bytes"] is None:
+            raise
+        return policy.initial(Measurements(**{**base, "host_available_bytes": None}))
 
 
 def _check_arguments(config: GeminiConfig, tokens_per_step, world_size: int, gpu_flops_per_s) -> None:
