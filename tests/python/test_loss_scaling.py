@@ -290,6 +290,8 @@ def test_accelerate_loop_with_fp16_matches_grad_scaler(device):
     reference, expected = _reference_on_same_rows(model, device=device)
     ids, labels = _same_rows()
     x, y = ids.repeat(BATCH, 1).to(torch_device(device)), labels.repeat(BATCH, 1).to(torch_device(device))
+    # a Trainer run earlier in this process (on the other device) left accelerate's process-wide state
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = accelerate.Accelerator(cpu=device != "cuda")
     losses = []
     with gx.enable(model, _config(device)) as engine:
