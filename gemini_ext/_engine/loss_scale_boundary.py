@@ -86,8 +86,7 @@ class LossScaleBoundary:
     def _wrap_inputs(self, module, args, kwargs):
         if not torch.is_grad_enabled():
             return None
-        wrapped = self._wrapped((args, kwargs), on_entry=False)
-        return wrapped
+        return self._wrapped((args, kwargs), on_entry=False)
 
     def _wrap_outputs(self, module, args, output):
         if not torch.is_grad_enabled():

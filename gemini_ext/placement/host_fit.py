@@ -44,11 +44,10 @@ def enable_demand(layout, placement, device_kind: str, capacity_bytes: int) -> H
     """The host memory of the chunks enable() allocates under `placement` (no optimizer state)."""
     item = layout.compute_dtype.itemsize
     master = STATE_DTYPE.itemsize if layout.has_master else 0
-    host = device = 0
+    host, device = layout.frozen_master_shard_bytes(), 0  # the exact values of frozen parameters
     for chunks, place, shard in zip(layout.sets, placement.sets, layout.shard_bytes):
         elements = shard // item
         if not chunks.trainable:
-            host += elements * STATE_DTYPE.itemsize if chunks.master >= 0 else 0  # exact frozen values
             if place.param_home_on_host:
                 host += shard
             else:
