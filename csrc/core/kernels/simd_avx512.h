@@ -68,6 +68,7 @@ struct Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
   // +1 where x > 0, -1 where x < 0, x itself otherwise (+-0 and NaN), as torch.sign.
   static F sign(F x) {
     const F zero = _mm512_setzero_ps();
