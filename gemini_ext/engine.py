@@ -291,6 +291,7 @@ class GeminiEngine:
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()
+            out["speculation"] = parts.optimizer.speculation_summary()  # the host steps started in backward
         return out
 
     # --- closing -----------------------------------------------------------------------------

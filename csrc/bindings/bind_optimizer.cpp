@@ -1,5 +1,6 @@
 // gemini_ext._C, optimizer: the CPU kernels, the state kinds, and the GeminiManager's optimizer
 // entry points (the generic set stepping with a rule: torch/optim/hybrid_optimizer.h).
+#include <array>
 #include <string>
 
 #include "bindings/common.h"
@@ -90,6 +91,40 @@ void def_manager_optimizer(py::module_& m) {
              return g.with_optimizer([&](HybridOptimizer& o) { return o.arm_in_place(groups); });
            },
            py::arg("groups"), nogil())
+      .def("arm_guess",
+           [](GeminiManager& g, const std::vector<HyperValues>& groups) {
+             torch_layer::GuessArming a;
+             {
+               py::gil_scoped_release release;
+               a = g.with_optimizer([&](HybridOptimizer& o) { return o.arm_guess(groups); });
+             }
+             py::dict d;
+             d["supported"] = a.supported;
+             d["armed"] = a.armed;
+             d["why"] = a.why;
+             return d;
+           },
+           py::arg("groups"))
+      .def("guess_counts",
+           [](GeminiManager& g) {
+             std::array<int64_t, 6> c{};
+             {
+               py::gil_scoped_release release;
+               c = g.with_optimizer([](HybridOptimizer& o) {
+                 const SpeculationPolicy& p = o.speculation_policy();
+                 return std::array<int64_t, 6>{p.steps_taken(),        p.steps_scaled(),      o.guesses_undone(),
+                                               p.backwards_expected(), o.guesses_judged(), o.guesses_corrected()};
+               });
+             }
+             py::dict d;
+             d["steps"] = c[0];
+             d["steps_clipped"] = c[1];
+             d["undone"] = c[2];
+             d["backwards_per_step"] = c[3];
+             d["guessed"] = c[4];    // sets stepped in place during backward and judged at step()
+             d["corrected"] = c[5];  // of those, corrected (clipping) or undone and redone (hyperparameters)
+             return d;
+           })
       .def("sets_stepped_in_backward",
            [](GeminiManager& g) {
              return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
@@ -140,7 +175,12 @@ void def_manager_optimizer(py::module_& m) {
                             field("launch_seconds", &StepStats::launch_seconds),
                             field("device_seconds", &StepStats::device_seconds),
                             field("pending_sets", &StepStats::pending_sets),
-                            field("speculated_sets", &StepStats::speculated_sets));
+                            field("speculated_sets", &StepStats::speculated_sets),
+                            field("guessed_sets", &StepStats::guessed_sets),
+                            field("corrected_sets", &StepStats::corrected_sets),
+                            field("redone_sets", &StepStats::redone_sets),
+                            field("skipped_sets", &StepStats::skipped_sets),
+                            field("correction_seconds", &StepStats::correction_seconds));
            });
 }
 

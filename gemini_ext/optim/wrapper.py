@@ -18,11 +18,15 @@ follows is common to every rule.
    returns; the next forward waits per chunk.
 6. Speculation: when a backward pass begins, `backward_started` hands C++ the hyperparameters
    of that moment, so that each host chunk's step can start as soon as its gradients reach the
-   host, out of place into spare buffers; step() confirms or drops each one (the Note in
-   csrc/torch/optim/hybrid_optimizer_speculation.cpp). It arms only where the guess "multiplier exactly 1"
-   can hold (no fp16 loss scaler; clipping off, or the last norm within max_norm), for the host
-   sets whose spares fit in half of the host budget (placement/host_memory.py): those whose
-   gradients arrive first, where there is room for some only.
+   host, guessing a multiplier of exactly 1 (no fp16 loss scaler). Where the rule corrects its
+   own step (Adam / AdamW with fp32 state) the step is taken in place and step() confirms it,
+   corrects it when clipping scaled the gradients, or undoes and redoes it (the Note in
+   csrc/torch/optim/hybrid_optimizer_in_place.cpp); C++'s policy decides per backward
+   (csrc/core/speculation_policy.h: not after a clipped step, only on the backward expected to be
+   the last of an accumulation). Other rules step out of place into spare buffers, which step()
+   confirms or drops (hybrid_optimizer_speculation.cpp), armed only where clipping is off or the
+   last norm was within max_norm, for the host sets whose spares fit in half of the host budget
+   (placement/host_memory.py): those whose gradients arrive first, where there is room for some.
 7. The step in backward (GeminiConfig.optimizer_step_in_backward): armed at every backward with
    the hyperparameters of that moment, each host chunk's step runs in place once its gradients
    reach the host, and step() steps the others. Nothing can undo it, so what would make it differ
@@ -268,6 +272,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return "none", "overlap_optimizer=False: every set steps inside step()"
         if parts.scaler is not None:
             return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
+        if parts.placer.decides_at_iteration_end():
+            return "none", "the placement is decided at this iteration's end: the steps wait for step()"
+        arming = parts.runtime.arm_guess(self._hyper())  # in place, where the rule corrects its own step
+        if arming["supported"]:
+            return ("every set" if arming["armed"] else "none"), arming["why"]
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
             return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
@@ -316,9 +325,35 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self._parts.runtime.release_spares()
 
     def speculation_stats(self) -> dict:
-        """Speculative host steps confirmed and dropped so far, and the spare bytes held."""
+        """Speculative host steps so far: with spares, confirmed and dropped and the spare bytes
+        held; in place, the steps, those clipped and the guesses undone (and the backward passes
+        per step the policy expects)."""
         runtime = self._parts.runtime
-        return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes()}
+        return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes(), "in_place": runtime.guess_counts()}
+
+    def speculation_summary(self) -> dict:
+        """For stats()["speculation"]: the last step's in-place guess (whether it held as guessed,
+        how many sets were corrected, redone or left alone, the corrective passes' seconds) and the
+        fraction of steps whose gradients clipping scaled."""
+        last = self._parts.runtime.last_step()
+        counts = self._parts.runtime.guess_counts()
+        steps = counts["steps"]
+        return {
+            "last_step": {
+                "guessed_sets": last["guessed_sets"],
+                "held": last["guessed_sets"] > 0 and last["corrected_sets"] + last["redone_sets"]
+                + last["skipped_sets"] == 0,
+                "corrected_sets": last["corrected_sets"],
+                "redone_sets": last["redone_sets"],
+                "skipped_sets": last["skipped_sets"],
+                "correction_seconds": last["correction_seconds"],
+            },
+            "steps": steps,
+            "steps_clipped": counts["steps_clipped"],
+            "clip_fraction": counts["steps_clipped"] / steps if steps else 0.0,
+            "guesses_undone": counts["undone"],
+            "spare_bytes": self._parts.runtime.spare_bytes(),
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._parts.check_open("optimizer.zero_grad")

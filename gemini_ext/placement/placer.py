@@ -58,6 +58,13 @@ class Placer:
         self._steps_during_backward = cover == "every set"
         self._host_steps = {"during_backward": cover, "why": why}
 
+    def decides_at_iteration_end(self) -> bool:
+        """Whether this iteration's end will decide the placement (the first iteration under a
+        policy that decides from measurements): chunks may move before optimizer.step(), which
+        would undo steps started during the backward."""
+        return (not self._frozen and self.policy.decides_after_iterations(self._device.kind)
+                and not self.current.decision)
+
     def freeze(self) -> None:
         """No later decisions: the optimizer state cannot move (a generically stepped optimizer's
         state is torch's own)."""
@@ -185,7 +192,11 @@ class Placer:
                  "link_lane_elements_per_s_in_step": (last["link_params"], last["link_seconds"])}
         figures = {k: self._groups.reduce(n / s if n and s > 0 else 0.0, "min") for k, (n, s) in lanes.items()}
         figures["forward_optimizer_wait_seconds"] = self._groups.reduce(tracer.last_optimizer_wait_seconds(), "max")
-        figures["host_sets_stepped_in_backward"] = int(self._groups.reduce(last["speculated_sets"], "min"))
+        # Sets whose step ended in the backward: confirmed guesses (spares or in place); a corrected,
+        # redone or skipped in-place guess did its work at step(), in the forward's window.
+        in_backward = last["speculated_sets"] + last["guessed_sets"] - last["corrected_sets"] - last["redone_sets"] \
+            - last["skipped_sets"]
+        figures["host_sets_stepped_in_backward"] = int(self._groups.reduce(in_backward, "min"))
         measured = self._measure(trace_rerecordings=rerecordings, **self._rates(tracer), **figures)
         chosen = self.policy.after_step(measured, self.current)
         if chosen is None:

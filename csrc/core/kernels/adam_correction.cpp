@@ -37,6 +37,11 @@ struct CorrectionScalarVec {
   static F sqrt(F a) { return std::sqrt(a); }
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F max(F a, F b) { return a > b ? a : b; }  // as maxps: the second operand unless a > b
+  using M = bool;
+  static M eq(F a, F b) { return a == b; }
+  static M both(M a, M b) { return a && b; }
+  static M all_lanes() { return true; }
+  static F select(M m, F if_true, F if_false) { return m ? if_true : if_false; }
 };
 
 constexpr int64_t kCorrectionGrainNumel = 1 << 16;  // per thread at least, as cpu_adam_step

@@ -19,16 +19,23 @@
 // Accuracy. m' and v' were rounded once, and the correction cancels part of them: m'' and v'' keep
 // an absolute error of about half an ulp of m' and v'. Where the step's gradient dominated v'
 // (v' >> v'', a spike c^2 times the running mean square) that is a relative error of v'' of
-// 2^-24 v' / v''. The first step, where this is worst (v = 0, so v' / v'' = 1 / c^2), needs no
-// cancellation: m and v were zero, so m'' and v'' are the serial step's own operations on c g,
-// bit for bit, and only p D carries a rounding. Elsewhere the parameters stay within a few ulps
-// of the serial step's (the GoogleTest measures it on warmed-up moments).
+// 2^-24 v' / v''. Where this is worst, moments that were zero before the step (the first step;
+// an embedding row's first gradient; v' / v'' = 1 / c^2), there is no cancellation to make: m'
+// and v' are then exactly (1 - b1) e0 and (1 - b2) e0^2 rounded once, which identifies those
+// elements (a nonzero m or v that rounding absorbed whole would need a gradient some 10^5 times
+// its running RMS), and m'' and v'' are the serial step's own operations on c g, bit for bit; only
+// p D carries a rounding. Elsewhere the parameters stay within a few ulps of the serial step's
+// (the GoogleTest measures it on warmed-up moments with gradients up to 4 times their RMS); the
+// update of an element whose gradient was a spike against a small but nonzero v (v' / v'' large:
+// c small, a rare embedding row) is off by up to 2^-25 v' / v'' of itself, which a coefficient of
+// 0 (an infinite norm) makes unbounded in principle and about 1e-3 of the learning rate in the
+// Python suite's case.
 //
 // Undoing the step (another backward before step(), a read of the parameters, zero_grad, or
 // hyperparameters that changed before step()) inverts the same relations with s0:
 //   p D = p' + a m' / den(v'),  m = (m' - (1 - b1) e0) / b1,  v = max(0, v' - (1 - b2) e0^2) / b2
-// (m = 0 when b1 = 0 and v = 0 when b2 = 0: the step did not read them), and the 16-bit copy is
-// rounded from the restored p. The step then runs again as the serial one would.
+// (m = 0 when b1 = 0 and v = 0 when b2 = 0: the step did not read them; moments that were zero,
+// recognised as below, come back as zeros), and the 16-bit copy is rounded from the restored p. The step then runs again as the serial one would.
 //
 // Every path (scalar, AVX2, AVX-512) does the same float operations in the same order
 // (adam_correction_kernels.inc), so their results are bit-identical. all_finite() is the check

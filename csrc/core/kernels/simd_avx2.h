@@ -76,6 +76,12 @@ struct Vec {
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  // Lane masks, for kernels that pick per element (adam_correction_kernels.inc).
+  using M = __m256;
+  static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static M both(M a, M b) { return _mm256_and_ps(a, b); }
+  static M all_lanes() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+  static F select(M m, F if_true, F if_false) { return _mm256_blendv_ps(if_false, if_true, m); }
   // +1 where x > 0, -1 where x < 0, x itself otherwise (+-0 and NaN), as torch.sign.
   static F sign(F x) {
     const F zero = _mm256_setzero_ps();

@@ -69,6 +69,12 @@ struct Vec {
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  // Lane masks, for kernels that pick per element (adam_correction_kernels.inc).
+  using M = __mmask16;
+  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static M both(M a, M b) { return static_cast<M>(a & b); }
+  static M all_lanes() { return static_cast<M>(0xFFFF); }
+  static F select(M m, F if_true, F if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
   // +1 where x > 0, -1 where x < 0, x itself otherwise (+-0 and NaN), as torch.sign.
   static F sign(F x) {
     const F zero = _mm512_setzero_ps();

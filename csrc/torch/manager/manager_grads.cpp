@@ -73,6 +73,9 @@ void GeminiManager::reduce_locked(ChunkSet& set) {
   mgr_.reduce(p);  // READY_FOR_REDUCE -> HOLD
   set.reduced = true;
   offload_grads_locked(set);
+  // Its gradients are complete for this backward: on the host (moved now, or accumulated there by
+  // a second backward), its step may start now.
+  if (optimizer_ && set.grad_place == GradPlace::kHost) optimizer_->speculate(set_of_chunk(p));
   residency_.release_if_idle(p);
   residency_.ungather_kept(set);  // its backward is over: the gradients of every tensor are in
 }
@@ -124,7 +127,6 @@ void GeminiManager::offload_grads_locked(ChunkSet& set) {
   mgr_.move(g, mgr_.host_tier(), async_reduce_);
   set.grad_place = GradPlace::kHost;
   counters_.grad_chunks_offloaded += 1;
-  if (optimizer_) optimizer_->speculate(set_index);  // its step may start now
 }
 
 void GeminiManager::flush_grads() {
@@ -143,6 +145,7 @@ void GeminiManager::flush_grads_locked() {
 
 void GeminiManager::zero_grad() {
   std::lock_guard<OwnedMutex> lock(mutex_);
+  if (optimizer_) optimizer_->grads_cleared();  // steps taken in place on these gradients are undone
   drop_whole_cache_locked();
   for (auto& set : sets_) {
     if (!set.trainable) continue;

@@ -6,6 +6,7 @@
 // with master_weights=False as well, the master is the bf16 parameter chunk, rounded alike.
 #include <optional>
 
+#include "core/kernels/adam_correction.h"
 #include "core/kernels/cpu_adam.h"
 #include "core/errors.h"
 #include "torch/optim/cpu_adam_op.h"
@@ -27,6 +28,16 @@ AdamHyper adam_hyper(const HyperValues& h, int64_t step, double grad_multiplier)
   out.step = step;
   out.grad_scale = grad_multiplier;
   return out;
+}
+
+// The raw buffers of an fp32-state run, checked, as the in-place step used them.
+CpuAdamWork in_place_work(const RunViews& run, int64_t step, const HyperValues& hyper, double taken) {
+  std::optional<at::Tensor> p16;
+  if (run.param16.defined()) p16 = run.param16;
+  CpuAdamWork w = prepare_cpu_adam(run.master, run.states.at(0), run.states.at(1), run.grad, p16,
+                                   adam_hyper(hyper, step, taken), run.random_key, run.first_index);
+  GX_INTERNAL_ASSERT(!w.moments.has_value(), "an Adam run with bf16 moments was speculated in place");
+  return w;
 }
 
 class AdamRule final : public OptimizerRule {
@@ -78,6 +89,24 @@ class AdamRule final : public OptimizerRule {
   }
 
   bool steps_over_the_link() const override { return true; }
+
+  // fp32 master and moments: core/kernels/adam_correction.h. bf16 moments are rounded
+  // stochastically, which a correction could not reproduce: they speculate with spares.
+  bool corrects_in_place(DType master, DType state) const override {
+    return master == DType::kFloat32 && state == DType::kFloat32;
+  }
+
+  std::function<void()> prepare_host_correction(const RunViews& run, int64_t step, const HyperValues& hyper,
+                                                double taken, double true_multiplier) const override {
+    const CpuAdamWork w = in_place_work(run, step, hyper, taken);
+    return [w, true_multiplier] { adam_correct_step(w.hyper, true_multiplier, w.buffers); };
+  }
+
+  std::function<void()> prepare_host_undo(const RunViews& run, int64_t step, const HyperValues& hyper,
+                                          double taken) const override {
+    const CpuAdamWork w = in_place_work(run, step, hyper, taken);
+    return [w] { adam_undo_step(w.hyper, w.buffers); };
+  }
 
  private:
   std::vector<StateKind> kinds_{StateKind::kExpAvg, StateKind::kExpAvgSq};

@@ -152,6 +152,8 @@ HybridOptimizer::HybridOptimizer(DeviceContext& ctx, ChunkManager& mgr, std::vec
 
 HybridOptimizer::~HybridOptimizer() {
   try {
+    settle_guesses();        // unjudged guesses are undone
+    pipeline_.settle_all();  // judged ones' completions use this optimizer
     release_spares();  // settles this optimizer's speculative steps first
   } catch (...) {
   }
@@ -162,6 +164,10 @@ StepStats HybridOptimizer::last_step() const {
   out.host_seconds = pipeline_.host_step_seconds(StepLane::kCpu);
   out.link_seconds = pipeline_.host_step_seconds(StepLane::kLink);
   out.pending_sets = static_cast<int64_t>(pipeline_.pending_count());
+  if (out.guessed_sets > 0) {
+    out.skipped_sets = guess_counts_->skipped.load();
+    out.correction_seconds = static_cast<double>(guess_counts_->correction_ns.load()) * 1e-9;
+  }
   return out;
 }
 
@@ -240,8 +246,10 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   // else settled (waited for) and dropped, and those sets are stepped below like the others.
   stats_ = backward_stats_;  // the sets stepped in place during backward count to this step
   backward_stats_ = StepStats{};
-  const bool started_in_backward = !stepped_in_backward_.empty();  // their seconds count from arm_in_place
-  const std::set<int> confirmed = judge_speculations(groups, grad_multiplier);
+  const bool started_in_backward = !stepped_in_backward_.empty() || !guesses_.empty();  // their seconds count from the arming
+  std::set<int> confirmed = judge_guesses(groups, grad_multiplier);
+  policy_.step_taken(grad_multiplier);
+  for (int s : judge_speculations(groups, grad_multiplier)) confirmed.insert(s);
   // Steps of an earlier call still pending (an unusual loop: normally forward settled them).
   for (int s : std::vector<int>(pipeline_.pending_sets().begin(), pipeline_.pending_sets().end()))
     if (confirmed.count(s) == 0) pipeline_.settle(s);

@@ -34,16 +34,19 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "core/chunk_manager.h"
 #include "core/chunk_set.h"
 #include "core/optimizer_pipeline.h"
 #include "core/residency.h"
+#include "core/speculation_policy.h"
 #include "torch/chunk_views.h"
 #include "torch/optim/optimizer_rule.h"
 
@@ -65,6 +68,21 @@ struct StepStats {
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
   int64_t speculated_sets = 0;  // host sets of this step stepped during the backward before it (confirmed guesses)
+  // In-place speculation (hybrid_optimizer_in_place.cpp), this step's host sets stepped during
+  // backward: all of them, those corrected (the multiplier was not 1), those undone and stepped
+  // again (the hyperparameters changed), and those left alone (a non-finite gradient).
+  int64_t guessed_sets = 0;
+  int64_t corrected_sets = 0;
+  int64_t redone_sets = 0;
+  int64_t skipped_sets = 0;
+  double correction_seconds = 0.0;  // the corrective passes' time on the optimizer thread so far
+};
+
+// What arm_guess found (HybridOptimizer::arm_guess).
+struct GuessArming {
+  bool supported = false;  // the rule corrects every host set's step in place
+  bool armed = false;      // this backward's host sets step during it
+  std::string why;
 };
 
 // Which host sets an armed speculation can step during backward (HybridOptimizer::arm).
@@ -120,6 +138,21 @@ class HybridOptimizer {
   // A host set's gradients left for the host (the manager calls it): its step may start now.
   void speculate(int set_index);
 
+  // In-place speculation (hybrid_optimizer_in_place.cpp). Armed at the start of a backward pass
+  // where the rule corrects every host set's step (else not supported: Python speculates with
+  // spares) and the policy (core/speculation_policy.h) expects the guess to hold: each host set
+  // is then stepped in place, with the hyperparameters of that moment and a multiplier of 1, as
+  // soon as its gradients are on the host; step() confirms, corrects or undoes and redoes it.
+  GuessArming arm_guess(const std::vector<HyperValues>& groups);
+  // The gradients are complete (the norm or the step flushes the rest): no further guesses.
+  void stop_guessing() { guessing_ = false; }
+  // zero_grad(): guesses not yet judged are undone (their gradients are dropped).
+  void grads_cleared();
+  int64_t guesses_undone() const { return undone_total_; }
+  int64_t guesses_judged() const { return judged_total_; }
+  int64_t guesses_corrected() const { return corrected_total_; }  // or undone and redone at step()
+  const SpeculationPolicy& speculation_policy() const { return policy_; }
+
  private:
   struct Run {
     size_t first_slot;
@@ -158,6 +191,12 @@ class HybridOptimizer {
   void finish_device_set(ChunkSet& set);   // P's stale host copies dropped, pins released
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
   void step_in_backward(int set_index);  // arm_in_place: the set's step as step() runs it, started now
+  struct Guess;
+  void guess(int set_index);  // arm_guess: the set's step in place, started now
+  void finish_guess(int set_index, const std::shared_ptr<Guess>& g);  // when the set is settled
+  // step(): each guess confirmed, corrected, or undone and stepped again; returns their sets.
+  std::set<int> judge_guesses(const std::vector<HyperValues>& groups, double grad_multiplier);
+  void settle_guesses();  // every unjudged guess undone
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
   // Hands a host set's step to the pipeline with its forward position as priority.
   void launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
@@ -187,6 +226,18 @@ class HybridOptimizer {
   StepStats backward_stats_;           // their figures, added to the step's
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
+  bool guessing_ = false;                                     // arm_guess: this backward's sets step in place
+  std::shared_ptr<const std::vector<HyperValues>> guess_groups_;  // the hyperparameters they use
+  std::map<int, std::shared_ptr<Guess>> guesses_;             // by set index, until judged or undone
+  SpeculationPolicy policy_;
+  struct GuessCounts {  // written by the optimizer thread's tasks
+    std::atomic<int64_t> skipped{0};
+    std::atomic<int64_t> correction_ns{0};
+  };
+  std::shared_ptr<GuessCounts> guess_counts_ = std::make_shared<GuessCounts>();  // the last armed step's
+  int64_t undone_total_ = 0;
+  int64_t judged_total_ = 0;
+  int64_t corrected_total_ = 0;
   int64_t confirmed_total_ = 0;
   int64_t dropped_total_ = 0;
   std::vector<int> group_of_param_;

@@ -30,6 +30,17 @@ void OptimizerRule::step_whole_set(int, const RunViews&, const std::vector<int>&
   GX_INTERNAL_ASSERT(false, "step_whole_set on a rule that steps runs");
 }
 
+std::function<void()> OptimizerRule::prepare_host_correction(const RunViews&, int64_t, const HyperValues&, double,
+                                                             double) const {
+  GX_INTERNAL_ASSERT(false, "prepare_host_correction on a rule that does not correct in place");
+  return nullptr;
+}
+
+std::function<void()> OptimizerRule::prepare_host_undo(const RunViews&, int64_t, const HyperValues&, double) const {
+  GX_INTERNAL_ASSERT(false, "prepare_host_undo on a rule that does not correct in place");
+  return nullptr;
+}
+
 double hyper_value(const HyperValues& hyper, const char* key, const char* rule) {
   auto it = hyper.find(key);
   GX_CHECK(it != hyper.end(), "optimizer rule '", rule, "': the hyperparameters of a group lack '", key, "'.");

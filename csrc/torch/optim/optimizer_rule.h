@@ -13,6 +13,10 @@
 //  * a device run: launched now on the device copies (our kernel for Adam, torch's fused or
 //    foreach kernels for the others); it says whether it also wrote the 16-bit copy, else the
 //    caller copies the master into it;
+//  * where its math allows, the correction and the undo of a host run stepped in place with a
+//    guessed gradient multiplier (the in-place speculation of hybrid_optimizer_in_place.cpp):
+//    Adam / AdamW with fp32 state (core/kernels/adam_correction.h); the other rules do not
+//    correct, and speculate with spare copies instead;
 //  * or, for a rule that steps whole sets in the caller's thread (the generic rule, which hands a
 //    user's torch optimizer per-parameter views: generic_rule.cpp), step_whole_set on either tier.
 // Hyperparameters arrive per parameter group as name -> value (the Python rule writes them);
@@ -72,6 +76,15 @@ class OptimizerRule {
   virtual bool steps_over_the_link() const { return false; }
   virtual void step_whole_set(int set_index, const RunViews& set, const std::vector<int>& params,
                               double grad_multiplier) const;
+  // In-place speculation. Whether host runs with master and states of these dtypes, stepped in
+  // place with multiplier `taken`, can be corrected to another multiplier or undone.
+  virtual bool corrects_in_place(DType master, DType state) const { return false; }
+  // The run was stepped in place by prepare_host_run(run, nullptr, step, hyper, taken): make it
+  // the step with `true_multiplier` (the 16-bit copy rewritten too), or undo it.
+  virtual std::function<void()> prepare_host_correction(const RunViews& run, int64_t step, const HyperValues& hyper,
+                                                        double taken, double true_multiplier) const;
+  virtual std::function<void()> prepare_host_undo(const RunViews& run, int64_t step, const HyperValues& hyper,
+                                                  double taken) const;
 };
 
 // The native rule named `name` ("adam", "sgd", "lion", "adagrad") carrying state chunks of `kinds`
