@@ -9,7 +9,15 @@ three passes (cast the gradient up, step, cast the parameter down); ours is one.
   gemini_ext, bf16 grad + bf16 copy     our one-pass equivalent of the second row
   gemini_ext, ... bf16 moments          optimizer_state_dtype="bf16": m and v stochastically rounded
                                         (in place, and out of place as a speculative step runs)
+  gemini_ext correction / undo          a step guessed during backward, made the clipped step /
+                                        taken back (the in-place speculation's second pass)
 Both sides use all cores (torch's intra-op threads; our ThreadPool). Median of --repeats steps.
+
+The host step is bound by memory traffic, so each row also gives its bytes per parameter (what it
+must read and write once: 28 with fp32 master and moments, a bf16 gradient and a bf16 copy; 20
+with bf16 moments) and the bandwidth that makes, against the same cores' own measured bandwidth:
+a copy (STREAM's convention: 8 bytes per fp32 element read and written) and an in-place
+`b += s * c` (12 bytes, no write-allocate: the closest to the in-place step's access pattern).
 
     python bench/cpu_adam.py                    # 100 M parameters
     python bench/cpu_adam.py --smoke            # tiny, for the test suite
@@ -88,6 +96,22 @@ def main(argv=None) -> list[dict]:
                                 random_key=step[0])
         return run
 
+    def correct(true_scale):
+        def run():
+            gx._C.cpu_adam_correct(gp, gm, gv, grad16, g16out, step=max(step[0], 2), lr=hyper["lr"], beta1=0.9,
+                                   beta2=0.999, eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+                                   taken_scale=1.0, true_scale=true_scale)
+        return run
+
+    # the machine's bandwidth on the same cores: fp32 arrays of 4 x n elements (1.6 GB at 100 M)
+    big = [torch.rand(4 * n), torch.rand(4 * n)]
+    bandwidth = {"copy": (timed(lambda: big[0].copy_(big[1]), args.repeats), 8 * 4 * n),
+                 "add in place": (timed(lambda: big[0].add_(big[1], alpha=0.5), args.repeats), 12 * 4 * n)}
+    bandwidth = {k: nbytes / s / 1e9 for k, (s, nbytes) in bandwidth.items()}
+    del big
+
+    traffic = {"torch fused AdamW, fp32 grad": 28, "torch fused AdamW + casts, bf16 in/out": 28,
+               "gemini_ext, fp32 grad": 28}  # bytes per parameter, read and written once
     rows = []
     for name, fn in (("torch fused AdamW, fp32 grad", torch_step),
                      ("torch fused AdamW + casts, bf16 in/out", torch_step_with_casts),
@@ -96,24 +120,34 @@ def main(argv=None) -> list[dict]:
                      ("gemini_ext out of place, bf16 grad + copy", ours(grad16, g16out, out_of_place=True)),
                      ("gemini_ext, bf16 grad + copy, bf16 moments", ours(grad16, g16out, bf16_moments=True)),
                      ("gemini_ext out of place, ..., bf16 moments",
-                      ours(grad16, g16out, out_of_place=True, bf16_moments=True))):
+                      ours(grad16, g16out, out_of_place=True, bf16_moments=True)),
+                     ("gemini_ext correction, bf16 grad + copy", correct(0.5)),
+                     ("gemini_ext undo, bf16 grad + copy", correct(None))):
         seconds = timed(fn, args.repeats)
-        rows.append({"system": name, "ms": seconds * 1e3, "Gparams_per_s": n / seconds / 1e9})
+        nbytes = traffic.get(name, 20 if "bf16 moments" in name else 28)
+        rows.append({"system": name, "ms": seconds * 1e3, "Gparams_per_s": n / seconds / 1e9,
+                     "bytes_per_param": nbytes, "GB_per_s": nbytes * n / seconds / 1e9})
     base_fp32, base_mixed = rows[0]["ms"], rows[1]["ms"]
     for r in rows:
         r["vs_torch_fp32"] = base_fp32 / r["ms"]
         r["vs_torch_mixed"] = base_mixed / r["ms"]
 
+    best = max(bandwidth.values())
+    for r in rows:
+        r["of_bandwidth"] = r["GB_per_s"] / best
+
     info = gx._C.build_info()
     print(f"{n / 1e6:.1f} M params, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-          f"gemini_ext ISA {info['simd_isa']}, median of {args.repeats}")
-    print(f"{'system':<42}{'ms':>9}{'G params/s':>12}{'x torch fp32':>14}{'x torch mixed':>15}")
+          f"gemini_ext ISA {info['simd_isa']}, median of {args.repeats}; memory bandwidth on these cores: "
+          + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
+    print(f"{'system':<44}{'ms':>9}{'G params/s':>12}{'B/param':>9}{'GB/s':>8}{'of bw':>7}{'x torch fp32':>14}"
+          f"{'x torch mixed':>15}")
     for r in rows:
-        print(f"{r['system']:<42}{r['ms']:>9.2f}{r['Gparams_per_s']:>12.2f}{r['vs_torch_fp32']:>14.2f}"
-              f"{r['vs_torch_mixed']:>15.2f}")
+        print(f"{r['system']:<44}{r['ms']:>9.2f}{r['Gparams_per_s']:>12.2f}{r['bytes_per_param']:>9}"
+              f"{r['GB_per_s']:>8.1f}{r['of_bandwidth']:>7.0%}{r['vs_torch_fp32']:>14.2f}{r['vs_torch_mixed']:>15.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"params": n, "rows": rows}, f, indent=2)
+            json.dump({"params": n, "rows": rows, "bandwidth_GB_per_s": bandwidth}, f, indent=2)
     return rows
 
 

@@ -142,12 +142,14 @@ def run_steps(train_step, cfg, args, seq: int, dev: torch.device, rank: int, wor
     return losses, step_seconds, optimizer_seconds
 
 
-def clipped_step(model, opt, max_norm: float) -> float:
+def clipped_step(model, opt, max_norm: float, norms: list | None = None) -> float:
     """After backward: clipping at max_norm (0: off), the optimizer step and zero_grad; returns
-    when this optimizer part began (perf_counter)."""
+    when this optimizer part began (perf_counter). The norm is appended to `norms` if given."""
     began = time.perf_counter()
     if max_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if norms is not None:
+            norms.append(float(norm))
     opt.step()
     opt.zero_grad(set_to_none=True)
     return began

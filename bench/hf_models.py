@@ -37,6 +37,7 @@ SYSTEMS = {  # column name -> hf_train.py flags
     "gemini": ["--system", "gemini"],
     "gemini-sib": ["--system", "gemini", "--step-in-backward"],
     "gemini-nospec": ["--system", "gemini", "--no-speculation"],  # diagnosis: every host step from step()
+    "gemini-spares": ["--system", "gemini", "--speculation", "spares"],  # the spare-copy speculation, for comparison
     "fsdp2-offload": ["--system", "fsdp2-offload"],
     "deepspeed-offload-optim": ["--system", "deepspeed-offload-optim"],
     "deepspeed-offload": ["--system", "deepspeed-offload"],
@@ -51,6 +52,7 @@ SYSTEMS = {  # column name -> hf_train.py flags
 }
 LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
           "gemini-nospec": "gemini_ext auto, no speculation",
+          "gemini-spares": "gemini_ext auto, spare-copy speculation",
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
           "gemini-act": "gemini_ext auto, activations planned",
@@ -96,7 +98,28 @@ def auto_choice(row: dict) -> str:
     started = (placement.get("host_steps") or {}).get("during_backward")
     return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
             f"{placement.get('optim_chunks_on_host', '?')} host{lane}" +
-            (f", host steps started in backward: {started}" if started else "") + activation_choice(row))
+            (f", host steps started in backward: {started}" if started else "") + speculation_choice(row) +
+            activation_choice(row))
+
+
+def speculation_choice(row: dict) -> str:
+    """The in-place guesses of the last step: held, or corrected (and the correction's seconds)."""
+    spec = (row.get("engine") or {}).get("speculation") or {}
+    last = spec.get("last_step") or {}
+    if not last.get("guessed_sets"):
+        return f"; spares {spec['spare_bytes'] / 2**30:.1f} GiB" if spec.get("spare_bytes") else ""
+    if last.get("held"):
+        return f"; last step: {last['guessed_sets']} sets' guesses held"
+    return (f"; last step: {last['corrected_sets']} of {last['guessed_sets']} sets corrected "
+            f"({last['correction_seconds']:.2f} s of CPU)")
+
+
+def clip_fraction(row: dict) -> str:
+    """Of the steps whose norm the system reported, the fraction above max_norm."""
+    norms, max_norm = row.get("grad_norms") or [], row.get("max_norm") or 0.0
+    if not max_norm or not norms:
+        return "-"
+    return f"{sum(n > max_norm for n in norms)}/{len(norms)}"
 
 
 def activation_choice(row: dict) -> str:
@@ -117,15 +140,15 @@ def activation_choice(row: dict) -> str:
 
 def table(results: list[dict], peak_tflops: float) -> str:
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | x FSDP2 | x DeepSpeed | "
-             "device peak GiB | host RSS peak GiB | H2D GB/step | auto chose |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "device peak GiB | host RSS peak GiB | H2D GB/step | clipped | auto chose |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         same = [o for o in results if o["model"] == r["model"] and o["budget"] == r["budget"] and "step_s_median" in o]
         fsdp2 = next((o["step_s_median"] for o in same if o["name"] == "fsdp2-offload"), None)
         ds = min((o["step_s_median"] for o in same if o["name"].startswith("deepspeed")), default=None)
         head = f"| {r['model']} | {r['budget'] or 'whole device'} | {r['tokens_per_step']:,} | {LABELS[r['name']]} |"
         if "step_s_median" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | |")
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | | |")
             continue
         step = r["step_s_median"]
         mfu = row_mfu(r, r["tokens_per_step"], peak_tflops)
@@ -136,7 +159,7 @@ def table(results: list[dict], peak_tflops: float) -> str:
         cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", f"{mfu:.1%}",
                  f"{fsdp2 / step:.2f}" if fsdp2 else "-", f"{ds / step:.2f}" if ds else "-",
                  f"{peak / 2**30:.1f}" if peak else "-", f"{rss / 2**30:.1f}" if rss else "-",
-                 f"{h2d / r['steps'] / 1e9:.1f}" if h2d is not None else "-", auto_choice(r)]
+                 f"{h2d / r['steps'] / 1e9:.1f}" if h2d is not None else "-", clip_fraction(r), auto_choice(r)]
         lines.append(head + " " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -160,7 +183,8 @@ def save(text: str, results: list[dict], out: str | None) -> str:
 
 def write_tables(results: list[dict], args) -> str:
     """The markdown table of `results` (returned), written with the JSON beside --out."""
-    return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, MFU against "
+    return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, {args.data} "
+                f"data, MFU against "
                 f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops), results, args.out)
 
 
@@ -174,6 +198,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--max-norm", type=float, default=0.0, help="clipping for every system (0: off)")
+    p.add_argument("--data", choices=["random", "learnable"], default="random",
+                   help="bench/hf_train.py's data: random tokens, or one repeated batch the model learns")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="every system: the LM head and loss this many tokens at a time (0: HF's own loss)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM, H200)")
@@ -188,10 +214,11 @@ def main(argv=None) -> list[dict]:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
+              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens), "--data", args.data]
     if args.smoke:
         models, budgets, common = ["tiny-mixtral"], [None], \
-            ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim"]
+            ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim",
+             "--data", args.data]
     results = []
     for model in models:
         for budget in budgets:

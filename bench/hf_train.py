@@ -50,6 +50,7 @@ from peers_train import BETAS, EPS, WEIGHT_DECAY, deepspeed_config  # noqa: E402
 
 SYSTEMS = ("gemini", "fsdp2-offload", "deepspeed-offload-optim", "deepspeed-offload", "plain", "gpu-alone")
 LR = 1e-4  # AdamW's other settings are peers_train.py's, for every system
+GRAD_NORMS: list = []  # per step, where the system reports it (gemini_ext; the peers when clipping)
 
 # (transformers config class, its fields): the published shapes, vocabularies included
 MODELS = {
@@ -89,6 +90,12 @@ def parse_args(argv=None):
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
     p.add_argument("--no-speculation", action="store_true",
                    help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
+    p.add_argument("--speculation", choices=["in-place", "spares"], default="in-place",
+                   help="gemini: AdamW's host steps during backward in place (the default), or with spare copies "
+                        "as rules without a correction do (the previous default, for comparison)")
+    p.add_argument("--data", choices=["random", "learnable"], default="random",
+                   help="random token sequences (clipping at 1.0 triggers every step), or one fixed batch of a short "
+                        "repeating pattern, learnt within a few steps (its gradient norm falls below 1.0)")
     p.add_argument("--activation-offload", choices=["off", "on", "auto"], default="off",
                    help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's "
                         "save_on_cpu; deepspeed: 'on' is DeepSpeed's checkpointing with cpu_checkpointing")
@@ -176,6 +183,10 @@ def active_parameters(name: str) -> int:
 
 
 def batch_of(model, args, step: int, dev: torch.device) -> torch.Tensor:
+    if args.data == "learnable":  # the same batch every step: each row a period-16 cycle of 16 tokens
+        g = torch.Generator().manual_seed(args.seed)
+        period = torch.randint(0, model.config.vocab_size, (args.batch, 16), generator=g)
+        return period.repeat(1, args.seq // 16 + 1)[:, :args.seq].contiguous().to(dev)
     g = torch.Generator().manual_seed(args.seed * 100003 + step)
     return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
 
@@ -192,9 +203,12 @@ def gemini_system(args, dev_kind: str):
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
     if dev_kind == "sim":
         budget = {"sim_capacity": args.budget or "2GiB"}
+    from gemini_ext.optim import wrapper
     if args.no_speculation:  # the engine reads the host's free memory for spares here only
-        from gemini_ext.optim import wrapper
         wrapper.host_available_bytes = lambda ranks=1: 0
+        wrapper.IN_PLACE_SPECULATION = False
+    if args.speculation == "spares":
+        wrapper.IN_PLACE_SPECULATION = False
     state = {"optimizer_state_dtype": "bf16", "master_weights": False} if args.state == "8-byte" else {}
     cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
                           optimizer_step_in_backward=args.step_in_backward, activation_offload=args.activation_offload,
@@ -209,6 +223,8 @@ def gemini_system(args, dev_kind: str):
         loss.backward()
         before = time.perf_counter()
         opt.step()
+        if opt.last_grad_norm is not None:
+            GRAD_NORMS.append(opt.last_grad_norm)
         opt.zero_grad(set_to_none=True)
         return loss, before
 
@@ -216,7 +232,7 @@ def gemini_system(args, dev_kind: str):
         s = engine.stats()
         engine.close()
         return {k: s.get(k) for k in ("placement", "last_step", "counters", "traffic", "throughput",
-                                      "num_param_chunks", "chunk_size", "tier_bytes", "activations")}
+                                      "num_param_chunks", "chunk_size", "tier_bytes", "activations", "speculation")}
 
     return model, engine.compute_device, train_step, stats
 
@@ -282,7 +298,7 @@ def peer_system(args):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.cuda.synchronize()
-        return loss, clipped_step(model, opt, args.max_norm)
+        return loss, clipped_step(model, opt, args.max_norm, GRAD_NORMS)
 
     return model, dev, train_step, dict
 
@@ -344,6 +360,7 @@ def main(argv=None) -> dict:
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else "") +
         (", no speculation" if args.no_speculation else "") +
+        (", spare-copy speculation" if args.speculation == "spares" else "") + (", learnable data" if args.data == "learnable" else "") +
         (f", checkpointing {args.checkpointing}" if args.checkpointing != "hf" else "") +
         (f", activation offload {args.activation_offload}" if args.activation_offload != "off" else "") +
         (f", {args.state} state" if args.state != "fp32" else ""),
@@ -351,7 +368,7 @@ def main(argv=None) -> dict:
         "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
         "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
-        "losses": losses, "step_seconds": step_s, "step_s_median": sorted(timed)[len(timed) // 2],
+        "losses": losses, "step_seconds": step_s, "grad_norms": list(GRAD_NORMS), "data": args.data, "step_s_median": sorted(timed)[len(timed) // 2],
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
         "setup_s": setup_s,
         "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,

@@ -243,7 +243,8 @@ def _optimizer_common(parts):
     return {"param_groups": groups, "steps": [parts.runtime.step_of(i) for i in range(len(parts.layout.params))],
             "class": opt.opt_class.__name__,
             # a generically stepped optimizer's state: whole on every rank (optim/generic.py), saved once
-            "generic": opt.state_dict() if not opt.rule.native else None}
+            "generic": opt.state_dict() if not opt.rule.native else None,
+            "speculation": parts.runtime.speculation_memory() if opt.rule.native else None}
 
 
 def _state_dict_keys(parts, model) -> list:
@@ -452,6 +453,8 @@ def _load_sharded(parts, model, path: str, index: dict, model_only: bool) -> Non
                     mine[k] = v
         if common["optimizer"].get("generic") is not None:
             opt.load_state_dict(common["optimizer"]["generic"])
+        if common["optimizer"].get("speculation") is not None:
+            parts.runtime.restore_speculation_memory(**common["optimizer"]["speculation"])
     own = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, value in common["buffers"].items():

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bindings/common.h"
+#include "core/kernels/adam_correction.h"
 #include "torch/optim/cpu_adam_op.h"
 #include "torch/optim/cpu_optim_op.h"
 #include "torch/manager/manager.h"
@@ -62,6 +63,23 @@ void device_adam_step(const at::Tensor& param, const at::Tensor& exp_avg, const 
       static_cast<uint32_t>(random_key), static_cast<uint32_t>(first_index), max_blocks);
 }
 
+// The Adam step cpu_adam_step took in place with `taken_scale`: corrected to `true_scale`, or undone.
+void cpu_adam_correct(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                      const at::Tensor& grad, const std::optional<at::Tensor>& param16, int64_t step, double lr,
+                      double beta1, double beta2, double eps, double weight_decay, bool adamw, double taken_scale,
+                      std::optional<double> true_scale) {
+  const torch_layer::CpuAdamWork w = torch_layer::prepare_cpu_adam(
+      param, exp_avg, exp_avg_sq, grad, param16,
+      torch_layer::adam_hyper_of(step, lr, beta1, beta2, eps, weight_decay, adamw, taken_scale));
+  GX_CHECK(!w.moments.has_value(), "cpu_adam_correct: fp32 moments only (bf16 moments are rounded "
+           "stochastically, which a correction cannot reproduce).");
+  if (true_scale.has_value()) {
+    adam_correct_step(w.hyper, *true_scale, w.buffers);
+  } else {
+    adam_undo_step(w.hyper, w.buffers);
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -76,7 +94,43 @@ void def_manager_optimizer(py::module_& m) {
           py::arg("state_chunks"), py::arg("step_set") = std::nullopt)
       .def("grad_norm_sq", &GeminiManager::grad_norm_sq, nogil())
       .def("optimizer_step", &GeminiManager::optimizer_step, py::arg("groups"), py::arg("grad_multiplier"), nogil())
-      .def("arm_speculation",
+      .def("set_link_sets",
+           [](GeminiManager& g, const std::vector<int>& sets) {
+             g.with_optimizer([&](HybridOptimizer& o) { o.set_link_sets(sets); });
+           },
+           py::arg("sets"), nogil())
+      .def("link_sets",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.link_sets(); }); },
+           nogil())
+      .def("last_step",
+           [](GeminiManager& g) {
+             StepStats s;
+             {
+               py::gil_scoped_release release;
+               s = g.with_optimizer([](HybridOptimizer& o) { return o.last_step(); });
+             }
+             return as_dict(s, field("host_params", &StepStats::host_params),
+                            field("device_params", &StepStats::device_params),
+                            field("host_seconds", &StepStats::host_seconds),
+                            field("link_params", &StepStats::link_params),
+                            field("link_seconds", &StepStats::link_seconds),
+                            field("launch_seconds", &StepStats::launch_seconds),
+                            field("device_seconds", &StepStats::device_seconds),
+                            field("pending_sets", &StepStats::pending_sets),
+                            field("speculated_sets", &StepStats::speculated_sets),
+                            field("guessed_sets", &StepStats::guessed_sets),
+                            field("corrected_sets", &StepStats::corrected_sets),
+                            field("redone_sets", &StepStats::redone_sets),
+                            field("skipped_sets", &StepStats::skipped_sets),
+                            field("correction_seconds", &StepStats::correction_seconds));
+           });
+}
+
+// The host steps started during backward: speculation (spares or in place) and the step in backward.
+void def_manager_speculation(py::module_& m) {
+  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
+  using torch_layer::HybridOptimizer;
+  cls.def("arm_speculation",
            [](GeminiManager& g, const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
              const auto cover =
                  g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
@@ -105,6 +159,30 @@ void def_manager_optimizer(py::module_& m) {
              return d;
            },
            py::arg("groups"))
+      .def("speculation_memory",
+           [](GeminiManager& g) {
+             SpeculationPolicy::Memory mem;
+             {
+               py::gil_scoped_release release;
+               mem = g.with_optimizer([](HybridOptimizer& o) { return o.speculation_policy().memory(); });
+             }
+             py::dict d;
+             d["backwards_per_step"] = mem.backwards_per_step;
+             d["last_step_scaled"] = mem.last_step_scaled;
+             return d;
+           })
+      .def("restore_speculation_memory",
+           [](GeminiManager& g, int64_t backwards_per_step, bool last_step_scaled) {
+             g.with_optimizer([&](HybridOptimizer& o) {
+               o.speculation_policy().restore({backwards_per_step, last_step_scaled});
+             });
+           },
+           py::arg("backwards_per_step"), py::arg("last_step_scaled"), nogil())
+      .def("guess_supported",
+           [](GeminiManager& g) {
+             return g.with_optimizer([](HybridOptimizer& o) { return o.guess_supported(); });
+           },
+           nogil())
       .def("guess_counts",
            [](GeminiManager& g) {
              std::array<int64_t, 6> c{};
@@ -136,14 +214,6 @@ void def_manager_optimizer(py::module_& m) {
       .def("spare_bytes_needed",
            [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes_needed(); }); },
            nogil())
-      .def("set_link_sets",
-           [](GeminiManager& g, const std::vector<int>& sets) {
-             g.with_optimizer([&](HybridOptimizer& o) { o.set_link_sets(sets); });
-           },
-           py::arg("sets"), nogil())
-      .def("link_sets",
-           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.link_sets(); }); },
-           nogil())
       .def("release_spares",
            [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
       .def("speculations",
@@ -159,28 +229,6 @@ void def_manager_optimizer(py::module_& m) {
              d["confirmed"] = counts.first;
              d["dropped"] = counts.second;
              return d;
-           })
-      .def("last_step",
-           [](GeminiManager& g) {
-             StepStats s;
-             {
-               py::gil_scoped_release release;
-               s = g.with_optimizer([](HybridOptimizer& o) { return o.last_step(); });
-             }
-             return as_dict(s, field("host_params", &StepStats::host_params),
-                            field("device_params", &StepStats::device_params),
-                            field("host_seconds", &StepStats::host_seconds),
-                            field("link_params", &StepStats::link_params),
-                            field("link_seconds", &StepStats::link_seconds),
-                            field("launch_seconds", &StepStats::launch_seconds),
-                            field("device_seconds", &StepStats::device_seconds),
-                            field("pending_sets", &StepStats::pending_sets),
-                            field("speculated_sets", &StepStats::speculated_sets),
-                            field("guessed_sets", &StepStats::guessed_sets),
-                            field("corrected_sets", &StepStats::corrected_sets),
-                            field("redone_sets", &StepStats::redone_sets),
-                            field("skipped_sets", &StepStats::skipped_sets),
-                            field("correction_seconds", &StepStats::correction_seconds));
            });
 }
 
@@ -214,6 +262,13 @@ void bind_optimizer(py::module_& m) {
         "may both be bfloat16: they are then stochastically rounded with the bits of (random_key, "
         "first_index + i) (csrc/core/kernels/cpu_adam_bf16_moments.h).");
 
+  m.def("cpu_adam_correct", &cpu_adam_correct, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
+        py::arg("taken_scale") = 1.0, py::arg("true_scale") = std::nullopt, nogil(),
+        "The Adam step cpu_adam_step took in place with grad_scale=taken_scale, corrected to true_scale, or "
+        "undone when true_scale is None (csrc/core/kernels/adam_correction.h).");
+
   m.def("cpu_optim_step", &torch_layer::cpu_optim_step, py::arg("name"), py::arg("param"), py::arg("states"),
         py::arg("grad"), py::arg("param16") = std::nullopt, py::arg("step"), py::arg("hyper"),
         py::arg("grad_scale") = 1.0, py::arg("isa") = "", py::arg("out") = std::nullopt, nogil(),
@@ -235,6 +290,7 @@ void bind_optimizer(py::module_& m) {
         "in place over the link (keeps the host tensor alive).");
 
   def_manager_optimizer(m);
+  def_manager_speculation(m);
   def_manager_pipeline(m);
 }
 

@@ -33,6 +33,14 @@ class SpeculationPolicy {
   // optimizer.step() ran with this multiplier (1: the guess of "no scaling" held).
   void step_taken(double grad_multiplier);
   void grads_cleared();  // zero_grad() without a step since the last backward
+  // What the next decisions depend on, for checkpoints: a run resumed from one decides as the run
+  // that wrote it would have (and so computes the same bits).
+  struct Memory {
+    int64_t backwards_per_step = 0;
+    bool last_step_scaled = false;
+  };
+  Memory memory() const { return {backwards_per_step_, last_step_scaled_}; }
+  void restore(const Memory& m);  // UsageError for a negative backwards_per_step
 
   int64_t backwards_expected() const { return backwards_per_step_ > 0 ? backwards_per_step_ : 1; }
   int64_t steps_taken() const { return steps_; }

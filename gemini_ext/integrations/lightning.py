@@ -120,6 +120,7 @@ class GeminiStrategy(DDPStrategy):
                                  "the engine steps one. Return one optimizer over self.parameters().")
             opt = self.optimizers[0]
             self.optimizers = [opt if isinstance(opt, GeminiOptimizer) else GeminiOptimizer(opt, module)]
+            self.optimizers[0].expect_backwards_per_step(int(trainer.accumulate_grad_batches))
         self.setup_precision_plugin()
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):

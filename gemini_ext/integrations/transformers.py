@@ -194,6 +194,7 @@ class GeminiTrainerMixin:
                 self.optimizer = self.engine.optimizer(torch.optim.AdamW, params=groups, lr=self.args.learning_rate,
                                                        betas=(self.args.adam_beta1, self.args.adam_beta2),
                                                        eps=self.args.adam_epsilon)
+            self.optimizer.expect_backwards_per_step(max(1, int(self.args.gradient_accumulation_steps)))
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):

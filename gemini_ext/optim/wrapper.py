@@ -51,6 +51,10 @@ from .generic import GenericStepper
 from .lion import Lion  # noqa: F401  (gx.optim.Lion)
 from .rules import ADAM, MAX_STATE_KINDS, rule_for
 
+# False: every rule speculates with spare copies, as rules without a correction do (the
+# benchmarks compare the two: bench/hf_train.py --speculation spares).
+IN_PLACE_SPECULATION = True
+
 
 def _as_param_list(params) -> list:
     """torch.optim's `params` argument taken once: a generator (model.parameters()) is read here,
@@ -163,6 +167,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             parts.placer.freeze()
         self.last_grad_norm = None
         self._in_backward_hyper = None  # the hyperparameters armed for the step in backward
+        self._planned_cover = None  # the host steps' cover after this backward, where it differs
 
     @staticmethod
     def _native_defaults(rule, opt_cls, params, kwargs) -> dict:
@@ -257,12 +262,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
         guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
         self._parts.placer.note_backward_start(self._parts.runtime)  # the last step's lanes, before arming
         cover, why = self._arm_for_backward()
-        self._parts.placer.note_host_steps(cover, why)
+        self._parts.placer.note_host_steps(cover, why, self._planned_cover)
 
     def _arm_for_backward(self) -> tuple[str, str]:
         """(the host sets whose steps start during this backward: "every set", "some sets" or
         "none", why)."""
         parts = self._parts
+        self._planned_cover = None
         cfg = parts.config
         if not self.rule.native:
             return "none", f"{self.opt_class.__name__} has no native kernel: its own step() runs in step()"
@@ -273,9 +279,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if parts.scaler is not None:
             return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
         if parts.placer.decides_at_iteration_end():
+            # Steps started now would be undone by the chunks moving before step(). The later
+            # iterations guess where the rule corrects in place and nothing says they will clip.
+            if IN_PLACE_SPECULATION and cfg.max_norm == 0 and parts.runtime.guess_supported():
+                self._planned_cover = "every set"
             return "none", "the placement is decided at this iteration's end: the steps wait for step()"
-        arming = parts.runtime.arm_guess(self._hyper())  # in place, where the rule corrects its own step
-        if arming["supported"]:
+        arming = parts.runtime.arm_guess(self._hyper()) if IN_PLACE_SPECULATION else {"supported": False}
+        if arming["supported"]:  # in place: the rule corrects its own step
             return ("every set" if arming["armed"] else "none"), arming["why"]
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
             return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
@@ -312,6 +322,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if parts.runtime.arm_in_backward(self._in_backward_hyper):
             return "every set", "optimizer_step_in_backward=True: each host set steps in place once its gradients land"
         return "none", f"{self.opt_class.__name__} steps whole sets: nothing to start early"
+
+    def expect_backwards_per_step(self, backwards: int) -> None:
+        """Integrations that know the gradient accumulation (the Trainer's
+        gradient_accumulation_steps, Lightning's accumulate_grad_batches) say so before the first
+        step: the host steps then start during the last backward from the first step on, instead of
+        after every backward of the first step, taken back when the next adds to the gradients."""
+        if not isinstance(backwards, int) or backwards < 1:
+            raise ValueError(f"expect_backwards_per_step: expected an int >= 1, got {backwards!r}.")
+        memory = self._parts.runtime.speculation_memory()
+        if self._parts.counters.optimizer_steps == 0:
+            self._parts.runtime.restore_speculation_memory(backwards, memory["last_step_scaled"])
 
     def steps_started_in_backward(self) -> int:
         """Host chunk sets stepped during the last backward and not yet followed by step()."""
@@ -400,7 +421,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
             entry["params"] = list(range(pos, pos + len(g["params"])))
             pos += len(g["params"])
             groups.append(entry)
-        return {"state": state, "param_groups": groups}
+        # What the in-place speculation's next decision depends on: a run resumed from this state
+        # then takes the same path, and computes the same bits (torch's optimizers ignore the key).
+        return {"state": state, "param_groups": groups, "speculation": self._parts.runtime.speculation_memory()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         groups = state_dict["param_groups"]
@@ -418,6 +441,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self._parts.sharded_state.load_optimizer_state(self, groups, state_dict["state"])
         else:
             self._load_native_state(groups, state_dict["state"])
+        if self._generic is None and "speculation" in state_dict:
+            self._parts.runtime.restore_speculation_memory(**state_dict["speculation"])
         skipped = ("params",) + self.rule.refused_flags + self.rule.ignored_flags
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():

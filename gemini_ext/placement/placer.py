@@ -51,11 +51,13 @@ class Placer:
             if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
                 self._settled_step = last
 
-    def note_host_steps(self, cover: str, why: str) -> None:
+    def note_host_steps(self, cover: str, why: str, planned: str | None = None) -> None:
         """Which host sets' CPU steps of this iteration start during backward ("every set", "some
         sets" or "none") and why (optim/wrapper.py backward_started). The placement plans for the
-        backward as their window only where every set's does; else for the next forward."""
-        self._steps_during_backward = cover == "every set"
+        backward as their window only where every set's does; else for the next forward.
+        `planned`: the cover the iterations after this one will have, where it differs (steps held
+        back this once because the placement is decided at this iteration's end)."""
+        self._steps_during_backward = (planned or cover) == "every set"
         self._host_steps = {"during_backward": cover, "why": why}
 
     def decides_at_iteration_end(self) -> bool:

@@ -46,8 +46,8 @@ def test_default_mode_reports_itself():
     assert gx.info()["allocator mode"].startswith("default")
 
 
-def _train(model, engine, steps, first=0):
-    opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+def _train(model, engine, steps, first=0, optimizer=torch.optim.AdamW):
+    opt = engine.optimizer(optimizer, lr=LR, weight_decay=WD)
     for step in range(first, first + steps):
         x, y = batch(model.cfg, step, engine.compute_device)
         model(x, y).backward()
@@ -59,7 +59,7 @@ def _train(model, engine, steps, first=0):
 def test_pools_reuse_slots_on_sim_with_exact_accounting():
     model, _ = make_models()
     with gx.enable(model, config("sim", sim_capacity=8 * 4096 * 4)) as engine:  # evicts every step
-        _train(model, engine, 4)
+        _train(model, engine, 4, optimizer=gx.optim.Lion)  # Lion speculates with spares (AdamW in place)
         stats = engine.stats()
         pools, tiers = stats["pools"], stats["tier_bytes"]
         # slots in use: the chunks' copies, and on the host tier the speculative steps' spares

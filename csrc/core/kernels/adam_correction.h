@@ -35,7 +35,8 @@
 // hyperparameters that changed before step()) inverts the same relations with s0:
 //   p D = p' + a m' / den(v'),  m = (m' - (1 - b1) e0) / b1,  v = max(0, v' - (1 - b2) e0^2) / b2
 // (m = 0 when b1 = 0 and v = 0 when b2 = 0: the step did not read them; moments that were zero,
-// recognised as below, come back as zeros), and the 16-bit copy is rounded from the restored p. The step then runs again as the serial one would.
+// recognised as below, come back as zeros), and the 16-bit copy is rounded from the restored p.
+// The step then runs again as the serial one would.
 //
 // Every path (scalar, AVX2, AVX-512) does the same float operations in the same order
 // (adam_correction_kernels.inc), so their results are bit-identical. all_finite() is the check

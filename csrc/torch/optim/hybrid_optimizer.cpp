@@ -246,7 +246,8 @@ void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_m
   // else settled (waited for) and dropped, and those sets are stepped below like the others.
   stats_ = backward_stats_;  // the sets stepped in place during backward count to this step
   backward_stats_ = StepStats{};
-  const bool started_in_backward = !stepped_in_backward_.empty() || !guesses_.empty();  // their seconds count from the arming
+  // Steps started in backward: this step's seconds count from the arming.
+  const bool started_in_backward = !stepped_in_backward_.empty() || !guesses_.empty();
   std::set<int> confirmed = judge_guesses(groups, grad_multiplier);
   policy_.step_taken(grad_multiplier);
   for (int s : judge_speculations(groups, grad_multiplier)) confirmed.insert(s);

@@ -144,6 +144,8 @@ class HybridOptimizer {
   // is then stepped in place, with the hyperparameters of that moment and a multiplier of 1, as
   // soon as its gradients are on the host; step() confirms, corrects or undoes and redoes it.
   GuessArming arm_guess(const std::vector<HyperValues>& groups);
+  // Whether arm_guess would find the rule correcting every host set's step (no side effects).
+  bool guess_supported(std::string* why = nullptr) const;
   // The gradients are complete (the norm or the step flushes the rest): no further guesses.
   void stop_guessing() { guessing_ = false; }
   // zero_grad(): guesses not yet judged are undone (their gradients are dropped).
@@ -152,6 +154,7 @@ class HybridOptimizer {
   int64_t guesses_judged() const { return judged_total_; }
   int64_t guesses_corrected() const { return corrected_total_; }  // or undone and redone at step()
   const SpeculationPolicy& speculation_policy() const { return policy_; }
+  SpeculationPolicy& speculation_policy() { return policy_; }
 
  private:
   struct Run {

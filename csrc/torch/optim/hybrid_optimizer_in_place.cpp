@@ -64,21 +64,26 @@ void run_all(const std::vector<std::function<void()>>& work) {
 }
 }  // namespace
 
-GuessArming HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups) {
-  GuessArming out;
+bool HybridOptimizer::guess_supported(std::string* why) const {
   if (rule_->steps_whole_sets()) {
-    out.why = "the optimizer steps whole sets: nothing to start early";
-    return out;
+    if (why != nullptr) *why = "the optimizer steps whole sets: nothing to start early";
+    return false;
   }
   for (const ChunkSet& set : sets_) {
     if (!set.trainable || !set.spec.optim_on_host) continue;
     const DType master = mgr_.chunk(set.spec.master >= 0 ? set.spec.master : set.spec.param).dtype();
     const DType state = set.spec.states.empty() ? DType::kFloat32 : mgr_.chunk(set.spec.states.front().second).dtype();
     if (!rule_->corrects_in_place(master, state)) {
-      out.why = "the rule cannot correct its step in place for this state's dtypes";
-      return out;
+      if (why != nullptr) *why = "the rule cannot correct its step in place for this state's dtypes";
+      return false;
     }
   }
+  return true;
+}
+
+GuessArming HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups) {
+  GuessArming out;
+  if (!guess_supported(&out.why)) return out;
   out.supported = true;
   const SpeculationDecision decision = policy_.backward_started();
   out.why = decision.why;

@@ -122,10 +122,7 @@ void HybridOptimizer::release_spares() {
 }
 
 void HybridOptimizer::speculate(int set_index) {
-  if (guessing_ && set_index >= 0) {
-    guess(set_index);
-    return;
-  }
+  if (guessing_ && set_index >= 0) return guess(set_index);  // in place (hybrid_optimizer_in_place.cpp)
   if (!armed_ || set_index < 0) return;
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
