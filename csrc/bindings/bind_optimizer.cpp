@@ -145,7 +145,40 @@ void def_manager_speculation(py::module_& m) {
              return g.with_optimizer([&](HybridOptimizer& o) { return o.arm_in_place(groups); });
            },
            py::arg("groups"), nogil())
-      .def("arm_guess",
+      .def("sets_stepped_in_backward",
+           [](GeminiManager& g) {
+             return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
+           },
+           nogil())
+      .def("spare_bytes",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
+           nogil())
+      .def("spare_bytes_needed",
+           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes_needed(); }); },
+           nogil())
+      .def("release_spares",
+           [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
+      .def("speculations",
+           [](GeminiManager& g) {
+             std::pair<int64_t, int64_t> counts;
+             {
+               py::gil_scoped_release release;
+               counts = g.with_optimizer([](HybridOptimizer& o) {
+                 return std::pair<int64_t, int64_t>{o.speculations_confirmed(), o.speculations_dropped()};
+               });
+             }
+             py::dict d;
+             d["confirmed"] = counts.first;
+             d["dropped"] = counts.second;
+             return d;
+           });
+}
+
+// The in-place speculation (hybrid_optimizer_in_place.cpp): arming, its policy's memory, its counts.
+void def_manager_guesses(py::module_& m) {
+  auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
+  using torch_layer::HybridOptimizer;
+  cls.def("arm_guess",
            [](GeminiManager& g, const std::vector<HyperValues>& groups) {
              torch_layer::GuessArming a;
              {
@@ -201,33 +234,6 @@ void def_manager_speculation(py::module_& m) {
              d["backwards_per_step"] = c[3];
              d["guessed"] = c[4];    // sets stepped in place during backward and judged at step()
              d["corrected"] = c[5];  // of those, corrected (clipping) or undone and redone (hyperparameters)
-             return d;
-           })
-      .def("sets_stepped_in_backward",
-           [](GeminiManager& g) {
-             return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
-           },
-           nogil())
-      .def("spare_bytes",
-           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes(); }); },
-           nogil())
-      .def("spare_bytes_needed",
-           [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.spare_bytes_needed(); }); },
-           nogil())
-      .def("release_spares",
-           [](GeminiManager& g) { g.with_optimizer([](HybridOptimizer& o) { o.release_spares(); }); }, nogil())
-      .def("speculations",
-           [](GeminiManager& g) {
-             std::pair<int64_t, int64_t> counts;
-             {
-               py::gil_scoped_release release;
-               counts = g.with_optimizer([](HybridOptimizer& o) {
-                 return std::pair<int64_t, int64_t>{o.speculations_confirmed(), o.speculations_dropped()};
-               });
-             }
-             py::dict d;
-             d["confirmed"] = counts.first;
-             d["dropped"] = counts.second;
              return d;
            });
 }
@@ -291,6 +297,7 @@ void bind_optimizer(py::module_& m) {
 
   def_manager_optimizer(m);
   def_manager_speculation(m);
+  def_manager_guesses(m);
   def_manager_pipeline(m);
 }
 

@@ -87,6 +87,8 @@ def _as_groups(params) -> list[dict]:
 class GeminiOptimizer(torch.optim.Optimizer):
     """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
 
+    _planned_cover = None  # the host steps' cover after the current backward, where it differs (placer)
+
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
         shared_groups = None
         self._wrapped = None
@@ -167,7 +169,6 @@ class GeminiOptimizer(torch.optim.Optimizer):
             parts.placer.freeze()
         self.last_grad_norm = None
         self._in_backward_hyper = None  # the hyperparameters armed for the step in backward
-        self._planned_cover = None  # the host steps' cover after this backward, where it differs
 
     @staticmethod
     def _native_defaults(rule, opt_cls, params, kwargs) -> dict:

@@ -46,8 +46,12 @@ def test_cpu_adam_bench_smoke(tmp_path):
                                            "gemini_ext, fp32 grad", "gemini_ext, bf16 grad + bf16 copy",
                                            "gemini_ext out of place, bf16 grad + copy",
                                            "gemini_ext, bf16 grad + copy, bf16 moments",
-                                           "gemini_ext out of place, ..., bf16 moments"]
-    assert all(r["ms"] > 0 and r["Gparams_per_s"] > 0 for r in rows)
+                                           "gemini_ext out of place, ..., bf16 moments",
+                                           "gemini_ext correction, bf16 grad + copy", "gemini_ext undo, bf16 grad + copy"]
+    assert all(r["ms"] > 0 and r["Gparams_per_s"] > 0 and r["GB_per_s"] > 0 for r in rows)
+    assert [r["bytes_per_param"] for r in rows] == [28, 28, 28, 28, 28, 20, 20, 28, 28]
+    bandwidth = json.loads(out_json.read_text())["bandwidth_GB_per_s"]
+    assert set(bandwidth) == {"copy", "add in place"} and min(bandwidth.values()) > 0
     assert rows[0]["vs_torch_fp32"] == 1.0 and rows[1]["vs_torch_mixed"] == 1.0
 
 
