@@ -179,11 +179,11 @@ void def_manager_guesses(py::module_& m) {
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
   using torch_layer::HybridOptimizer;
   cls.def("arm_guess",
-           [](GeminiManager& g, const std::vector<HyperValues>& groups) {
+           [](GeminiManager& g, const std::vector<HyperValues>& groups, bool allowed) {
              torch_layer::GuessArming a;
              {
                py::gil_scoped_release release;
-               a = g.with_optimizer([&](HybridOptimizer& o) { return o.arm_guess(groups); });
+               a = g.with_optimizer([&](HybridOptimizer& o) { return o.arm_guess(groups, allowed); });
              }
              py::dict d;
              d["supported"] = a.supported;
@@ -191,7 +191,7 @@ void def_manager_guesses(py::module_& m) {
              d["why"] = a.why;
              return d;
            },
-           py::arg("groups"))
+           py::arg("groups"), py::arg("allowed") = true)
       .def("speculation_memory",
            [](GeminiManager& g) {
              SpeculationPolicy::Memory mem;
@@ -211,11 +211,6 @@ void def_manager_guesses(py::module_& m) {
              });
            },
            py::arg("backwards_per_step"), py::arg("last_step_scaled"), nogil())
-      .def("guess_supported",
-           [](GeminiManager& g) {
-             return g.with_optimizer([](HybridOptimizer& o) { return o.guess_supported(); });
-           },
-           nogil())
       .def("guess_counts",
            [](GeminiManager& g) {
              std::array<int64_t, 6> c{};

@@ -279,13 +279,16 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return "none", "overlap_optimizer=False: every set steps inside step()"
         if parts.scaler is not None:
             return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
-        if parts.placer.decides_at_iteration_end():
-            # Steps started now would be undone by the chunks moving before step(). The later
-            # iterations guess where the rule corrects in place and nothing says they will clip.
-            if IN_PLACE_SPECULATION and cfg.max_norm == 0 and parts.runtime.guess_supported():
+        # Steps started during the iteration whose end decides the placement would be undone by
+        # the chunks moving before step(): that backward is counted (the policy learns the
+        # accumulation) but steps at step(); the later iterations guess where the rule corrects in
+        # place and nothing says they will clip, which the placement plans for.
+        deciding = parts.placer.decides_at_iteration_end()
+        arming = parts.runtime.arm_guess(self._hyper(), not deciding) if IN_PLACE_SPECULATION else {"supported": False}
+        if deciding:
+            if arming["supported"] and cfg.max_norm == 0:
                 self._planned_cover = "every set"
             return "none", "the placement is decided at this iteration's end: the steps wait for step()"
-        arming = parts.runtime.arm_guess(self._hyper()) if IN_PLACE_SPECULATION else {"supported": False}
         if arming["supported"]:  # in place: the rule corrects its own step
             return ("every set" if arming["armed"] else "none"), arming["why"]
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1

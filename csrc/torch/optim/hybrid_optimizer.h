@@ -143,7 +143,8 @@ class HybridOptimizer {
   // spares) and the policy (core/speculation_policy.h) expects the guess to hold: each host set
   // is then stepped in place, with the hyperparameters of that moment and a multiplier of 1, as
   // soon as its gradients are on the host; step() confirms, corrects or undoes and redoes it.
-  GuessArming arm_guess(const std::vector<HyperValues>& groups);
+  // `allowed` false: the backward is counted (the policy learns the accumulation) but not armed.
+  GuessArming arm_guess(const std::vector<HyperValues>& groups, bool allowed = true);
   // Whether arm_guess would find the rule correcting every host set's step (no side effects).
   bool guess_supported(std::string* why = nullptr) const;
   // The gradients are complete (the norm or the step flushes the rest): no further guesses.

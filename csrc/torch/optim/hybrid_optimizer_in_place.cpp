@@ -81,13 +81,13 @@ bool HybridOptimizer::guess_supported(std::string* why) const {
   return true;
 }
 
-GuessArming HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups) {
+GuessArming HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups, bool allowed) {
   GuessArming out;
   if (!guess_supported(&out.why)) return out;
   out.supported = true;
   const SpeculationDecision decision = policy_.backward_started();
   out.why = decision.why;
-  if (!decision.speculate) return out;
+  if (!decision.speculate || !allowed) return out;
   guess_groups_ = std::make_shared<const std::vector<HyperValues>>(groups);
   guessing_ = true;
   guess_counts_ = std::make_shared<GuessCounts>();  // this step's; the last step's corrections may still run
