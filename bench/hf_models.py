@@ -183,8 +183,8 @@ def save(text: str, results: list[dict], out: str | None) -> str:
 
 def write_tables(results: list[dict], args) -> str:
     """The markdown table of `results` (returned), written with the JSON beside --out."""
-    return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, {args.data} "
-                f"data, MFU against "
+    return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, loss scaled by "
+                f"{args.loss_scale:g}, MFU against "
                 f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops), results, args.out)
 
 
@@ -198,8 +198,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--max-norm", type=float, default=0.0, help="clipping for every system (0: off)")
-    p.add_argument("--data", choices=["random", "learnable"], default="random",
-                   help="bench/hf_train.py's data: random tokens, or one repeated batch the model learns")
+    p.add_argument("--loss-scale", type=float, default=1.0,
+                   help="every system backward from the loss times this (bench/hf_train.py: Adam's step is the "
+                        "same, the norm scaled; 1/64 keeps the norm within --max-norm 1.0)")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="every system: the LM head and loss this many tokens at a time (0: HF's own loss)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM, H200)")
@@ -214,11 +215,11 @@ def main(argv=None) -> list[dict]:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens), "--data", args.data]
+              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens), "--loss-scale", str(args.loss_scale)]
     if args.smoke:
         models, budgets, common = ["tiny-mixtral"], [None], \
             ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim",
-             "--data", args.data]
+             "--loss-scale", str(args.loss_scale)]
     results = []
     for model in models:
         for budget in budgets:

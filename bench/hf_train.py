@@ -93,9 +93,11 @@ def parse_args(argv=None):
     p.add_argument("--speculation", choices=["in-place", "spares"], default="in-place",
                    help="gemini: AdamW's host steps during backward in place (the default), or with spare copies "
                         "as rules without a correction do (the previous default, for comparison)")
-    p.add_argument("--data", choices=["random", "learnable"], default="random",
-                   help="random token sequences (clipping at 1.0 triggers every step), or one fixed batch of a short "
-                        "repeating pattern, learnt within a few steps (its gradient norm falls below 1.0)")
+    p.add_argument("--loss-scale", type=float, default=1.0,
+                   help="every system: backward from the loss times this. Adam's step does not depend on the "
+                        "gradient's scale (but for eps), so this is the same training with the gradient norm "
+                        "scaled: with 1/64 the random data's norm stays within --max-norm 1.0, unscaled every step "
+                        "clips")
     p.add_argument("--activation-offload", choices=["off", "on", "auto"], default="off",
                    help="gemini: GeminiConfig.activation_offload; fsdp2-offload and plain: 'on' is torch's "
                         "save_on_cpu; deepspeed: 'on' is DeepSpeed's checkpointing with cpu_checkpointing")
@@ -183,10 +185,6 @@ def active_parameters(name: str) -> int:
 
 
 def batch_of(model, args, step: int, dev: torch.device) -> torch.Tensor:
-    if args.data == "learnable":  # the same batch every step: each row a period-16 cycle of 16 tokens
-        g = torch.Generator().manual_seed(args.seed)
-        period = torch.randint(0, model.config.vocab_size, (args.batch, 16), generator=g)
-        return period.repeat(1, args.seq // 16 + 1)[:, :args.seq].contiguous().to(dev)
     g = torch.Generator().manual_seed(args.seed * 100003 + step)
     return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
 
@@ -220,7 +218,7 @@ def gemini_system(args, dev_kind: str):
 
     def train_step(x):
         loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        (loss * args.loss_scale).backward()
         before = time.perf_counter()
         opt.step()
         if opt.last_grad_norm is not None:
@@ -264,7 +262,7 @@ def peer_system(args):
 
         def train_step(x):
             loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
+            engine.backward(loss * args.loss_scale)
             torch.cuda.synchronize()
             before = time.perf_counter()
             engine.step()
@@ -296,7 +294,7 @@ def peer_system(args):
     def train_step(x):
         with autocast, saved:
             loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        (loss * args.loss_scale).backward()
         torch.cuda.synchronize()
         return loss, clipped_step(model, opt, args.max_norm, GRAD_NORMS)
 
@@ -312,7 +310,7 @@ def _gpu_alone(model, dev):
 
     def train_step(x):
         loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        (loss * args.loss_scale).backward()
         torch.cuda.synchronize()
         before = time.perf_counter()
         model.zero_grad(set_to_none=True)
@@ -360,7 +358,8 @@ def main(argv=None) -> dict:
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else "") +
         (", no speculation" if args.no_speculation else "") +
-        (", spare-copy speculation" if args.speculation == "spares" else "") + (", learnable data" if args.data == "learnable" else "") +
+        (", spare-copy speculation" if args.speculation == "spares" else "") +
+        (f", loss scaled by {args.loss_scale:g}" if args.loss_scale != 1.0 else "") +
         (f", checkpointing {args.checkpointing}" if args.checkpointing != "hf" else "") +
         (f", activation offload {args.activation_offload}" if args.activation_offload != "off" else "") +
         (f", {args.state} state" if args.state != "fp32" else ""),
@@ -368,7 +367,8 @@ def main(argv=None) -> dict:
         "parameters": n_params, "active_parameters": active_parameters(args.model), "budget": args.budget,
         "batch": args.batch, "seq_len": args.seq,
         "tokens_per_step": args.batch * args.seq, "max_norm": args.max_norm, "steps": args.steps,
-        "losses": losses, "step_seconds": step_s, "grad_norms": list(GRAD_NORMS), "data": args.data, "step_s_median": sorted(timed)[len(timed) // 2],
+        "losses": losses, "step_seconds": step_s, "grad_norms": list(GRAD_NORMS), "loss_scale": args.loss_scale,
+        "step_s_median": sorted(timed)[len(timed) // 2],
         "exposed_optimizer_s_median": sorted(optimizer_s[2:] or optimizer_s)[len(optimizer_s[2:] or optimizer_s) // 2],
         "setup_s": setup_s,
         "peak_torch_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
