@@ -8,41 +8,11 @@
 #include "core/errors.h"
 #include "core/thread_pool.h"
 #include "half_convert.h"
+#include "simd_scalar.h"
 
 namespace gx {
 
 namespace {
-
-// The scalar vector type: one float, std::fma where the SIMD paths fuse.
-struct CorrectionScalarVec {
-  using F = float;
-  static constexpr int64_t kWidth = 1;
-  static F set1(float x) { return x; }
-  static F load(const float* p) { return *p; }
-  static void store(float* p, F x) { *p = x; }
-  static F grad(const void* g, DType dtype, int64_t i) {
-    switch (dtype) {
-      case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
-      case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t*>(g)[i]);
-      default: return static_cast<const float*>(g)[i];
-    }
-  }
-  static void store16(void* out, DType dtype, int64_t i, F x) {
-    static_cast<uint16_t*>(out)[i] = dtype == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x);
-  }
-  static F mul(F a, F b) { return a * b; }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return std::sqrt(a); }
-  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  static F max(F a, F b) { return a > b ? a : b; }  // as maxps: the second operand unless a > b
-  using M = bool;
-  static M eq(F a, F b) { return a == b; }
-  static M both(M a, M b) { return a && b; }
-  static M all_lanes() { return true; }
-  static F select(M m, F if_true, F if_false) { return m ? if_true : if_false; }
-};
 
 constexpr int64_t kCorrectionGrainNumel = 1 << 16;  // per thread at least, as cpu_adam_step
 constexpr int64_t kCorrectionAlignNumel = 64;       // ranges start on cache-line multiples of every buffer
@@ -89,11 +59,11 @@ AdamCorrectionConstants adam_correction_constants(const AdamHyper& hyper, double
 }
 
 void adam_correct_scalar(const AdamCorrectionConstants& k, const AdamBuffers& b, int64_t begin, int64_t end) {
-  correction_scalar::adam_correct_body<CorrectionScalarVec>(k, b, begin, end);
+  correction_scalar::adam_correct_body<simd_scalar::Vec>(k, b, begin, end);
 }
 
 void adam_undo_scalar(const AdamCorrectionConstants& k, const AdamBuffers& b, int64_t begin, int64_t end) {
-  correction_scalar::adam_undo_body<CorrectionScalarVec>(k, b, begin, end);
+  correction_scalar::adam_undo_body<simd_scalar::Vec>(k, b, begin, end);
 }
 }  // namespace detail
 

@@ -6,37 +6,12 @@
 
 #include "core/errors.h"
 #include "half_convert.h"
+#include "simd_scalar.h"
 #include "core/thread_pool.h"
 
 namespace gx {
 
 namespace {
-
-// The scalar vector type: one float, std::fma for the fused multiply-adds (the SIMD paths'
-// instructions round the same way).
-struct ScalarVec {
-  using F = float;
-  static constexpr int64_t kWidth = 1;
-  static F set1(float x) { return x; }
-  static F load(const float* p) { return *p; }
-  static void store(float* p, F x) { *p = x; }
-  static F grad(const void* g, DType dtype, int64_t i) {
-    switch (dtype) {
-      case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
-      case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t*>(g)[i]);
-      default: return static_cast<const float*>(g)[i];
-    }
-  }
-  static void store16(void* out, DType dtype, int64_t i, F x) {
-    static_cast<uint16_t*>(out)[i] = dtype == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x);
-  }
-  static F mul(F a, F b) { return a * b; }
-  static F add(F a, F b) { return a + b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return std::sqrt(a); }
-  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  static F sign(F x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
-};
 
 }  // namespace
 
@@ -47,7 +22,7 @@ namespace optim_scalar {
 
 void cpu_optim_scalar(CpuOptimizer kind, const CpuOptimConstants& c, const CpuOptimBuffers& b, int64_t begin,
                       int64_t end) {
-  optim_scalar::optim_body<ScalarVec>(kind, c, b, begin, end);
+  optim_scalar::optim_body<simd_scalar::Vec>(kind, c, b, begin, end);
 }
 }  // namespace detail
 
