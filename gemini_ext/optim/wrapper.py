@@ -279,18 +279,19 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return "none", "overlap_optimizer=False: every set steps inside step()"
         if parts.scaler is not None:
             return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
-        # Steps started during the iteration whose end decides the placement would be undone by
-        # the chunks moving before step(): that backward is counted (the policy learns the
-        # accumulation) but steps at step(); the later iterations guess where the rule corrects in
-        # place and nothing says they will clip, which the placement plans for.
+        # In place, where the rule corrects its own step. Guesses started during the iteration whose
+        # end decides the placement would be undone by the chunks moving before step(): that
+        # backward is counted (the policy learns the accumulation) but steps at step(); the later
+        # iterations guess where nothing says they will clip, which the placement plans for.
+        # (Spare-copy speculation, below, is only dropped by such a move, exactly: it stays armed.)
         deciding = parts.placer.decides_at_iteration_end()
         arming = parts.runtime.arm_guess(self._hyper(), not deciding) if IN_PLACE_SPECULATION else {"supported": False}
-        if deciding:
-            if arming["supported"] and cfg.max_norm == 0:
+        if arming["supported"]:
+            if not deciding:
+                return ("every set" if arming["armed"] else "none"), arming["why"]
+            if cfg.max_norm == 0:
                 self._planned_cover = "every set"
             return "none", "the placement is decided at this iteration's end: the steps wait for step()"
-        if arming["supported"]:  # in place: the rule corrects its own step
-            return ("every set" if arming["armed"] else "none"), arming["why"]
         if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
             return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
         if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
