@@ -79,11 +79,12 @@ class GeminiConfig:
     # checkpointed blocks keep between forward and backward go to the engine's page-locked host
     # memory during the forward and come back ahead of their backward; the same bits as "off".
     # activation_checkpointing="on": the engine runs the blocks of the model's nn.ModuleList under
-    # non-reentrant checkpointing itself (a model that checkpoints itself is left to do so); "auto":
-    # it measures the blocks in the first forward and keeps, recomputes or (with offload on)
-    # offloads each within the device room the chunks leave. activation_offload="auto" (with the
-    # engine's checkpointing) lets that choice offload a block's input or not; "on" offloads every
-    # checkpointed block's input.
+    # non-reentrant checkpointing itself (a model that checkpoints itself keeps its own checkpoint);
+    # "auto": it measures the blocks in the first forward and keeps, recomputes or (with offload on)
+    # offloads each within the device room the chunks leave. activation_offload="auto" lets that
+    # choice offload a block's input or not, also over the blocks a model checkpoints itself
+    # (transformers' gradient checkpointing) with activation_checkpointing="off"; "on" offloads
+    # every checkpointed block's input.
     activation_offload: str = "off"
     activation_checkpointing: str = "off"
 
@@ -107,11 +108,6 @@ class GeminiConfig:
         _choice("device", self.device, DEVICES)
         _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_MODES)
         _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING_MODES)
-        if self.activation_offload == "auto" and self.activation_checkpointing == "off":
-            raise ValueError("activation_offload='auto' decides per block of the engine's checkpointing, got "
-                             "activation_checkpointing='off'. Set activation_checkpointing='on' or 'auto' (the engine "
-                             "checkpoints the blocks), or activation_offload='on' to offload every checkpoint's input "
-                             "of a model that checkpoints itself.")
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):

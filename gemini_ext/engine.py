@@ -283,11 +283,8 @@ class GeminiEngine:
             "distributed": parts.groups.summary(),
             "placement": parts.placer.summary(parts.runtime),
             "throughput": parts.throughput.summary(),  # tokens/s and MFU (see _engine/throughput.py)
-            "activations": {
-                "checkpointing": parts.block_checkpointing.stats() if parts.block_checkpointing is not None else None,
-                "offload": parts.activation_offload.stats() if parts.activation_offload is not None else None,
-                "plan": parts.activation_planner.stats() if parts.activation_planner is not None else None,
-            },
+            "activations": parts.activations.stats() if parts.activations is not None else {
+                "checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None},
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()
@@ -324,10 +321,8 @@ class GeminiEngine:
         parts.hooks.remove()
         parts.access.remove()
         parts.throughput.remove()
-        if parts.block_checkpointing is not None:
-            parts.block_checkpointing.remove()
-        if parts.activation_offload is not None:
-            parts.activation_offload.remove()
+        if parts.activations is not None:
+            parts.activations.remove()
         parts.hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         parts.closed = True
         guards.engine_closed(self)

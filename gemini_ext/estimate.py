@@ -93,7 +93,7 @@ import time
 import torch
 
 from ._native import _C
-from ._engine.activation_offload import LOOKAHEAD
+from ._engine.activations.offload import LOOKAHEAD
 from ._engine.layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from ._engine.throughput import PEAK_16BIT_TFLOPS
 from ._units import parse_bytes

@@ -9,7 +9,7 @@
 #include "core/static_placement.h"
 #include "torch/chunk_views.h"
 #include "torch/dtype_map.h"
-#include "torch/host_buffer.h"
+#include "torch/host_buffer_pool.h"
 #include "torch/pg_communicator.h"
 
 namespace gx::bindings {
@@ -271,6 +271,28 @@ void def_activation_plan(py::module_& m) {
       "backward_seconds) in forward order; see core/activation_plan.h.");
 }
 
+// The host memory offloaded activations live in (csrc/torch/host_buffer_pool.h).
+void def_host_buffer_pool(py::module_& m) {
+  py::class_<torch_layer::HostBufferPool, std::shared_ptr<torch_layer::HostBufferPool>>(m, "HostBufferPool")
+      .def(py::init<std::shared_ptr<DeviceContext>>(), py::arg("context"))
+      .def("buffer", &torch_layer::HostBufferPool::buffer, py::arg("bytes"), py::arg("streams"),
+           "A uint8 CPU tensor of `bytes` from the host memory resource (page-locked on cuda, never shared with "
+           "forked children), reused by event on `streams` (raw CUDA streams; [] on sim); OutOfMemoryError where "
+           "the host cannot hold it.")
+      .def("has_free_slot", &torch_layer::HostBufferPool::has_free_slot, py::arg("bytes"))
+      .def("release_free", &torch_layer::HostBufferPool::release_free, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const torch_layer::HostBufferPool& p) {
+        const Stat in_use = p.pool().in_use_bytes();
+        py::dict d;
+        d["in_use_bytes"] = in_use.current;
+        d["peak_in_use_bytes"] = in_use.peak;
+        d["reserved_bytes"] = p.pool().reserved_bytes();
+        d["upstream_allocations"] = p.pool().upstream_allocations();
+        d["ordered_reuses"] = p.pool().ordered_reuses();
+        return d;
+      });
+}
+
 }  // namespace
 
 void bind_core(py::module_& m) {
@@ -333,10 +355,9 @@ void bind_core(py::module_& m) {
       .def("torch_device", [](DeviceContext& c) { return py::str(c.device_for(Tier::kDevice).str()); })
       .def(
           "synchronize", [](DeviceContext& c) { c.backend().synchronize_all(); },
-          py::call_guard<py::gil_scoped_release>())
-      .def("host_buffer", &torch_layer::host_buffer, py::arg("bytes"),
-           "A uint8 CPU tensor of `bytes` from the host memory resource (page-locked on cuda, never "
-           "shared with forked children); OutOfMemoryError where the host cannot hold it.");
+          py::call_guard<py::gil_scoped_release>());
+
+  def_host_buffer_pool(m);
 
   py::class_<torch_layer::ProcessGroupCommunicator, std::shared_ptr<torch_layer::ProcessGroupCommunicator>>(
       m, "ProcessGroupCommunicator")

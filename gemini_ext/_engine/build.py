@@ -16,6 +16,7 @@ import torch
 from .._native import _C
 from .._env import logger
 from .._units import format_bytes
+from .. import allocator
 from ..amp import DynamicLossScaler
 from ..placement.costs import HOST_TIERS
 from ..placement.placer import Placer
@@ -23,15 +24,12 @@ from ..placement.policies import make_policy
 from ..placement.tracer import MemoryTracer, SetupTimer
 from ..search import unique_parameters
 from . import restore
-from .activation_offload import ActivationOffload
-from .activation_planner import ActivationPlanner
-from .block_checkpointing import BlockCheckpointing, require_blocks
+from .activations import ActivationRoom, require_blocks
 from .buffers import BufferPlacement
 from .clipping import GradClipper
 from .device import ComputeDevice
 from .fill import ChunkFill, allocated_on_write
 from .hooks import HookSet
-from .host_buffers import HostBuffers
 from .loss_scale_boundary import LossScaleBoundary
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
@@ -49,8 +47,9 @@ def build_parts(model: torch.nn.Module, config, process_group, param_init_fn, ma
     data_parallel = resolve_process_group(process_group)
     if (unsupported := config.unsupported_without_masters()) is not None:
         raise NotImplementedError(unsupported)
-    if config.activation_checkpointing != "off":
-        require_blocks(model)  # refused before anything is built
+    if config.activation_checkpointing != "off" or config.activation_offload == "auto":
+        require_blocks(model, f"activation_checkpointing={config.activation_checkpointing!r}"
+                       if config.activation_checkpointing != "off" else "activation_offload='auto'")  # refused before anything is built
     parts = EngineParts(config, COMPUTE_DTYPES[config.precision])
     # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
     parts.groups = DataParallelGroups(data_parallel, config.extra_dp_size)
@@ -145,8 +144,8 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     def on_backward_start():
         if parts.optimizer is not None:
             parts.optimizer.backward_started()
-        if parts.activation_offload is not None:
-            parts.activation_offload.backward_started()
+        if parts.activations is not None:
+            parts.activations.backward_started()
 
     parts.hooks = HookSet(runtime, model, layout.params,
                           loss_scale=parts.loss_scale,
@@ -159,19 +158,14 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
 
 
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
-    """The engine's block checkpointing and activation offload, where the config asks for them."""
+    """The activations room, where the config asks for checkpointing or offload."""
     config = parts.config
-    buffers = None
-    if config.activation_offload != "off":
-        buffers = HostBuffers(parts.device.context, parts.groups.ranks_on_host())
-        parts.activation_offload = ActivationOffload(buffers, parts.device.torch_device)
-        parts.activation_offload.attach(model)
-    if config.activation_checkpointing != "off":
-        parts.block_checkpointing = BlockCheckpointing(model, parts.activation_offload)
-    if "auto" in (config.activation_checkpointing, config.activation_offload):
-        parts.activation_planner = ActivationPlanner(parts.block_checkpointing, parts.device, parts.chunks,
-                                                     parts.placer, parts.tracer, config.activation_checkpointing,
-                                                     config.activation_offload, host_buffers=buffers)
+    if config.activation_checkpointing == "off" and config.activation_offload == "off":
+        return
+    planned = "auto" in (config.activation_checkpointing, config.activation_offload)
+    parts.activations = ActivationRoom(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
+                                       parts.groups.ranks_on_host(),
+                                       cap_torch=planned and allocator.mode() == "default")
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

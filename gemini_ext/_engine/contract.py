@@ -49,9 +49,7 @@ class EngineInternals(Protocol):
     zero_comm: Any                      # _C.ProcessGroupCommunicator over groups.zero, or None
     replica_comm: Any                   # over groups.replica (HSDP), or None
     optimizer: Any                      # the attached GeminiOptimizer, or None
-    block_checkpointing: Any            # block_checkpointing.BlockCheckpointing, or None
-    activation_offload: Any             # activation_offload.ActivationOffload, or None
-    activation_planner: Any             # activation_planner.ActivationPlanner ("auto"), or None
+    activations: Any                    # activations.ActivationRoom, or None (checkpointing and offload off)
     closed: bool
 
     def check_open(self, what: str) -> None:

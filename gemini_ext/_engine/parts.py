@@ -30,7 +30,7 @@ class EngineParts:
         self.scaler = self.hooks = self.buffers = self.chunk_size = None
         self.loss_scale = None  # fp16: where the scale enters backward (loss_scale_boundary.py)
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
-        self.block_checkpointing = self.activation_offload = self.activation_planner = None  # as the config asks
+        self.activations = None  # activations.ActivationRoom, as the config asks
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -78,7 +78,7 @@ class EngineParts:
         report = self.runtime.end_iteration()
         self.tracer.end_iteration(report, self.hooks.last_pass_seconds())
         self.placer.after_iteration(self.runtime, self.tracer, report)
-        if self.activation_planner is not None:  # after the placement: activations take the room chunks leave
-            self.activation_planner.after_iteration()
+        if self.activations is not None:  # after the placement: activations take the room chunks leave
+            self.activations.after_iteration()
         self.throughput.end_iteration()  # after the policy: chunks it moves count to this iteration
         return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -141,14 +142,19 @@ class GPT(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """Runs a block under non-reentrant activation checkpointing (what gemini_ext's hooks support)."""
+    """Runs a block under non-reentrant activation checkpointing (what gemini_ext's hooks support),
+    through a checkpoint function it carries as transformers' layers do (`gradient_checkpointing`,
+    `_gradient_checkpointing_func`), so that an engine can take part in the call."""
+
+    gradient_checkpointing = True
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
+        self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self._gradient_checkpointing_func(self.block, x)
 
 
 def checkpoint_blocks(model: GPT) -> None:

@@ -10,6 +10,7 @@ The models are tiny, so the offload threshold (1 MiB) is lowered to a byte here.
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from conftest import DEVICES
 from parity_utils import torch_device
 
 import gemini_ext as gx
-from gemini_ext._engine import activation_offload, activation_planner
+from gemini_ext._engine.activations import offload as activation_offload, planner as activation_planner
 from gemini_ext.models import GPT, GPTConfig, checkpoint_blocks
 
 transformers = pytest.importorskip("transformers")
@@ -94,8 +95,13 @@ def test_gpt_with_the_engines_checkpointing_and_offload_matches_plain_training_b
     assert ck["module"] == "blocks" and ck["blocks"] == 3 and ck["checkpointed_calls"] == 3 * STEPS, ck
     # every block's input, every step; the loss's four checkpointed pieces keep theirs
     assert off["offloaded"] == 3 * STEPS and off["kept"] == 0, off
-    assert off["host"]["in_use_bytes"] == 0 and off["host"]["reserved_bytes"] > 0, off  # all given back, kept for reuse
-    assert plain[2] == {"checkpointing": None, "offload": None, "plan": None}
+    block_input_bytes = BATCH * SEQ * GPT_SMALL.d_model * 4  # fp32 hidden states
+    assert off["offloaded_bytes"] == 3 * STEPS * block_input_bytes, off  # bytes moved, not only equal results
+    host = off["host"]
+    assert host["in_use_bytes"] == 0 and host["reserved_bytes"] == host["peak_in_use_bytes"] > 0, host
+    assert host["peak_in_use_bytes"] >= 3 * block_input_bytes, host  # a forward's three inputs at once
+    assert host["upstream_allocations"] == 3, host  # the first step's buffers, reused by the next steps
+    assert plain[2] == {"checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -119,39 +125,81 @@ def test_llama_offload_under_hf_checkpointing_matches_off(device):
     assert stats["offloaded"] == 3 * STEPS and stats["shared"] == 0, stats
 
 
+class _TableBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, h, table):
+        return self.linear(h) * table
+
+
 class _SharedTable(torch.nn.Module):
-    """Checkpointed blocks that all get one table as a positional input."""
+    """Blocks that all get one table as a positional input."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.blocks = torch.nn.ModuleList(_TableBlock() for _ in range(3))
         self.register_buffer("table", torch.linspace(0, 1, 8))
 
     def forward(self, x):
         table = self.table * 1.0  # one tensor, computed once per forward
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(lambda h, t, b=block: b(h) * t, x, table, use_reentrant=False)
+            x = block(x, table)
         return x.square().sum()
 
 
-def test_one_tensor_kept_by_several_blocks_goes_to_the_host_once():
-    def run(mode):
-        torch.manual_seed(0)
-        model = _SharedTable()
-        with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", activation_offload=mode)) as engine:
-            opt = engine.optimizer(torch.optim.SGD, lr=0.1)
-            for _ in range(2):
-                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) + 0).backward()
-                opt.step()
-                opt.zero_grad()
-            stats = engine.stats()["activations"]["offload"]
-        return [p.detach().clone() for p in model.parameters()], stats
+def _run_table(**fields):
+    torch.manual_seed(0)
+    model = _SharedTable()
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", **fields)) as engine:
+        opt = engine.optimizer(torch.optim.SGD, lr=0.1)
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) + 0).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.stats()["activations"]["offload"]
+    return [p.detach().clone() for p in model.parameters()], stats
 
-    off, _ = run("off")
-    on, stats = run("on")
+
+def test_one_tensor_kept_by_several_blocks_goes_to_the_host_once():
+    off, _ = _run_table(activation_checkpointing="on")
+    on, stats = _run_table(activation_checkpointing="on", activation_offload="on")
     assert all(torch.equal(a, b) for a, b in zip(off, on))
     # per step: three block inputs and the table once; the table's two other saves share it
     assert stats["offloaded"] == 2 * 4 and stats["shared"] == 2 * 2, stats
+
+
+class _OwnCheckpoints(_SharedTable):
+    """Calls torch.utils.checkpoint in its own code, where the engine takes no part."""
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, self.table, use_reentrant=False)
+        return x.square().sum()
+
+
+def test_checkpoints_the_engine_cannot_see_are_said_not_offloaded_in_silence():
+    torch.manual_seed(0)
+    model = _OwnCheckpoints()
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", activation_offload="on")) as engine:
+        with pytest.warns(RuntimeWarning, match="made no checkpoint call the engine takes part in"):
+            model(torch.randn(4, 8)).backward()
+        assert engine.stats()["activations"]["offload"]["offloaded"] == 0
+
+
+def test_enable_refuses_offload_where_torch_saves_a_checkpoints_inputs_otherwise(monkeypatch):
+    """The mechanism check: a checkpoint that saves what its region computes where the engine's
+    hooks see it (here: no checkpoint at all) is refused at enable(), naming the torch version."""
+    from gemini_ext._engine.activations import calls
+
+    monkeypatch.setattr(calls.torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
+    model = _gpt(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} saved 3 tensors there")):
+        gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", activation_offload="on",
+                                         activation_checkpointing="on"))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -196,24 +244,29 @@ def test_auto_keeps_every_block_where_the_chunks_leave_room(device):
     plan, ck = auto[2]["plan"], auto[2]["checkpointing"]
     assert plan["decided"] and plan["choices"] == ["keep"] * 3 and plan["fits"], plan
     assert plan["room_bytes"] > plan["planned_device_bytes"] > 0, plan
-    # the measured forward: block 0 kept (its activations counted), the others checkpointed and offloaded
-    assert ck["checkpointed_calls"] == 2 and ck["kept_calls"] == 1 + 3 * (STEPS - 1), ck
-    assert auto[2]["offload"]["offloaded"] == 2, auto[2]["offload"]
+    # the measured forward: every block checkpointed and offloaded (block 0's activations counted by a
+    # forward of its own, dropped at once), then every block kept
+    assert ck["checkpointed_calls"] == 3 and ck["kept_calls"] == 3 * (STEPS - 1), ck
+    assert auto[2]["offload"]["offloaded"] == 3, auto[2]["offload"]
+
+
+def _room_for(choices):
+    """A room of exactly what `choices` need on the device (the measured blocks' plan figure)."""
+    return lambda self, warm: gx._C.activation_device_bytes(self.measured, choices, activation_offload.LOOKAHEAD)
 
 
 @pytest.mark.parametrize("offload", ["off", "on"])
 def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, offload):
-    """The room is set: none (every block recomputed, or offloaded where offload is on) and room
-    for all but about one block's activations (one block goes)."""
+    """The room is set: the least the blocks allow (every block recomputed, or offloaded where offload
+    is on) and room for all but about one block's activations (one block goes)."""
     plain = _train(_gpt(False), "sim")
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
-    with pytest.warns(RuntimeWarning, match="blocks need .* beyond the 0 B that the chunks leave"):
-        none = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
-    _same_bits(plain, none)
     goes = "offload" if offload == "on" else "recompute"
-    assert none[2]["plan"]["choices"] == [goes] * 3 and not none[2]["plan"]["fits"], none[2]["plan"]
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for([goes] * 3))
+    least = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
+    _same_bits(plain, least)
+    assert least[2]["plan"]["choices"] == [goes] * 3 and least[2]["plan"]["fits"], least[2]["plan"]
     if offload == "on":
-        assert none[2]["offload"]["offloaded"] == 3 * STEPS - 1, none[2]["offload"]  # block 0 kept while measured
+        assert least[2]["offload"]["offloaded"] == 3 * STEPS, least[2]["offload"]
     # room for all three blocks' activations less a byte: a recomputed block's activations come back
     # during backward (the working set), so two blocks must go for one to be kept
     monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes",
@@ -224,42 +277,64 @@ def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, off
     assert sorted(plan["choices"]) == sorted([goes, goes, "keep"]) and plan["fits"], plan
 
 
+def test_where_no_plan_fits_the_next_forward_says_by_how_much_and_what_would_fit(monkeypatch):
+    """The budget is kept, not exceeded with a warning: the forward after the measured one raises,
+    naming the shortfall, the tokens per step that would fit and the budget that would (on cuda;
+    on sim, whose device does not hold torch's activations, a warning unless made to refuse)."""
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    with pytest.warns(RuntimeWarning, match="more than the 0 B that the chunks leave"):
+        _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="on")
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "REFUSING_DEVICES", ("cuda", "sim"))
+    model = _gpt(False)
+    cfg = gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 4096},
+                          activation_checkpointing="auto", activation_offload="on")
+    x = torch.randint(0, 128, (BATCH, SEQ))
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        model(x, x).backward()  # the measured forward: every block offloaded, the least the plan allows
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match=rf"more than the 0 B that the chunks leave .* at most about 0 tokens "
+                                               rf"per step \(this step had {BATCH * SEQ}\), raise gpu_memory_limit by"):
+            model(x, x)
+        assert not engine.stats()["activations"]["plan"]["fits"]
+
+
 def test_the_plan_offloads_no_more_than_the_host_has_room_for(monkeypatch):
-    """No device room and no host room beyond the reserve: the measured forward's inputs stay on
-    the device (refused), the plan offloads nothing (with host room it would offload every block,
-    as above) and every block recomputes from the device; the engine warns that the activations
-    exceed the room."""
-    from gemini_ext._engine import host_buffers
+    """Room on the device for every block recomputed, and no host room beyond the reserve: the
+    measured forward's inputs stay on the device (refused) and the plan offloads nothing."""
+    from gemini_ext._engine.activations import host_buffers
 
     plain = _train(_gpt(False), "sim")
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for(["recompute"] * 3))
     monkeypatch.setattr(host_buffers, "host_available_bytes", lambda ranks: host_buffers.RESERVE_BYTES)
-    with pytest.warns(RuntimeWarning, match="the host has room for 0 B of offloaded inputs"):
-        capped = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
+    capped = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
     _same_bits(plain, capped)
     plan, offload = capped[2]["plan"], capped[2]["offload"]
-    assert plan["choices"] == ["recompute"] * 3 and not plan["fits"] and plan["host_bytes"] == 0, plan
-    assert offload["offloaded"] == 0 and offload["host"]["refused"] == offload["kept"] == 2, offload
+    assert plan["choices"] == ["recompute"] * 3 and plan["fits"] and plan["host_bytes"] == 0, plan
+    assert offload["offloaded"] == 0 and offload["host"]["refused"] == offload["kept"] == 3, offload
 
 
 def test_offload_auto_offloads_only_what_the_room_needs(monkeypatch):
     """activation_offload="auto" under the engine's checkpointing "on": every block recomputes, and
-    its input goes to the host only where the room needs it (here never; with no room, every one)."""
+    its input goes to the host only where the room needs it (here never; with room for no input on
+    the device, every one)."""
     plain = _train(_gpt(False), "sim")
     roomy = _train(_gpt(False), "sim", activation_checkpointing="on", activation_offload="auto")
     _same_bits(plain, roomy)
     assert roomy[2]["plan"]["choices"] == ["recompute"] * 3, roomy[2]["plan"]
-    assert roomy[2]["offload"]["offloaded"] == 2, roomy[2]["offload"]  # the measured forward's only
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    assert roomy[2]["offload"]["offloaded"] == 3, roomy[2]["offload"]  # the measured forward's only
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for(["offload"] * 3))
     tight = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
     _same_bits(plain, tight)
     assert tight[2]["plan"]["choices"] == ["offload"] * 3, tight[2]["plan"]
-    with pytest.raises(ValueError, match="activation_offload='auto' decides per block of the engine's checkpointing"):
-        gx.GeminiConfig(activation_offload="auto")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="activation_offload='auto': the model has no nn.ModuleList"):
+        gx.enable(model, gx.GeminiConfig(device="sim", activation_offload="auto"))
 
 
 class _Writer(torch.nn.Module):
-    """A checkpointed block whose input is written in place after the block's forward."""
+    """Checkpointed blocks; the first one's input is written in place after the block's forward."""
 
     def __init__(self):
         super().__init__()
@@ -267,7 +342,7 @@ class _Writer(torch.nn.Module):
 
     def forward(self, x):
         h = x * 2
-        y = torch.utils.checkpoint.checkpoint(self.blocks[0], h, use_reentrant=False)
+        y = self.blocks[0](h)
         h.mul_(3)
         return (self.blocks[1](y) + h).sum()
 
@@ -276,11 +351,10 @@ class _Writer(torch.nn.Module):
 def test_an_in_place_write_to_a_kept_input_is_refused_as_autograd_refuses_it(mode):
     torch.manual_seed(0)
     model = _Writer()
-    cfg = gx.GeminiConfig(device="sim", precision="fp32", activation_offload=mode)
+    cfg = gx.GeminiConfig(device="sim", precision="fp32", activation_offload=mode, activation_checkpointing="on")
     with gx.enable(model, cfg):
-        loss = model(torch.randn(4, 8, requires_grad=True))
-        with pytest.raises(RuntimeError, match="inplace operation"):
-            loss.backward()
+        with pytest.raises(RuntimeError, match="inplace"):  # at the write (a hooked module's input) or at backward
+            model(torch.randn(4, 8, requires_grad=True)).backward()
 
 
 def test_activation_fields_are_checked():

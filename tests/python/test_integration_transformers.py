@@ -113,12 +113,16 @@ def test_the_step_in_backward_under_the_trainer_with_accumulation_is_exact(tmp_p
 
 
 def test_activations_planned_under_the_trainer_train_as_without(tmp_path, monkeypatch):
-    """The Trainer's gradient checkpointing with the engine's activation offload, and the engine's
-    own checkpointing ("auto") without the Trainer's: the same parameters, bit for bit, as the
-    Trainer's checkpointing alone (tiny model: the offload threshold lowered to a byte)."""
-    from gemini_ext._engine import activation_offload
+    """The Trainer's gradient checkpointing with the engine's activation offload ("on", and "auto"
+    planning over the layers the model checkpoints, with and without the engine deciding the
+    checkpointing), and the engine's own checkpointing ("auto") without the Trainer's: the same
+    parameters, bit for bit, as the Trainer's checkpointing alone (tiny model: the offload
+    threshold lowered to a byte). The Trainer enables its checkpointing in train(), after enable()."""
+    from gemini_ext._engine.activations import offload as activation_offload
     monkeypatch.setattr(activation_offload, "MIN_OFFLOAD_BYTES", 1)
     runs = {"hf": (True, {}), "hf+offload": (True, {"activation_offload": "on"}),
+            "hf+offload-auto": (True, {"activation_offload": "auto"}),
+            "hf+auto": (True, {"activation_checkpointing": "auto", "activation_offload": "auto"}),
             "engine-auto": (False, {"activation_checkpointing": "auto", "activation_offload": "auto"})}
     params, stats = {}, {}
     for name, (hf_checkpointing, fields) in runs.items():
@@ -130,10 +134,17 @@ def test_activations_planned_under_the_trainer_train_as_without(tmp_path, monkey
         stats[name] = trainer.engine.stats()["activations"]
         trainer.close()
         params[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for name in ("hf+offload", "engine-auto"):
+    for name in runs:
         assert all(torch.equal(params[name][n], v) for n, v in params["hf"].items()), name
     assert stats["hf+offload"]["offload"]["offloaded"] >= 2 * 4 * ACCUM, stats["hf+offload"]  # 2 layers
-    assert stats["engine-auto"]["plan"]["decided"], stats["engine-auto"]
+    for name in ("hf+offload-auto", "hf+auto", "engine-auto"):
+        assert stats[name]["plan"]["decided"], (name, stats[name])
+    # over the model's own checkpointing, "auto" offload recomputes or offloads, never keeps
+    assert set(stats["hf+offload-auto"]["plan"]["choices"]) <= {"recompute", "offload"}, stats["hf+offload-auto"]
+    for name in ("hf+offload-auto", "hf+auto"):  # the calls were the model's, through its own function
+        assert stats[name]["checkpointing"]["calls_left_to_the_model"] > 0, (name, stats[name])
+        assert stats[name]["checkpointing"]["checkpointed_calls"] == 0, (name, stats[name])
+    assert stats["hf+offload-auto"]["offload"]["offloaded"] >= 2 * ACCUM, stats  # the measured forward's
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,6 +7,7 @@
 #include "core/chunk_allocator.h"
 #include "core/fixed_size_pool.h"
 #include "core/resource_adaptors.h"
+#include "core/size_class_pool.h"
 #include "core/stat.h"
 
 namespace gx {
@@ -48,6 +49,13 @@ INSTANTIATE_TEST_SUITE_P(
         ResourceFactory{"fixed_size_pool", [](auto& keep) {
                           auto up = std::make_shared<HostMemoryResource>();
                           auto r = std::make_shared<FixedSizePool>(*up, 1 << 20);
+                          keep.push_back(up);
+                          keep.push_back(r);
+                          return r.get();
+                        }, 1 << 20, true},
+        ResourceFactory{"size_class_pool", [](auto& keep) {
+                          auto up = std::make_shared<HostMemoryResource>();
+                          auto r = std::make_shared<SizeClassPool>(*up);
                           keep.push_back(up);
                           keep.push_back(r);
                           return r.get();

@@ -1,24 +1,24 @@
 """ActivationOffload: the inputs that checkpointed blocks keep between their forward and their
 backward go to host memory as the forward runs and come back ahead of the backward
-(`GeminiConfig(activation_offload="on")`).
+(`GeminiConfig(activation_offload="on")`, or per block where the plan says so).
 
 [Note: what is offloaded, and how it is found]
-- Under non-reentrant checkpointing (torch.utils.checkpoint, use_reentrant=False; HF's
-  gradient checkpointing, the engine's own block checkpointing) a block keeps only its inputs: the
-  checkpoint saves them as autograd saved tensors before its region starts, and inside the region
-  its own saved-tensor hooks replace every outer hook. The engine therefore holds saved-tensor
-  hooks over the whole forward of the model (entered by a forward pre-hook of the root module,
-  left by its forward hook, also when the forward raises), and they see exactly what is saved
-  outside checkpointed regions. Of that, only a checkpoint's inputs are offloaded: the pack hook
-  takes a tensor when the checkpoint's set-up is among its callers (a look up a few frames), since
-  anything else saved outside the blocks (the loss's logits, the last norm) is needed first in
-  backward and would gain nothing from the trip.
-- Taken: floating tensors on the compute device, contiguous, of at least `min_bytes`. Others stay
-  as autograd would keep them. The same tensor object, unchanged, saved by several checkpoints (a
-  table every block gets as an input) goes once and is shared.
-- Outer hooks win: where the caller's own saved-tensor hooks are active when the forward starts
-  (torch's `save_on_cpu`, HF's `offload=True` enters its own inside each checkpoint), the engine
-  enters none, so nothing is offloaded twice.
+- Under non-reentrant checkpointing (torch.utils.checkpoint, use_reentrant=False) a block keeps
+  only its inputs: the checkpoint saves them as autograd saved tensors at the call, before its
+  region starts, and inside the region its own saved-tensor hooks replace every outer hook.
+- The engine takes part in every checkpoint call it offloads (calls.py): its own block wrapping
+  and the checkpoint function the model carries for its layers. Around such a call `taking(args)`
+  enters the engine's saved-tensor hooks, so the only saves they see are that call's inputs, and
+  they take a tensor only when it is one of the call's tensor arguments (the same storage, shape
+  and dtype). Nothing else passes through them: autograd keeps everything else as it would, its
+  own in-place checks included. calls.verify_mechanism() checks at enable() that this torch saves
+  a checkpoint's inputs so.
+- Taken: floating tensors on the compute device, contiguous, of at least `min_bytes`. The same
+  tensor object, unchanged, saved by several checkpoints (a table every block gets as an input)
+  goes once and is shared.
+- Outer hooks win: where the caller's own saved-tensor hooks are active at the call (torch's
+  `save_on_cpu` around the forward) the engine enters none, and HF's `offload=True` enters its own
+  inside each checkpoint call, which shadow the engine's: nothing is offloaded twice.
 
 [Note: the copies (cuda)]
 - Forward: the device-to-host copy runs on a stream of its own after the work queued so far on
@@ -27,9 +27,11 @@ backward go to host memory as the forward runs and come back ahead of the backwa
 - Backward: when the backward starts, the last `lookahead` offloaded inputs are fetched back on a
   host-to-device stream; each time a block's input is unpacked, the next ones (in backward order)
   are. An input not fetched ahead is copied on the compute stream when it is unpacked.
-- The host buffers (host_buffers.py) return to their pool when autograd frees the saved tensor.
-- In-place writes to an offloaded input after its block's forward, which autograd refuses for
-  saved tensors, are refused at unpack: the engine holds the tensor until its copy is done (the
+- The host buffers (host_buffers.py) go back to their pool when autograd frees the saved tensor,
+  reused after the events of their copies on both streams, never after a host wait.
+- In-place writes to a saved input after its block's forward, which autograd refuses for saved
+  tensors but not under saved-tensor hooks, are refused at unpack (an input left on the device
+  too): the engine holds the tensor until its copy is done (the
   device memory is held that long anyway) and compares its version then, which also covers a write
   racing the copy; a tensor that outlives its copy is compared again at unpack.
 On sim the copies are synchronous CPU copies through the same code.
@@ -37,28 +39,32 @@ On sim the copies are synchronous CPU copies through the same code.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import weakref
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
-_CHECKPOINT_SETUP_CODES = tuple(
-    f.__code__ for f in (getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None),) if f is not None)
-_CALLER_FRAMES = 6  # how far up the pack hook looks for the checkpoint's set-up
 MIN_OFFLOAD_BYTES = 1 << 20
 LOOKAHEAD = 2
 
 
-def _inside_checkpoint_setup() -> bool:
-    frame = sys._getframe(2)
-    for _ in range(_CALLER_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code in _CHECKPOINT_SETUP_CODES:
-            return True
-        frame = frame.f_back
-    return False
+class _Kept:
+    """A save the engine's hooks saw and left on the device. Saved-tensor hooks turn off autograd's
+    own check that a saved tensor was not written in place; this is it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a tensor of shape {tuple(self.tensor.shape)} saved for backward is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (gemini_ext: the input of a "
+                "checkpointed block). Write the modified value to a new tensor instead of in place.")
+        return self.tensor
 
 
 class _Offloaded:
@@ -89,54 +95,50 @@ class ActivationOffload:
         self._order: list = []      # weak references to this forward's offloaded inputs, in forward order
         self._shared: dict = {}     # tensor identity -> weak reference to its _Offloaded
         self._in_flight: list = []  # (_Offloaded, its tensor) until the copy is done and the version checked
-        self._scope = None
         self._depth = 0
-        # False where the engine's block checkpointing says a checkpoint's inputs stay (block_checkpointing.py)
-        self.accepting = True
-        self._handles: list = []
+        self._taking: list = []  # per checkpoint call being offloaded (nested calls stack): its inputs' keys
+        self._streams = [self._d2h.cuda_stream, self._h2d.cuda_stream] if self._cuda else []
         self.counts = {"offloaded": 0, "offloaded_bytes": 0, "shared": 0, "kept": 0, "prefetched": 0,
-                       "fetched_on_demand": 0, "forwards_under_outer_hooks": 0}
+                       "fetched_on_demand": 0, "forwards_under_outer_hooks": 0, "calls": 0}
 
-    # --- the scope over the root module's forward ------------------------------------------------
-    def attach(self, model: torch.nn.Module) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._enter))
-        self._handles.append(model.register_forward_hook(self._leave, always_call=True))
+    @contextlib.contextmanager
+    def taking(self, args):
+        """Around one checkpoint call: the engine's saved-tensor hooks are entered for the call, and
+        its tensor arguments are the saves they take (none where the caller's hooks are active)."""
+        self.counts["calls"] += 1
+        if not torch.is_grad_enabled() or _outer_hooks_active():
+            yield
+            return
+        self._taking.append({_key(a) for a in args if isinstance(a, torch.Tensor)})
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._taking.pop()
 
+    # --- the scope over the root module's forward (entered and left by the room's hooks) ---------
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if self._scope is not None:  # a forward that never returned
-            self._scope.__exit__(None, None, None)
-            self._scope = None
         self._buffers.trim()
 
-    def _enter(self, module, args):
+    def enter(self) -> None:
         self._depth += 1
         if self._depth > 1 or not torch.is_grad_enabled():
-            return None
+            return
         if _outer_hooks_active():
             self.counts["forwards_under_outer_hooks"] += 1
-            return None
         if all(r() is None for r in self._order):  # every earlier forward's inputs are freed: start afresh
             self._order = []
         self._shared = {k: r for k, r in self._shared.items() if r() is not None}
-        self._scope = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._scope.__enter__()
-        return None
 
-    def _leave(self, module, args, output):
+    def leave(self) -> None:
         self._depth = max(0, self._depth - 1)  # also called where a pre-hook before ours raised
-        if self._depth == 0 and self._scope is not None:
-            self._scope.__exit__(None, None, None)
-            self._scope = None
+        if self._depth == 0:
             self._settle(wait=False)
-        return None
 
     # --- forward: pack ---------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
-        if not self.accepting or not _inside_checkpoint_setup() or not self._wanted(tensor):
-            return tensor
+        if not self._taking or _key(tensor) not in self._taking[-1] or not self._wanted(tensor):
+            return _Kept(tensor)
         self._settle(wait=False)
         key = id(tensor)
         ref = self._shared.get(key)
@@ -145,14 +147,13 @@ class ActivationOffload:
             self.counts["shared"] += 1
             return known
         nbytes = tensor.numel() * tensor.element_size()
-        buf = self._buffers.acquire(nbytes)
+        buf = self._buffers.acquire(nbytes, self._streams)
         if buf is None:
             self.counts["kept"] += 1
-            return tensor
+            return _Kept(tensor)
         host = buf.view(tensor.dtype).view(tensor.shape)
         copied = self._copy_to_host(host, tensor)
         item = _Offloaded(host, tensor.shape, tensor.dtype, copied, tensor._version, _weak(tensor), len(self._order))
-        weakref.finalize(item, _give_back, self._buffers, buf, copied)
         self._shared[key] = weakref.ref(item)
         self._in_flight.append((item, tensor))
         self._order.append(weakref.ref(item))
@@ -202,8 +203,8 @@ class ActivationOffload:
                 self._fetch(item)
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Offloaded):
-            return packed
+        if isinstance(packed, _Kept):
+            return packed.unpack()
         item = packed
         self._settle(wait=True)
         source = item.source() if item.source is not None else None
@@ -261,7 +262,5 @@ def _weak(tensor: torch.Tensor):
         return None
 
 
-def _give_back(buffers, buf, copied) -> None:
-    if copied is not None:
-        copied.synchronize()  # a copy still in flight must not land in a buffer handed out again
-    buffers.release(buf)
+def _key(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype

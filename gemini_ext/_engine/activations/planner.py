@@ -1,0 +1,114 @@
+"""ActivationPlanner: where `activation_checkpointing` or `activation_offload` is "auto", has the
+core choose per block (core/activation_plan.h) from the first forward's measurements (probe.py):
+keep its activations (checkpointing "auto" only), recompute them (unless offload is "on"), or
+recompute them with the input offloaded (unless offload is "off").
+
+[Note: the room, and the budget kept]
+- The room is what the chunks leave: the device capacity less the chunks' need (the placement's
+  device budget, or every chunk's bytes where fewer), less what the device holds besides (torch's
+  context), shrunk by how much more than its peak torch's allocator held in the first iteration,
+  less the non-model peak of that iteration without its activations (the plan's own figure for
+  the measured forward's choices, the least it allows). Chunks come first: activations take
+  what they do not use.
+- The plan is made once, after the first iteration, and applied from the next forward on. Where
+  even the least plan exceeds the room, `refusal` says by how much and what would fit (the tokens
+  per step, or the gpu_memory_limit), and on cuda the room raises it at the next forward instead
+  of running over the budget. On sim, whose device does not hold torch's activations (they are
+  host tensors), it is a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..._native import _C
+from ..._units import format_bytes
+from ...placement import rates
+from .offload import LOOKAHEAD
+from .probe import BlockProbe
+
+
+class ActivationPlanner:
+    """Measures the first forward (through the blocks' probe), then sets the blocks' choices once."""
+
+    REFUSING_DEVICES = ("cuda",)  # where a plan beyond the room is refused rather than warned of
+
+    def __init__(self, blocks, device, chunks, placer, tracer, checkpointing: str, offload: str,
+                 host_buffers=None):
+        self._blocks, self._device, self._chunks = blocks, device, chunks
+        self._host_buffers = host_buffers  # where offloaded inputs go (HostBuffers), None without offload
+        self._placer, self._tracer = placer, tracer
+        self._offload = offload != "off"
+        # what the plan may choose: keep only where the engine decides the checkpointing; plain
+        # recompute unless every checkpointed block's input goes to the host
+        self._allow_keep = checkpointing == "auto"
+        self._allow_recompute = offload != "on"
+        self._warm_choice = "offload" if self._offload else "recompute"
+        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, self._warm_choice)
+        blocks.probe = self._probe
+        self.plan: dict | None = None
+        self.refusal: str | None = None  # where no plan fits: what the next forward raises
+        self.measured: list = []  # (activation_bytes, input_bytes, forward_s, backward_s) per block, once measured
+
+    @property
+    def measuring(self) -> bool:
+        return self.plan is None and self._blocks.probe is not None
+
+    def after_iteration(self) -> None:
+        if self.plan is not None or not self._probe.ran:
+            return
+        self._blocks.probe = None
+        self.measured = measured = self._probe.blocks()
+        warm = [self._warm_choice] * len(measured)
+        warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
+        room = self.room_bytes(warm_bytes)
+        link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
+        host_room = self._host_buffers.room_bytes() if self._host_buffers is not None else -1
+        plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD, allow_keep=self._allow_keep,
+                                   allow_recompute=self._allow_recompute, host_room_bytes=host_room)
+        self._blocks.choices = plan["choices"]
+        self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link, "host_room_bytes": host_room}
+        if not plan["fits"]:
+            message = self._beyond_the_room_message()
+            if self._device.kind in self.REFUSING_DEVICES:
+                self.refusal = message
+            else:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _beyond_the_room_message(self) -> str:
+        plan, b = self.plan, format_bytes
+        room = max(0, plan["room_bytes"])
+        over = plan["device_bytes"] - room
+        host = (f"; the host has room for {b(plan['host_room_bytes'])} of offloaded inputs and they take "
+                f"{b(plan['host_bytes'])}" if plan["host_room_bytes"] >= 0 else "")
+        offload = "" if self._offload else " or set activation_offload='auto'"
+        tokens = self._probe.tokens
+        fit = (f"train on at most about {tokens * room // max(1, plan['device_bytes']):,} tokens per step (this step "
+               f"had {tokens:,}), " if tokens else "train on fewer tokens per step, ")
+        return (f"gemini_ext: the activations of {len(plan['choices'])} blocks need {b(plan['device_bytes'])} of "
+                f"the device at their least, {b(over)} more than the {b(room)} that the chunks leave within the "
+                f"device budget ({b(self._device.capacity_bytes())}){host}. The engine keeps the budget rather than "
+                f"run over it: {fit}raise gpu_memory_limit by at least {b(over)}{offload}, or free host memory.")
+
+    def room_bytes(self, warm_activation_bytes: int) -> int:
+        """Device bytes the activations may take (the module's note)."""
+        figures = self._tracer.last_device_figures()
+        chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
+        budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()
+        other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
+        chunk_need = min(budget, chunk_bytes)
+        # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
+        held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
+        free = self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"]
+        return int(free / held) - other_non_model
+
+    def stats(self) -> dict:
+        if self.plan is None:
+            return {"decided": False}
+        choices = self.plan["choices"]
+        return {"decided": True, **{c: choices.count(c) for c in ("keep", "recompute", "offload")},
+                "choices": list(choices), "room_bytes": self.plan["room_bytes"],
+                "planned_device_bytes": self.plan["device_bytes"], "added_seconds": self.plan["added_seconds"],
+                "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"],
+                "host_bytes": self.plan["host_bytes"], "host_room_bytes": self.plan["host_room_bytes"],
+                "measured_tokens": self._probe.tokens}

@@ -1,0 +1,133 @@
+"""ActivationRoom: what the engine does with activations, as one part of the engine: the blocks and
+how each runs (blocks.py), the checkpoint calls the model makes (calls.py), the offload to host
+memory (offload.py, host_buffers.py) and the plan (planner.py, probe.py; the decision is the
+core's, core/activation_plan.h). The engine holds only the room; the parts get the collaborators
+they use, and the room's hooks over the model's forward are the only place they meet.
+
+[Note: the root forward]
+- Before the model's forward: the checkpoint functions the model carries are wrapped (a function
+  set since, as the Trainer's `gradient_checkpointing_enable()`, is wrapped before it runs); a plan
+  that could not fit the budget is raised (planner.py); the offload's saved-tensor hooks are
+  entered.
+- After it: the offload's hooks are left; where offload is "on" without the engine's checkpointing
+  and a forward with grad made no checkpoint call the engine can see, it warns once that nothing
+  went to the host.
+- After each iteration (the optimizer's step): the plan is made once from the first iteration's
+  measurements; on cuda under a gpu_memory_limit, torch's caching allocator is capped at what the
+  chunks leave of the limit (torch.cuda.set_per_process_memory_fraction), so chunks plus torch's
+  reserved memory stay within the limit: an allocation beyond it is torch's OutOfMemoryError, not a
+  device over its budget. close() lifts the cap.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .blocks import Blocks, find_blocks, require_blocks
+from .calls import CheckpointCalls, verify_mechanism
+from .host_buffers import HostBuffers
+from .offload import ActivationOffload
+from .planner import ActivationPlanner
+
+
+class ActivationRoom:
+    """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
+
+    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool):
+        """`placement`: (chunks, placer, tracer), what the plan's room is read from; `cap_torch`: whether
+        torch's allocator is capped at what the chunks leave (cuda, default allocator)."""
+        checkpointing, offload = config.activation_checkpointing, config.activation_offload
+        found = find_blocks(model)
+        if checkpointing != "off" or offload == "auto":
+            found = require_blocks(model, f"activation_checkpointing={checkpointing!r}" if checkpointing != "off"
+                                   else "activation_offload='auto'")
+        self._device, self._placement, self._mode = device, placement, (checkpointing, offload)
+        self.offload = None
+        if offload != "off":
+            verify_mechanism()
+            self.offload = ActivationOffload(HostBuffers(device.context, ranks_on_host), device.torch_device)
+        default = "offload" if offload != "off" else "recompute"
+        self.blocks = Blocks(found, self.offload, default, wrap_forward=checkpointing != "off")
+        self.calls = CheckpointCalls(model, self.blocks.route)
+        self.calls.wrap()
+        self.planner = None
+        if "auto" in (checkpointing, offload):
+            chunks, placer, tracer = placement
+            self.planner = ActivationPlanner(self.blocks, device, chunks, placer, tracer, checkpointing, offload,
+                                             host_buffers=self.offload._buffers if self.offload else None)
+        self._cap_torch = cap_torch and device.is_cuda
+        self.torch_cap_bytes = None
+        self._warned: set = set()
+        self._handles = [model.register_forward_pre_hook(self._forward_started),
+                         model.register_forward_hook(self._forward_ended, always_call=True)]
+        self._calls_at_start = 0
+
+    def _forward_started(self, module, args):
+        self.calls.wrap()
+        if self.planner is not None and self.planner.refusal is not None:
+            raise RuntimeError(self.planner.refusal)
+        if self.offload is not None:
+            self._calls_at_start = self.offload.counts["calls"]
+            self.offload.enter()
+
+    def _forward_ended(self, module, args, output):
+        if self.offload is None:
+            return
+        self.offload.leave()
+        if self._mode == ("off", "on") and torch.is_grad_enabled() and module.training \
+                and self.offload.counts["calls"] == self._calls_at_start:
+            self._warn_once("no calls", "gemini_ext: activation_offload='on', but this forward made no checkpoint call "
+                            "the engine takes part in, so nothing went to the host. The engine offloads the inputs of "
+                            "its own block checkpointing (activation_checkpointing='on' or 'auto') and of the "
+                            "checkpoint function a model carries (transformers' gradient_checkpointing_enable()); a "
+                            "torch.utils.checkpoint call in the model's own code is not seen.")
+
+    def backward_started(self) -> None:
+        if self.offload is not None:
+            self.offload.backward_started()
+
+    def after_iteration(self) -> None:
+        if self.planner is not None:
+            self.planner.after_iteration()
+            if self.planner.plan is None and not self.planner.measuring:
+                self._warn_once("nothing planned", "gemini_ext: activation_offload='auto' with "
+                                "activation_checkpointing='off' plans the blocks the model checkpoints itself, and "
+                                "this iteration checkpointed none. Enable the model's checkpointing (transformers: "
+                                "gradient_checkpointing=True) or set activation_checkpointing='auto'.")
+        if self._cap_torch and (self.planner is None or self.planner.refusal is None):
+            self._apply_torch_cap()
+
+    def _apply_torch_cap(self) -> None:
+        total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
+        if capacity >= total:
+            return  # the whole device: torch meets the chunks at the device's own end
+        chunks, placer, _ = self._placement
+        chunk_bytes = sum(chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
+        chunk_need = min(placer.current.device_budget_bytes or capacity, chunk_bytes)
+        self.torch_cap_bytes = max(0, capacity - chunk_need)
+        torch.cuda.set_per_process_memory_fraction(self.torch_cap_bytes / total, self._device.torch_device)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.calls.unwrap()
+        self.blocks.remove()
+        if self.offload is not None:
+            self.offload.remove()
+        if self.torch_cap_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self._device.torch_device)
+            self.torch_cap_bytes = None
+
+    def stats(self) -> dict:
+        return {"checkpointing": self.blocks.stats(),
+                "offload": self.offload.stats() if self.offload is not None else None,
+                "plan": self.planner.stats() if self.planner is not None else None,
+                "torch_cap_bytes": self.torch_cap_bytes}
