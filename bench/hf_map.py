@@ -135,7 +135,8 @@ def estimate_cell(est: dict, step: float) -> str:
 
 def table(rows: list[dict], peak_tflops: float) -> str:
     again = any("estimate_now" in r for r in rows)
-    lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB | host RSS GiB | "
+    lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB (chunks + torch "
+             "allocated / + torch reserved) | host RSS GiB | "
              "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) |" + (" estimate now s (error) |" if again else "") +
              " auto chose |", "|---" * (14 if again else 13) + "|"]
     for r in rows:
@@ -149,7 +150,8 @@ def table(rows: list[dict], peak_tflops: float) -> str:
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         b, est = r.get("bound") or {}, r.get("estimate") or {}
         cells = [f"{step:.3f}", f"{tokens / step:,.0f}", f"{mfu:.1%}",
-                 f"{((r.get('peak_torch_device_bytes') or 0) + chunks) / 2**30:.1f}",
+                 f"{((r.get('peak_torch_device_bytes') or 0) + chunks) / 2**30:.1f} / "
+                 f"{((r.get('peak_torch_reserved_bytes') or 0) + chunks) / 2**30:.1f}",
                  f"{(r.get('peak_host_rss_bytes') or 0) / 2**30:.1f}",
                  " / ".join(cell(b.get(k), ".2f") for k in ("gpu", "cpu", "pcie")),
                  f"{step / b['bound']:.2f}" if b.get("bound") else "-", estimate_cell(est, step)] + (
@@ -173,6 +175,9 @@ def parse_args(argv):
     p.add_argument("--state", choices=sorted(STATE_FIELDS), default="fp32",
                    help="gemini_ext's optimizer state: fp32 masters and moments, or the 8-byte state")
     p.add_argument("--no-gpu-alone", action="store_true", help="leave out the GPU-alone rows (no bound)")
+    p.add_argument("--torch-alloc-conf", default="expandable_segments:True",
+                   help="PYTORCH_CUDA_ALLOC_CONF of every row ('' leaves the environment's): expandable segments "
+                        "keep torch's reserved memory near what it allocates")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--loss-chunk-tokens", type=int, default=8192)
@@ -220,6 +225,8 @@ def main(argv=None) -> list[dict]:
         return rows
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    if args.torch_alloc_conf:  # every row's process, every system alike
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.torch_alloc_conf
     rows = []
     for model in (m.strip() for m in args.models.split(",") if m.strip()):
         for batch, seq in (parse_shape(s) for s in args.shapes.split(",") if s.strip()):

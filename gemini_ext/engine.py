@@ -284,7 +284,7 @@ class GeminiEngine:
             "placement": parts.placer.summary(parts.runtime),
             "throughput": parts.throughput.summary(),  # tokens/s and MFU (see _engine/throughput.py)
             "activations": parts.activations.stats() if parts.activations is not None else {
-                "checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None},
+                "checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None, "warm_up": None},
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()

@@ -165,7 +165,9 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     planned = "auto" in (config.activation_checkpointing, config.activation_offload)
     parts.activations = ActivationRoom(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
                                        parts.groups.ranks_on_host(),
-                                       cap_torch=planned and allocator.mode() == "default")
+                                       cap_torch=planned and allocator.mode() == "default",
+                                       leave_room=lambda nbytes: parts.placer.leave_room_in_warm_up(parts.runtime,
+                                                                                                    nbytes))
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

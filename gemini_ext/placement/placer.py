@@ -234,6 +234,20 @@ class Placer:
                         self.policy.name, e)
             return 0.0, 0.0, 0.0
 
+    def leave_room_in_warm_up(self, runtime, other_bytes: int) -> int:
+        """In the iteration before the first decision: lowers the chunks' device budget so that they and
+        `other_bytes` of torch's (the activations the first block's measurement foresees) fit the
+        device's capacity, never below three of the largest chunk sets (one computing, one fetched,
+        one reduced). Returns the chunks' budget (0: the whole device)."""
+        capacity = self._device.capacity_bytes()
+        floor = 3 * max(self._layout.shard_bytes, default=0)
+        wanted = max(floor, capacity - other_bytes)
+        budget = self.current.device_budget_bytes or capacity
+        if wanted < budget and not self.current.decision:
+            self.current = dataclasses.replace(self.current, device_budget_bytes=wanted)
+            runtime.set_device_budget(wanted)
+        return self.current.device_budget_bytes
+
     def _apply(self, runtime, current: Placement, chosen: Placement) -> None:
         for k, (was, now) in enumerate(zip(current.sets, chosen.sets)):
             if dataclasses.replace(was, optim_on_host=now.optim_on_host) != now:

@@ -101,7 +101,8 @@ def test_gpt_with_the_engines_checkpointing_and_offload_matches_plain_training_b
     assert host["in_use_bytes"] == 0 and host["reserved_bytes"] == host["peak_in_use_bytes"] > 0, host
     assert host["peak_in_use_bytes"] >= 3 * block_input_bytes, host  # a forward's three inputs at once
     assert host["upstream_allocations"] == 3, host  # the first step's buffers, reused by the next steps
-    assert plain[2] == {"checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None}
+    assert plain[2] == {"checkpointing": None, "offload": None, "plan": None, "torch_cap_bytes": None,
+                        "warm_up": None}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -417,3 +418,32 @@ def test_the_per_block_plan_is_the_cores():
     assert tight["choices"].count("offload") == 3 and not tight["fits"], tight  # the host's room, no more
     with pytest.raises(Exception, match="in_flight must be >= 1"):
         gx._C.plan_activations([(mib, mib, 0.0, 0.0)], mib, 1e9, in_flight=0)
+
+
+@pytest.mark.cuda
+def test_the_chunks_and_torchs_reserved_memory_stay_within_the_limit_from_the_first_iteration():
+    """auto with activations planned under a gpu_memory_limit that cannot hold every block's
+    activations beside the chunks: in every iteration, the first included, the chunks' device peak
+    plus torch's reserved peak stay within the limit, and the plan leaves the activations fewer."""
+    cfg = GPTConfig(vocab_size=512, max_seq_len=2048, d_model=1024, n_layers=8, n_heads=8)
+    limit = 2 * 2**30
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, 512, (4, 2048), device="cuda")
+    config = gx.GeminiConfig(device="cuda", gpu_memory_limit=limit, activation_checkpointing="auto",
+                             activation_offload="auto")
+    with gx.enable(model, config) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-4)
+        for step in range(3):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            model(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            chunk_peak = engine.internal.chunks.tier_bytes("device")["peak"]
+            assert torch.cuda.max_memory_reserved() + chunk_peak <= limit, (step, torch.cuda.max_memory_reserved(),
+                                                                             chunk_peak)
+        stats = engine.stats()["activations"]
+    assert stats["plan"]["fits"] and stats["plan"]["keep"] < cfg.n_layers, stats["plan"]
+    assert stats["torch_cap_bytes"] is not None and stats["warm_up"]["foreseen_bytes"] > 0, stats

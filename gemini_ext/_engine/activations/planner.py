@@ -50,6 +50,16 @@ class ActivationPlanner:
         self.refusal: str | None = None  # where no plan fits: what the next forward raises
         self.measured: list = []  # (activation_bytes, input_bytes, forward_s, backward_s) per block, once measured
 
+    def warm_device_bytes(self, activation_bytes: int, input_bytes: int) -> int:
+        """What the measured forward's choices need on the device, every block taken as block 0."""
+        n = self._blocks.num_blocks
+        return _C.activation_device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * n, [self._warm_choice] * n,
+                                          LOOKAHEAD)
+
+    @property
+    def probe(self) -> BlockProbe:
+        return self._probe
+
     @property
     def measuring(self) -> bool:
         return self.plan is None and self._blocks.probe is not None

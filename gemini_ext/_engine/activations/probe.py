@@ -35,6 +35,7 @@ class BlockProbe:
         self.block0_activation_bytes = 0
         self.tokens = 0  # block 0's first input, its elements over its last dimension
         self.ran = False
+        self.on_first_block = None  # called with (activation_bytes, input_bytes) once block 0 is measured
 
     def run(self, index, blocks, checkpoint_fn, fn, args, kwargs):
         self.ran = True
@@ -44,6 +45,8 @@ class BlockProbe:
             self.block0_activation_bytes = self._count_activations(fn, args, kwargs)
             if tensors and tensors[0].dim() > 0 and tensors[0].shape[-1] > 0:
                 self.tokens = tensors[0].numel() // tensors[0].shape[-1]
+            if self.on_first_block is not None:
+                self.on_first_block(self.block0_activation_bytes, self.input_bytes[0])
         start = self._mark()
         out = blocks.execute(self.warm_choice, checkpoint_fn, fn, args, kwargs)
         self._marks[index] = (start, self._mark())

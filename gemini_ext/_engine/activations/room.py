@@ -12,9 +12,15 @@ they use, and the room's hooks over the model's forward are the only place they 
 - After it: the offload's hooks are left; where offload is "on" without the engine's checkpointing
   and a forward with grad made no checkpoint call the engine can see, it warns once that nothing
   went to the host.
+- The first iteration, once block 0 is measured (probe.py) and before any other block runs: the
+  chunks' budget is lowered (placer.leave_room_in_warm_up) so that they, what torch holds already
+  and WARM_UP_MARGIN times what the measured forward's choices foresee for the activations fit the
+  device budget.
 - After each iteration (the optimizer's step): the plan is made once from the first iteration's
-  measurements; on cuda under a gpu_memory_limit, torch's caching allocator is capped at what the
-  chunks leave of the limit (torch.cuda.set_per_process_memory_fraction), so chunks plus torch's
+  measurements.
+- Where the engine plans activations on cuda under a gpu_memory_limit, torch's caching allocator is
+  capped at what the chunks' budget leaves of the limit (torch.cuda.set_per_process_memory_fraction),
+  from the first block's measurement on and again after every iteration, so chunks plus torch's
   reserved memory stay within the limit: an allocation beyond it is torch's OutOfMemoryError, not a
   device over its budget. close() lifts the cap.
 """
@@ -31,13 +37,16 @@ from .host_buffers import HostBuffers
 from .offload import ActivationOffload
 from .planner import ActivationPlanner
 
+WARM_UP_MARGIN = 1.5  # the first iteration's activations beyond the plan's figure (gradients, the loss, the head)
+
 
 class ActivationRoom:
     """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
 
-    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool):
+    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, leave_room=None):
         """`placement`: (chunks, placer, tracer), what the plan's room is read from; `cap_torch`: whether
-        torch's allocator is capped at what the chunks leave (cuda, default allocator)."""
+        torch's allocator is capped at what the chunks leave (cuda, default allocator); `leave_room(bytes)`
+        lowers the chunks' budget in the first iteration (placer.leave_room_in_warm_up)."""
         checkpointing, offload = config.activation_checkpointing, config.activation_offload
         found = find_blocks(model)
         if checkpointing != "off" or offload == "auto":
@@ -59,6 +68,10 @@ class ActivationRoom:
                                              host_buffers=self.offload._buffers if self.offload else None)
         self._cap_torch = cap_torch and device.is_cuda
         self.torch_cap_bytes = None
+        self._leave_room = leave_room
+        self.warm_up = None  # what the first block's measurement set: {"foreseen_bytes", "chunk_budget_bytes"}
+        if self.planner is not None and self._cap_torch:
+            self.planner.probe.on_first_block = self._first_block_measured
         self._warned: set = set()
         self._handles = [model.register_forward_pre_hook(self._forward_started),
                          model.register_forward_hook(self._forward_ended, always_call=True)]
@@ -99,6 +112,13 @@ class ActivationRoom:
         if self._cap_torch and (self.planner is None or self.planner.refusal is None):
             self._apply_torch_cap()
 
+    def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:
+        foreseen = int(self.planner.warm_device_bytes(activation_bytes, input_bytes) * WARM_UP_MARGIN)
+        held = torch.cuda.memory_reserved(self._device.torch_device)
+        budget = self._leave_room(held + foreseen) if self._leave_room is not None else None
+        self.warm_up = {"foreseen_bytes": foreseen, "torch_reserved_bytes": held, "chunk_budget_bytes": budget}
+        self._apply_torch_cap()
+
     def _apply_torch_cap(self) -> None:
         total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
         if capacity >= total:
@@ -130,4 +150,4 @@ class ActivationRoom:
         return {"checkpointing": self.blocks.stats(),
                 "offload": self.offload.stats() if self.offload is not None else None,
                 "plan": self.planner.stats() if self.planner is not None else None,
-                "torch_cap_bytes": self.torch_cap_bytes}
+                "torch_cap_bytes": self.torch_cap_bytes, "warm_up": self.warm_up}
