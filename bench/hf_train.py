@@ -270,7 +270,7 @@ def peer_system(args):
 
         return model, dev, train_step, dict
     if args.system == "gpu-alone":
-        return _gpu_alone(model, dev)
+        return _gpu_alone(model, dev, args.loss_scale)
     if args.system == "plain":
         cap()
         model.to(dev)
@@ -301,7 +301,7 @@ def peer_system(args):
     return model, dev, train_step, dict
 
 
-def _gpu_alone(model, dev):
+def _gpu_alone(model, dev, loss_scale: float):
     """The GPU's own time for the same forward and backward: bf16 parameters resident, the same
     checkpointing, no optimizer (the bound offloaded training is measured against). The whole
     device, whatever --budget says: the parameters and their gradients alone may exceed it."""
@@ -310,7 +310,7 @@ def _gpu_alone(model, dev):
 
     def train_step(x):
         loss = model(input_ids=x, labels=x).loss
-        (loss * args.loss_scale).backward()
+        (loss * loss_scale).backward()
         torch.cuda.synchronize()
         before = time.perf_counter()
         model.zero_grad(set_to_none=True)

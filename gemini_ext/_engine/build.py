@@ -167,7 +167,8 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
                                        parts.groups.ranks_on_host(),
                                        cap_torch=planned and allocator.mode() == "default",
                                        leave_room=lambda nbytes: parts.placer.leave_room_in_warm_up(parts.runtime,
-                                                                                                    nbytes))
+                                                                                                    nbytes),
+                                       chunk_floor_bytes=3 * max(parts.layout.shard_bytes, default=0))
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

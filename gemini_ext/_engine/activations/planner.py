@@ -51,10 +51,29 @@ class ActivationPlanner:
         self.measured: list = []  # (activation_bytes, input_bytes, forward_s, backward_s) per block, once measured
 
     def warm_device_bytes(self, activation_bytes: int, input_bytes: int) -> int:
-        """What the measured forward's choices need on the device, every block taken as block 0."""
+        """What the measured forward's choices need on the device, every block taken as block 0: the
+        inputs the host has room for offloaded, the others kept on the device (recomputed)."""
         n = self._blocks.num_blocks
-        return _C.activation_device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * n, [self._warm_choice] * n,
-                                          LOOKAHEAD)
+        offloaded = n if self._warm_choice == "offload" else 0
+        host_room = self._host_buffers.room_bytes() if self._host_buffers is not None else -1
+        if offloaded and host_room >= 0 and input_bytes > 0:
+            offloaded = min(n, host_room // input_bytes)
+        choices = ["offload"] * offloaded + ["recompute"] * (n - offloaded)
+        return _C.activation_device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * n, choices, LOOKAHEAD)
+
+    def warm_up_refusal(self, need_bytes: int, room_bytes: int) -> str:
+        """Why the first iteration cannot keep the budget: its activations, foreseen from block 0,
+        need `need_bytes` beside the least the chunks need, and the device budget leaves `room_bytes`."""
+        b, tokens = format_bytes, self._probe.tokens
+        over = need_bytes - room_bytes
+        fit = (f"train on at most about {tokens * max(0, room_bytes) // max(1, need_bytes):,} tokens per step (this "
+               f"step has {tokens:,}), " if tokens else "train on fewer tokens per step, ")
+        return (f"gemini_ext: block 0 of {self._blocks.num_blocks} measured at the first forward foresees "
+                f"{b(need_bytes)} of activations on the device at their least (its own recomputed, the inputs the "
+                f"host cannot take kept; torch's memory so far included), {b(over)} more than the {b(room_bytes)} "
+                f"the device budget ({b(self._device.capacity_bytes())}) leaves beside three chunk sets. The engine "
+                f"keeps the budget rather than run over it: {fit}raise gpu_memory_limit by at least {b(over)}, or "
+                "free host memory for offloaded inputs.")
 
     @property
     def probe(self) -> BlockProbe:

@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from ..._env import logger
+from ..._units import format_bytes
 from .blocks import Blocks, find_blocks, require_blocks
 from .calls import CheckpointCalls, verify_mechanism
 from .host_buffers import HostBuffers
@@ -43,7 +45,8 @@ WARM_UP_MARGIN = 1.5  # the first iteration's activations beyond the plan's figu
 class ActivationRoom:
     """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
 
-    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, leave_room=None):
+    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, leave_room=None,
+                 chunk_floor_bytes: int = 0):
         """`placement`: (chunks, placer, tracer), what the plan's room is read from; `cap_torch`: whether
         torch's allocator is capped at what the chunks leave (cuda, default allocator); `leave_room(bytes)`
         lowers the chunks' budget in the first iteration (placer.leave_room_in_warm_up)."""
@@ -69,6 +72,7 @@ class ActivationRoom:
         self._cap_torch = cap_torch and device.is_cuda
         self.torch_cap_bytes = None
         self._leave_room = leave_room
+        self._chunk_floor = chunk_floor_bytes  # the least device bytes the chunks may have (three of the largest sets)
         self.warm_up = None  # what the first block's measurement set: {"foreseen_bytes", "chunk_budget_bytes"}
         if self.planner is not None and self._cap_torch:
             self.planner.probe.on_first_block = self._first_block_measured
@@ -103,7 +107,11 @@ class ActivationRoom:
 
     def after_iteration(self) -> None:
         if self.planner is not None:
+            decided = self.planner.plan is not None
             self.planner.after_iteration()
+            if not decided and self.planner.plan is not None:
+                logger.info("activations: plan %s; offload %s", self.planner.stats(),
+                            self.offload.stats() if self.offload is not None else None)
             if self.planner.plan is None and not self.planner.measuring:
                 self._warn_once("nothing planned", "gemini_ext: activation_offload='auto' with "
                                 "activation_checkpointing='off' plans the blocks the model checkpoints itself, and "
@@ -115,8 +123,16 @@ class ActivationRoom:
     def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:
         foreseen = int(self.planner.warm_device_bytes(activation_bytes, input_bytes) * WARM_UP_MARGIN)
         held = torch.cuda.memory_reserved(self._device.torch_device)
-        budget = self._leave_room(held + foreseen) if self._leave_room is not None else None
-        self.warm_up = {"foreseen_bytes": foreseen, "torch_reserved_bytes": held, "chunk_budget_bytes": budget}
+        floor = self._chunk_floor
+        self.warm_up = {"block0_activation_bytes": activation_bytes, "block0_input_bytes": input_bytes,
+                        "foreseen_bytes": foreseen, "torch_reserved_bytes": held, "chunk_floor_bytes": floor}
+        logger.info("activations: the first forward foresees %s (block 0: %s of activations, %s of input), torch "
+                    "holds %s", format_bytes(foreseen), format_bytes(activation_bytes), format_bytes(input_bytes),
+                    format_bytes(held))
+        capacity = self._device.capacity_bytes()
+        if self._device.total_bytes() > capacity and held + foreseen > capacity - floor:
+            raise RuntimeError(self.planner.warm_up_refusal(held + foreseen, capacity - floor))
+        self.warm_up["chunk_budget_bytes"] = self._leave_room(held + foreseen) if self._leave_room else None
         self._apply_torch_cap()
 
     def _apply_torch_cap(self) -> None:
