@@ -64,16 +64,17 @@ DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inp
 host memory (counted there), and the part of their copies that a block's forward or backward does
 not hide is added (activation_copies). With activation_checkpointing="auto" the placement is the
 first iteration's and the step is the plan's: the core's per-block choice over the room the
-chunks leave (activation_plan), its kept blocks' recompute saved. The first iteration keeps block
-0's activations (the planner measures them) beside a recomputed block's and the others' inputs
-(offloaded unless activation_offload is "off"): two blocks' activations, which the placement
-plans the chunks around, so at long steps under a budget the chunks get less than the parameters.
+chunks leave (activation_plan), its kept blocks' recompute saved. The first iteration runs every
+block recomputed (inputs offloaded unless activation_offload is "off"; block 0's activations are
+counted by a forward of its own, dropped at once): one recomputed block's activations beside the
+inputs, which the placement plans the chunks around.
 
 [Note: what the map of LLaMA-7B on an H100 taught (8k to 64k tokens, 24 GiB to the whole device)]
 - The first iteration's peak decides the chunk budget. Counting only the inputs and the logits,
   the estimate gave the chunks 33.9 GiB at 40 GiB and 32k tokens where the engine measured a
-  non-model peak of 14.1 GiB and gave them 21.7 GiB (3 optimizer sets on the device, not 9); with
-  the two blocks' activations above it gives 21.2 GiB and the engine's split.
+  non-model peak of 14.1 GiB and gave them 21.7 GiB (3 optimizer sets on the device, not 9). That
+  engine kept block 0's activations through its first iteration to measure them; it now counts
+  them by a forward of their own, and the estimate's first iteration holds one recomputed block.
 - Where that budget is below the parameters (64k tokens at 24 and 40 GiB) the engine streams
   them: every chunk fetched in the forward and again in the backward, each fetch waited for.
   fetch_stall counts the displaced bytes once; the steps measured 0.7-4.8 s above the GPU alone
@@ -288,8 +289,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     activations -= offload["device_bytes_freed"]
     per_token = activations // max(rank_tokens, 1)
     planned = config.activation_checkpointing == "auto" and shape is not None
-    # the planner measures the first forward with block 0 kept: its activations beside the others' inputs
-    warm = activations + (rank_tokens * shape.block_activation_bytes_per_token() if planned else 0)
+    warm = activations  # the planner's first forward: every block recomputed, the least the plan allows
     cpu_rate, cpu_source = _cpu_rate(cpu_optimizer_elements_per_s)
     measured = Measurements(**base, non_model_peak_bytes=warm, device_other_bytes=DEVICE_OTHER_BYTES,
                             non_model_reserved_bytes=int(warm * ACTIVATION_RESERVE_RATIO),

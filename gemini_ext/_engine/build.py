@@ -8,6 +8,7 @@ model's parameters are as they were.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -166,8 +167,7 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.activations = ActivationRoom(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
                                        parts.groups.ranks_on_host(),
                                        cap_torch=planned and allocator.mode() == "default",
-                                       leave_room=lambda nbytes: parts.placer.leave_room_in_warm_up(parts.runtime,
-                                                                                                    nbytes),
+                                       leave_room=functools.partial(parts.placer.leave_room_in_warm_up, parts.runtime),
                                        chunk_floor_bytes=3 * max(parts.layout.shard_bytes, default=0))
 
 

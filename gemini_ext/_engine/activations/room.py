@@ -154,6 +154,7 @@ class ActivationRoom:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._leave_room = None  # the placer and the manager go with the engine
         self.calls.unwrap()
         self.blocks.remove()
         if self.offload is not None:
