@@ -195,6 +195,7 @@ def test_enable_refuses_offload_where_torch_saves_a_checkpoints_inputs_otherwise
     from gemini_ext._engine.activations import calls
 
     monkeypatch.setattr(calls.torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
+    monkeypatch.setattr(calls, "_checked", [])  # checked once per process: again, under this torch
     model = _gpt(False)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} saved 3 tensors there")):
@@ -447,3 +448,28 @@ def test_the_chunks_and_torchs_reserved_memory_stay_within_the_limit_from_the_fi
         stats = engine.stats()["activations"]
     assert stats["plan"]["fits"] and stats["plan"]["keep"] < cfg.n_layers, stats["plan"]
     assert stats["torch_cap_bytes"] is not None and stats["warm_up"]["foreseen_bytes"] > 0, stats
+
+
+@pytest.mark.parametrize("fields", [{"activation_offload": "on"}, {"activation_checkpointing": "auto",
+                                                                   "activation_offload": "auto"}])
+def test_the_engine_goes_when_its_block_ends_without_the_garbage_collector(fields):
+    """Nothing of the activations keeps the chunks alive after close(): not the measured forward of
+    block 0 (a saved output tied to its own node), not the mechanism check's frames, not the plan."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = _gpt(False)
+        with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", **fields)) as engine:
+            chunks = weakref.ref(engine.internal.chunks)
+            opt = engine.optimizer(torch.optim.SGD, lr=0.1)
+            for step in range(2):
+                x = torch.randint(0, 128, (BATCH, SEQ))
+                model(x, x).backward()
+                opt.step()
+                opt.zero_grad()
+        del engine, opt
+        assert chunks() is None
+    finally:
+        gc.enable()

@@ -23,6 +23,7 @@ beside it). If it saves nothing there, or anything else, enable() raises naming 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.utils.checkpoint
@@ -30,23 +31,38 @@ import torch.utils.checkpoint
 FUNCTION_ATTRIBUTE = "_gradient_checkpointing_func"
 
 
+_checked: list = []  # the check's result once made in this process: [None] (passed) or [why not]
+
+
 def verify_mechanism() -> None:
+    """Raises RuntimeError where this torch's checkpoint does not save its inputs as the offload
+    needs (the note above). Checked once per process, on a thread of its own: the checkpoint's
+    frames form cycles, which must not keep the caller's frames (and an engine being built) alive."""
+    if not _checked:
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(_mechanism_problem()), daemon=True)
+        thread.start()
+        thread.join()
+        _checked.append(result[0] if result else "the check raised")
+    if _checked[0] is not None:
+        raise RuntimeError(_checked[0])
+
+
+def _mechanism_problem() -> str | None:
     seen: list = []
-    x = torch.arange(2.0, requires_grad=True)
-    h = x * 2
-
-    def region(t):
-        return (t * t).sin()
-
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t), t)[1], lambda t: t):
-        out = torch.utils.checkpoint.checkpoint(region, h, use_reentrant=False)
-    out.sum().backward()
+    try:
+        x = torch.arange(2.0, requires_grad=True)
+        h = x * 2
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t), t)[1], lambda t: t):
+            out = torch.utils.checkpoint.checkpoint(lambda t: (t * t).sin(), h, use_reentrant=False)
+        out.sum().backward()
+    except Exception as exc:  # noqa: BLE001  (any failure means the mechanism is not there)
+        return f"gemini_ext: activation offload could not check torch.utils.checkpoint on torch {torch.__version__}: {exc!r}"
     is_input = [t.data_ptr() == h.data_ptr() and t.shape == h.shape for t in seen]
     # the input, and nothing of what the region computes (empty placeholders some releases save beside it)
-    inputs_only = any(is_input) and all(hit or t.numel() == 0 for hit, t in zip(is_input, seen))
-    if not inputs_only or x.grad is None:
-        raise RuntimeError(
-            f"gemini_ext: activation offload needs torch.utils.checkpoint (use_reentrant=False) to save a "
+    if any(is_input) and all(hit or t.numel() == 0 for hit, t in zip(is_input, seen)) and x.grad is not None:
+        return None
+    return (f"gemini_ext: activation offload needs torch.utils.checkpoint (use_reentrant=False) to save a "
             f"checkpoint's inputs as saved tensors at the call and nothing else outside its region; torch "
             f"{torch.__version__} saved {len(seen)} tensors there, not the input alone. Set "
             "activation_offload='off' (or use torch.autograd.graph.save_on_cpu yourself), or use a torch release "

@@ -131,6 +131,10 @@ class ActivationPlanner:
         free = self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"]
         return int(free / held) - other_non_model
 
+    def detach(self) -> None:
+        """Lets go of the chunks, the placer and the tracer (the engine closes)."""
+        self._chunks = self._placer = self._tracer = None
+
     def stats(self) -> dict:
         if self.plan is None:
             return {"decided": False}

@@ -53,12 +53,18 @@ class BlockProbe:
         return out
 
     def _count_activations(self, fn, args, kwargs) -> int:
+        """The bytes block 0 saves for backward. The saves are held beside the graph, not in it, and
+        the graph is never run backward: a pack hook that returned a saved output itself would tie
+        that output to its own node in a cycle the garbage collector cannot see, keeping the whole
+        graph (and the engine) alive."""
         seen: dict = {}
+        held: list = []
         devices = [self._device.index or 0] if self._cuda else []
         with torch.random.fork_rng(devices=devices, device_type="cuda"), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: _count(seen, t), lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(lambda t: _count(seen, held, t), _never_unpacked):
             out = fn(*args, **kwargs)
         del out
+        held.clear()
         return sum(seen.values())
 
     def _mark(self):
@@ -89,13 +95,20 @@ class BlockProbe:
         return out
 
 
-def _count(seen: dict, tensor: torch.Tensor):
-    """Notes the bytes `tensor` holds: per storage, the largest tensor saved over it. Parameters
+def _count(seen: dict, held: list, tensor: torch.Tensor) -> None:
+    """Notes the bytes `tensor` holds: per storage, the largest tensor saved over it (held until the
+    forward ends, so that no storage is freed and its address reused while counting). Parameters
     (trainable or frozen) and their views live in chunks and are left out."""
     if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter) or \
             (tensor.is_leaf and tensor.requires_grad):
-        return tensor
+        return None
+    held.append(tensor)
     storage = tensor.untyped_storage()
     nbytes = min(storage.nbytes(), tensor.numel() * tensor.element_size())
     seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), nbytes)
-    return tensor
+    return None
+
+
+def _never_unpacked(packed):
+    raise RuntimeError("gemini_ext internal error (this is a bug, please report it): the forward that measures "
+                       "block 0's activations was run backward.")

@@ -154,7 +154,9 @@ class ActivationRoom:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._leave_room = None  # the placer and the manager go with the engine
+        self._leave_room = self._placement = None  # the manager and its chunks go with the engine (close())
+        if self.planner is not None:
+            self.planner.detach()
         self.calls.unwrap()
         self.blocks.remove()
         if self.offload is not None:
