@@ -110,6 +110,9 @@ def test_memory_pressure_evicts_idle_chunks_on_sim_and_training_continues_exactl
             x, y = batch(model.cfg, step, engine.compute_device)
             loss = model(x, y)
             if step == 2:  # mid-iteration, after forward: chunks are held, none computes
+                # slots the pools cached (a placement's moves free them as their copies end) would serve the
+                # request without an eviction: give them back first, so that only evictions can
+                engine.internal.chunks.trim("device")
                 before = engine.stats()["tier_bytes"]["device"]["current"]
                 released = gx._C.reclaim_device_bytes(-1, before)
                 after = engine.stats()["tier_bytes"]["device"]["current"]
