@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "common/manual_event.h"
 #include "common/resource_conformance.h"
 #include "core/arena_resource.h"
 #include "core/chunk_allocator.h"
@@ -302,17 +303,7 @@ TEST(ArenaResource, DoubleFreeAndWrongSizeAreBugs) {
 
 // --- stream-safe reuse --------------------------------------------------------------------------
 
-class FakeEvent final : public Event {
- public:
-  bool query() const override { return done; }
-  void synchronize() override {
-    waits += 1;
-    done = true;
-  }
-  double seconds_after(const Event&) const override { return 0.0; }
-  bool done = false;
-  int waits = 0;
-};
+using FakeEvent = testing::ManualEvent;
 
 TEST(FixedSizePool, ReusesAFreedSlotOnlyAfterItsLastUsesOrOrderedAfterThem) {
   HostMemoryResource host;

@@ -4,23 +4,14 @@
 #include <memory>
 #include <vector>
 
+#include "common/manual_event.h"
 #include "core/resource_adaptors.h"
 #include "core/size_class_pool.h"
 
 namespace gx {
 namespace {
 
-class PendingCopy final : public Event {
- public:
-  bool query() const override { return done; }
-  void synchronize() override {
-    waits += 1;
-    done = true;
-  }
-  double seconds_after(const Event&) const override { return 0.0; }
-  bool done = false;
-  int waits = 0;
-};
+using PendingCopy = testing::ManualEvent;
 
 TEST(SizeClassPool, ClassesRoundUpAtMostAQuarterAndKeepTheAlignment) {
   EXPECT_EQ(SizeClassPool::class_bytes(1), kResourceAlignmentBytes);
