@@ -1,5 +1,6 @@
 """setup.py decides CUDA at build time; the refusals happen before anything is compiled."""
 
+import pytest
 import torch
 
 from conftest import run_python
@@ -40,3 +41,20 @@ def test_extension_sources_use_no_iostreams():
                  for m in stream_headers.finditer(path.read_text())]
     assert list(csrc.rglob("*.cpp")), f"no C++ sources found under {csrc}"
     assert offenders == [], "use detail::concat / POSIX I/O instead of iostreams in the extension: " + "; ".join(offenders)
+
+
+def test_the_cpp_suite_configures_with_googletests_sources_alone(tmp_path):
+    """Without an installed GoogleTest (Debian's libgtest-dev) the C++ build adds GoogleTest's sources
+    (GX_GTEST_SOURCE, /usr/src/googletest by default); GoogleTest 1.11 and later define the
+    GTest::gtest_main alias themselves, which the build must not define again."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    source = pathlib.Path("/usr/src/googletest")
+    if shutil.which("cmake") is None or not (source / "CMakeLists.txt").exists():
+        pytest.skip("needs cmake and GoogleTest's sources in /usr/src/googletest (Debian's googletest)")
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run(["cmake", "-S", str(repo / "csrc"), "-B", str(tmp_path), "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON",
+                           f"-DGX_GTEST_SOURCE={source}", "-DGX_WITH_CUDA=OFF"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
