@@ -123,7 +123,8 @@ class RecordingBuildExtension(BuildExtension.with_options(use_ninja=shutil.which
 
 # What the extension compiles, under csrc/ (tests/python/test_packaging.py reads these two to
 # check that the source distribution holds them and every header they include).
-CPU_SOURCES = ("core/*.cpp", "core/kernels/*.cpp", "torch/*.cpp", "torch/manager/*.cpp", "torch/optim/*.cpp", "bindings/*.cpp")
+CPU_SOURCES = ("core/*.cpp", "core/kernels/*.cpp", "torch/*.cpp", "torch/manager/*.cpp", "torch/optim/*.cpp",
+               "bindings/*.cpp")
 CUDA_SOURCES = ("cuda/*.cpp", "cuda/*.cu")
 
 

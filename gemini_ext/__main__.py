@@ -1,4 +1,5 @@
-"""gemini-ext (or python -m gemini_ext) info | export CKPT OUT [--dtype bf16] [--config config.json] [--max-shard-size 5GB]
+"""gemini-ext (or python -m gemini_ext) info
+| export CKPT OUT [--dtype bf16] [--config config.json] [--max-shard-size 5GB]
 | estimate (--preset NAME | --hf-config config.json) --tokens-per-step N [--world-size N] [machine options]"""
 
 import argparse
@@ -36,7 +37,8 @@ def main(argv=None) -> int:
     model.add_argument("--hf-config", help="a HuggingFace config.json (a causal LM built from it on meta)")
     est.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step, all ranks")
     est.add_argument("--world-size", type=int, default=1)
-    est.add_argument("--no-checkpointing", action="store_true", help="activations kept (default: checkpointed per block)")
+    est.add_argument("--no-checkpointing", action="store_true",
+                     help="activations kept (default: checkpointed per block)")
     est.add_argument("--loss-chunk-tokens", type=int, default=None,
                      help="the loss over this many tokens at a time, checkpointed (default: the preset's, 0)")
     est.add_argument("--policy", default="auto")

@@ -45,7 +45,8 @@ def _read() -> EnvSettings:
         raise ValueError(f"GEMINI_EXT_LOG: expected one of {LOG_LEVELS}, got {log_level!r}.")
     delay = os.environ.get("GEMINI_EXT_SIM_COPY_DELAY_US", "0").strip() or "0"
     if not delay.isdigit():
-        raise ValueError(f"GEMINI_EXT_SIM_COPY_DELAY_US: expected a non-negative integer (microseconds), got {delay!r}.")
+        raise ValueError(f"GEMINI_EXT_SIM_COPY_DELAY_US: expected a non-negative integer (microseconds), got "
+                         f"{delay!r}.")
     return EnvSettings(allocator, gpu_limit_bytes, device, log_level, int(delay))
 
 

@@ -34,7 +34,8 @@ writes only what it holds, so no rank gathers the model:
   (the fp32 master; the parameter itself when frozen) and each state kind of the optimizer
   rule ("exp_avg" and "exp_avg_sq" for Adam, "momentum_buffer" for SGD with momentum, "exp_avg"
   for Lion, "sum" for Adagrad; when the engine has a natively stepped optimizer), and
-  [begin, end) are the elements of the flattened parameter that lie in r's shard. Rank 0's file also has "common": {"names", "buffers" (full, fp32 CPU),
+  [begin, end) are the elements of the flattened parameter that lie in r's shard. Rank 0's file
+  also has "common": {"names", "buffers" (full, fp32 CPU),
   "optimizer": {"param_groups" (hyperparameters, torch.optim's layout without "state"),
   "steps": per-parameter step counts, "class": the optimizer's class name, "generic": a
   generically stepped optimizer's whole state_dict() or None} or None, "scaler", "engine"
@@ -170,7 +171,8 @@ def read_file(path: str, mmap: bool = False, checksum: dict | None = None) -> di
     checking the size and CRC-32 its index recorded. A truncated or corrupted file is refused
     naming it."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_checkpoint: {path} is missing; the checkpoint is incomplete (its index names it).")
+        raise FileNotFoundError(f"load_checkpoint: {path} is missing; the checkpoint is incomplete (its index names "
+                                "it).")
     _verify_file(path, checksum)
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
@@ -405,7 +407,8 @@ def _load_sharded(parts, model, path: str, index: dict, model_only: bool) -> Non
 
     def payload(rank):
         if rank not in files:
-            files[rank] = read_file(os.path.join(path, index["files"][rank]), mmap=True, checksum=_checksum(index, rank))
+            files[rank] = read_file(os.path.join(path, index["files"][rank]), mmap=True,
+                                    checksum=_checksum(index, rank))
         return files[rank]
 
     saved = {p["name"]: p for p in index["parameters"]}

@@ -339,7 +339,8 @@ class GeminiEngine:
     def __exit__(self, exc_type, exc, tb) -> None:
         if isinstance(exc, torch.OutOfMemoryError) and self.internal.device.is_cuda and allocator.mode() == "default":
             exc.add_note(f"gemini_ext: torch's allocator ran out of device memory with "
-                         f"{format_bytes(self.internal.chunks.tier_bytes('device')['current'])} of chunks on the device "
+                         f"{format_bytes(self.internal.chunks.tier_bytes('device')['current'])} of chunks on the "
+                         "device "
                          f"(placement_policy={self.config.placement_policy!r}). Under GEMINI_EXT_ALLOCATOR=default "
                          "chunks are not evicted for torch's allocations: set GEMINI_EXT_ALLOCATOR=chunk (before "
                          "importing gemini_ext) so that chunks go to the host on demand, or lower gpu_memory_limit / "

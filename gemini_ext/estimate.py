@@ -59,15 +59,15 @@ checkpointing, 34 d bytes per layer (flash
 attention, no s^2 term), or for a gated MLP of inner width i (Llama's SwiGLU) 30 d + 8 i bytes:
 in bf16 the attention's inputs and outputs, q and k before and after the rotary embedding, two
 RMSNorms' fp32 inputs, and the gate, up, activation and product of the MLP (transformers'
-LLaMA-7B on an H100: the engine counted 52.6 d per token, the formula gives 51.5 d). torch's allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and
-DEVICE_OTHER_BYTES sits outside it. With activation_offload="on" the blocks' inputs but two wait in
-host memory (counted there), and the part of their copies that a block's forward or backward does
-not hide is added (activation_copies). With activation_checkpointing="auto" the placement is the
-first iteration's and the step is the plan's: the core's per-block choice over the room the
-chunks leave (activation_plan), its kept blocks' recompute saved. The first iteration runs every
-block recomputed (inputs offloaded unless activation_offload is "off"; block 0's activations are
-counted by a forward of its own, dropped at once): one recomputed block's activations beside the
-inputs, which the placement plans the chunks around.
+LLaMA-7B on an H100: the engine counted 52.6 d per token, the formula gives 51.5 d). torch's
+allocator holds about ACTIVATION_RESERVE_RATIO of its peak, and DEVICE_OTHER_BYTES sits outside it.
+With activation_offload="on" the blocks' inputs but two wait in host memory (counted there), and
+the part of their copies that a block's forward or backward does not hide is added (activation_copies).
+With activation_checkpointing="auto" the placement is the first iteration's and the step is the
+plan's: the core's per-block choice over the room the chunks leave (activation_plan), its kept
+blocks' recompute saved. The first iteration runs every block recomputed (inputs offloaded unless
+activation_offload is "off"; block 0's activations counted by a forward of its own, dropped at
+once): one recomputed block's activations beside the inputs, which the placement plans around.
 
 [Note: what the map of LLaMA-7B on an H100 taught (8k to 64k tokens, 24 GiB to the whole device)]
 - The first iteration's peak decides the chunk budget. Counting only the inputs and the logits,

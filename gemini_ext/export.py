@@ -62,7 +62,8 @@ class _Source:
             self.index = json.load(f)
         if self.index.get("format") != FORMAT or self.index.get("version") not in (VERSION, VERSION_SHARDED):
             raise ValueError(f"export: {path} has format {self.index.get('format')!r} version "
-                             f"{self.index.get('version')!r}; expected {FORMAT!r} version {VERSION} or {VERSION_SHARDED}.")
+                             f"{self.index.get('version')!r}; expected {FORMAT!r} version {VERSION} or "
+                             f"{VERSION_SHARDED}.")
         if not self.index.get("frozen", True):
             raise ValueError(f"export: {path} holds the trainable parameters only (saved with frozen=False, e.g. a "
                              "LoRA adapter without its base); export a checkpoint saved with frozen=True, or save "
@@ -75,7 +76,8 @@ class _Source:
             return
         self._params = {p["name"]: p for p in self.index["parameters"]}
         self._buffers = self._file(0)["common"]["buffers"]
-        keys = self.index.get("state_dict_keys") or ([[n, n] for n in self._params] + [[k, None] for k in self._buffers])
+        keys = self.index.get("state_dict_keys") or ([[n, n] for n in self._params] +
+                                                     [[k, None] for k in self._buffers])
         self._keys = dict((k, src) for k, src in keys)
         self.entries = []
         for key, src in keys:
@@ -143,7 +145,8 @@ def check_config_matches(config: str, entries: list) -> None:
         def first(names):
             return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         found = [f"{len(missing)} key(s) of the config's model missing ({first(missing)})" if missing else "",
-                 f"{len(unexpected)} key(s) the config's model does not have ({first(unexpected)})" if unexpected else "",
+                 f"{len(unexpected)} key(s) the config's model does not have ({first(unexpected)})"
+                 if unexpected else "",
                  f"{len(shapes)} shape(s) differ ({first(shapes)})" if shapes else ""]
         raise ValueError(f"export: the checkpoint does not match {config} ({type(model).__name__}): "
                          + "; ".join(f for f in found if f) + ". Pass the config.json of the model that was trained "
@@ -154,8 +157,9 @@ INDEX_NAME = "model.safetensors.index.json"  # the name transformers' from_pretr
 
 
 def _shard_plan(plan: list, max_shard_bytes: int | None) -> list[list]:
-    """The tensors (key, shape, dtype, bytes) in their order, cut into consecutive shards of at most max_shard_bytes each
-    (a tensor larger than that is a shard of its own), as transformers' save_pretrained does."""
+    """The tensors (key, shape, dtype, bytes) in their order, cut into consecutive shards of at most
+    max_shard_bytes each (a tensor larger than that is a shard of its own), as transformers'
+    save_pretrained does."""
     shards, size = [[]], 0
     for entry in plan:
         nbytes = entry[3]

@@ -72,7 +72,8 @@ def search_chunk_configuration(model: torch.nn.Module, search_range_m: float = 1
     start = time.perf_counter()
     result = _C.search_chunk_size([p.numel() for p in params], search_range_numel,
                                   int(min_chunk_size_m * _ELEMENTS_PER_M), interval,
-                                  ALIGNMENT_NUMEL if alignment_bytes is None else max(1, alignment_bytes // element_bytes),
+                                  (ALIGNMENT_NUMEL if alignment_bytes is None
+                                   else max(1, alignment_bytes // element_bytes)),
                                   world_size, filter_exlarge_params)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     payload_bytes = result["total_numel"] * element_bytes

@@ -60,8 +60,9 @@ def main() -> int:
     # The standard torch's build helper would pick: C++20 from torch 2.13 on, C++17 before.
     major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     std = "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
-    flags = [cxx, "-fsyntax-only", std, "-DGX_WITH_CUDA=1", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             "-I", os.path.join(ROOT, "csrc"), "-I", inc, "-I", sysconfig.get_paths()["include"]]
+    flags = [cxx, "-fsyntax-only", std, "-DGX_WITH_CUDA=1", "-DTORCH_EXTENSION_NAME=_C",
+             "-DTORCH_API_INCLUDE_EXTENSION_H", "-I", os.path.join(ROOT, "csrc"), "-I", inc,
+             "-I", sysconfig.get_paths()["include"]]
     for path in cpp_extension.include_paths():
         flags += ["-I", path]
     # CPU wheels ship c10/cuda's headers but not the header CMake generates for CUDA builds;

@@ -50,7 +50,7 @@ def build_parts(model: torch.nn.Module, config, process_group, param_init_fn, ma
         raise NotImplementedError(unsupported)
     if config.activation_checkpointing != "off" or config.activation_offload == "auto":
         require_blocks(model, f"activation_checkpointing={config.activation_checkpointing!r}"
-                       if config.activation_checkpointing != "off" else "activation_offload='auto'")  # refused before anything is built
+                       if config.activation_checkpointing != "off" else "activation_offload='auto'")  # before anything
     parts = EngineParts(config, COMPUTE_DTYPES[config.precision])
     # ZeRO inside a group, replicas across groups (HSDP): chunks are sharded over the ZeRO group.
     parts.groups = DataParallelGroups(data_parallel, config.extra_dp_size)

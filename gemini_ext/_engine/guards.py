@@ -158,8 +158,8 @@ def _clip_value(original):
         if any(o is not None for o in owned):
             raise RuntimeError(
                 "gemini_ext: torch.nn.utils.clip_grad_value_ on parameters gx.enable() manages would clip nothing "
-                "(their gradients live in chunks, p.grad is None). Clip by norm instead: engine.clip_grad_norm_(max_norm) "
-                "or GeminiConfig(max_norm=...).")
+                "(their gradients live in chunks, p.grad is None). Clip by norm instead: "
+                "engine.clip_grad_norm_(max_norm) or GeminiConfig(max_norm=...).")
         return original(params, clip_value, foreach=foreach)
     return clip_grad_value_
 

@@ -76,10 +76,11 @@ class MetaMaterializer:
                        if not callable(getattr(m, "reset_parameters", None))]
             if missing:
                 raise ValueError(
-                    f"enable(): the model was built on the meta device and {len(missing)} module(s) owning meta tensors "
-                    f"have no reset_parameters() to initialise them: {', '.join(missing[:5])}"
+                    f"enable(): the model was built on the meta device and {len(missing)} module(s) owning meta "
+                    f"tensors have no reset_parameters() to initialise them: {', '.join(missing[:5])}"
                     f"{' ...' if len(missing) > 5 else ''}. Pass enable(..., param_init_fn=fn), where fn(module) "
-                    "initialises the module's own parameters and buffers in place, or build the model on a real device.")
+                    "initialises the module's own parameters and buffers in place, or build the model on a real "
+                    "device.")
 
     def __bool__(self) -> bool:
         return bool(self._modules)
@@ -126,5 +127,5 @@ class MetaMaterializer:
                 self.init_fn(module)
                 still = [key for key, t in _direct_meta_tensors(module)]
                 if still:
-                    raise RuntimeError(f"enable(): param_init_fn left {name or '<root>'}.{still[0]} on the meta device; "
-                                       "it must initialise the module's tensors in place, not replace them.")
+                    raise RuntimeError(f"enable(): param_init_fn left {name or '<root>'}.{still[0]} on the meta "
+                                       "device; it must initialise the module's tensors in place, not replace them.")

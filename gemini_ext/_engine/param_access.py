@@ -116,7 +116,8 @@ class ParamAccess:
             return
         precision = self._parts.config.precision
         raise RuntimeError(
-            f"gemini_ext: {len(rebound)} managed parameter(s) were converted inside the gx.enable block: {named}{more}. "
+            f"gemini_ext: {len(rebound)} managed parameter(s) were converted inside the gx.enable block: "
+            f"{named}{more}. "
             "model.half(), .float(), .bfloat16(), .to(dtype) or .to(device) replace each parameter with a copy that no "
             f"chunk holds, so training would go on from a stale copy. The engine computes in {precision} on "
             f"{self._parts.device.torch_device} from its chunks and has put the parameters back. To compute in another "

@@ -1,8 +1,8 @@
 """EngineParts: the parts one engine is made of, as its rooms see them (contract.EngineInternals).
 
 enable() builds the parts in order (_engine/build.py) and assigns them here; the facade
-(gemini_ext/engine.py) keeps the user's API and delegates. The iteration boundary lives here because the optimizer's step
-calls it: the manager closes its access trace and reports once, the tracer records the
+(gemini_ext/engine.py) keeps the user's API and delegates. The iteration boundary lives here
+because the optimizer's step calls it: the manager closes its access trace and reports once, the tracer records the
 iteration from that report and the placer decides again from it.
 """
 

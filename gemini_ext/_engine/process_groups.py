@@ -118,7 +118,8 @@ class DataParallelGroups:
                 self._ranks_on_host = 1
             else:
                 name = socket.gethostname().encode()
-                mine = torch.tensor([zlib.crc32(name) << 16 | len(name) & 0xFFFF], dtype=torch.int64, device=self.device)
+                mine = torch.tensor([zlib.crc32(name) << 16 | len(name) & 0xFFFF], dtype=torch.int64,
+                                    device=self.device)
                 every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.data_parallel))]
                 dist.all_gather(every, mine, group=self.data_parallel)
                 self._ranks_on_host = sum(int(t.item() == mine.item()) for t in every)

@@ -116,7 +116,8 @@ class ShardedState:
         inner = math.prod(shape[1:])
         rows = [_rows(shape[0], world, r) for r in range(world)]
         device = self._internal.groups.device
-        padded = torch.zeros((rows[0][1] - rows[0][0]) * inner, dtype=torch.float32, device=device)  # rank 0's is the largest
+        # rank 0's is the largest
+        padded = torch.zeros((rows[0][1] - rows[0][0]) * inner, dtype=torch.float32, device=device)
         flat = local.reshape(-1).to(device=device, dtype=torch.float32)
         padded[:flat.numel()] = flat
         pieces = [torch.empty_like(padded) for _ in range(world)]

@@ -67,7 +67,8 @@ class GeminiFabricStrategy(DDPStrategy):
 
     def setup_module(self, module):
         if self.engine is not None and not self.engine.closed:
-            raise ValueError("GeminiFabricStrategy: a model is set up already; the strategy's engine manages one model.")
+            raise ValueError("GeminiFabricStrategy: a model is set up already; the strategy's engine manages one "
+                             "model.")
         precision = engine_precision(self.precision.precision, self.config)
         self.engine = enable(module, dataclasses.replace(self.config, precision=precision))
         self.precision = Precision()  # the engine computes in its precision: no autocast on top

@@ -234,8 +234,8 @@ class GeminiTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # The masters come with the engine's checkpoint (_load_optimizer_and_scheduler), exactly.
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
-            raise ValueError(f"{type(self).__name__}: {resume_from_checkpoint} has no {ENGINE_CHECKPOINT}/ engine checkpoint; "
-                             "resume from a checkpoint a GeminiTrainer saved.")
+            raise ValueError(f"{type(self).__name__}: {resume_from_checkpoint} has no {ENGINE_CHECKPOINT}/ engine "
+                             "checkpoint; resume from a checkpoint a GeminiTrainer saved.")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:

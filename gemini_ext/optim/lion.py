@@ -1,8 +1,9 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") as a torch optimizer.
 
 torch has no Lion, so gemini_ext provides one: `gx.optim.Lion` works on any model like a torch
-optimizer (a foreach implementation; foreach=False steps tensor by tensor), and `engine.optimizer(gx.optim.Lion, ...)` steps the chunks
-with the native kernels. Per parameter, with g its gradient and m its one state ("exp_avg"):
+optimizer (a foreach implementation; foreach=False steps tensor by tensor), and
+`engine.optimizer(gx.optim.Lion, ...)` steps the chunks with the native kernels. Per parameter,
+with g its gradient and m its one state ("exp_avg"):
     update = sign(beta1 * m + (1 - beta1) * g)
     p      = p * (1 - lr * weight_decay) - lr * update      (decoupled weight decay)
     m      = beta2 * m + (1 - beta2) * g

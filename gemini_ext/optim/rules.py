@@ -68,7 +68,8 @@ def _check_range(group: dict, where: str, key: str, low: float = 0.0, high: floa
 
 
 class AdamRule(OptimizerRule):
-    """torch.optim.Adam and AdamW: our fused CPU Adam on the host, our device Adam kernel (the same bits) on the device."""
+    """torch.optim.Adam and AdamW: our fused CPU Adam on the host, our device Adam kernel (the same
+    bits) on the device."""
     name = "adam"
     state_kinds = ("exp_avg", "exp_avg_sq")
     classes = (torch.optim.Adam, torch.optim.AdamW)

@@ -121,8 +121,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                              "torch.optim.Adam or AdamW, or optimizer_state_dtype='fp32'.")
         if parts.config.optimizer_step_in_backward and not rule.native:
             raise ValueError(f"gemini_ext optimizer: optimizer_step_in_backward=True runs the engine's own kernels in "
-                             f"backward; {getattr(opt_cls, '__name__', opt_cls)} has none (torch.optim.Adam, AdamW, "
-                             "SGD, Adagrad and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
+                             f"backward; {getattr(opt_cls, '__name__', opt_cls)} has none (Adam, AdamW, SGD, Adagrad "
+                             "and gx.optim.Lion do). Use one of those, or optimizer_step_in_backward=False.")
         params = [p for p in parts.layout.params if p.requires_grad] if params is None else _as_param_list(params)
         self.engine, self._parts = engine, parts  # the engine (public attribute) and the parts this uses
         self.opt_class = opt_cls

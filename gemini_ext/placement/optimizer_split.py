@@ -112,7 +112,8 @@ def beyond_fit_by_rates(m, on_device: set, remaining: int, state_per_element: in
             best_figures = {"predicted_exposed_optimizer_s": exposed, "predicted_fetch_s": fetches,
                             "displaced_param_bytes": displaced}
     return set(movable[:best]), {"forward_seconds": m.forward_seconds, "backward_seconds": m.backward_seconds,
-                                 "optimizer_window": "backward" if m.optimizer_steps_during_backward else "next forward",
+                                 "optimizer_window": ("backward" if m.optimizer_steps_during_backward
+                                                      else "next forward"),
                                  "cpu_optimizer_elements_per_s": m.cpu_optimizer_elements_per_s,
                                  "h2d_bytes_per_s": m.h2d_bytes_per_s, "optim_sets_beyond_fit": best,
                                  **best_figures}

@@ -17,7 +17,8 @@ checks that torch saves a checkpoint's inputs where the offload can see them.
 verify_mechanism() runs a checkpoint of two elements on the CPU under saved-tensor hooks: this
 torch must save exactly the call's input outside the region (non-reentrant checkpointing saves its
 inputs as saved tensors and shadows outer hooks inside; some releases save an empty placeholder
-beside it). If it saves nothing there, or anything else, enable() raises naming the torch version instead of offloading nothing in silence.
+beside it). If it saves nothing there, or anything else, enable() raises naming the torch version
+instead of offloading nothing in silence.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _mechanism_problem() -> str | None:
             out = torch.utils.checkpoint.checkpoint(lambda t: (t * t).sin(), h, use_reentrant=False)
         out.sum().backward()
     except Exception as exc:  # noqa: BLE001  (any failure means the mechanism is not there)
-        return f"gemini_ext: activation offload could not check torch.utils.checkpoint on torch {torch.__version__}: {exc!r}"
+        return (f"gemini_ext: activation offload could not check torch.utils.checkpoint on torch "
+                f"{torch.__version__}: {exc!r}")
     is_input = [t.data_ptr() == h.data_ptr() and t.shape == h.shape for t in seen]
     # the input, and nothing of what the region computes (empty placeholders some releases save beside it)
     if any(is_input) and all(hit or t.numel() == 0 for hit, t in zip(is_input, seen)) and x.grad is not None:

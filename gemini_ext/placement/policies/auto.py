@@ -154,7 +154,8 @@ class AutoPolicy(PlacementPolicy):
         raise _C.OutOfMemoryError(
             f"gemini_ext auto placement: the model does not fit this rank's host and device memory. The host has "
             f"{format_bytes(host.available_bytes)} available"
-            f"{f' ({m.host_budget_source})' if m.host_budget_source else ''}{released}, planned to {format_bytes(host.room_bytes)} "
+            f"{f' ({m.host_budget_source})' if m.host_budget_source else ''}{released}, planned to "
+            f"{format_bytes(host.room_bytes)} "
             f"(less {format_bytes(host_reserve_bytes(host.available_bytes + m.host_releasable_bytes))} kept for the "
             f"process), for {format_bytes(host.params_host_bytes)} of parameter copies and "
             f"{format_bytes(host.state_bytes)} of optimizer state, so the optimizer state of {forced_elements:,} "
@@ -231,5 +232,6 @@ class AutoPolicy(PlacementPolicy):
             return None  # no link lane was weighed (no rate, speculation), or checked enough
         on_host = [s.optim_on_host and t for s, t in zip(current.sets, m.trainable)]
         link_sets, figures = rebalanced_link_sets(m, on_host, current.link_sets)
-        decision = {**current.decision, "lane_rebalances": done + 1, **{f"rebalance_{k}": v for k, v in figures.items()}}
+        decision = {**current.decision, "lane_rebalances": done + 1,
+                    **{f"rebalance_{k}": v for k, v in figures.items()}}
         return dataclasses.replace(current, decision=decision, link_sets=link_sets, warnings=())
