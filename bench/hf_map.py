@@ -130,7 +130,9 @@ def cell(value, fmt: str) -> str:
 
 
 def estimate_cell(est: dict, step: float) -> str:
-    return f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})" if "step_s" in est else est.get("error", "-")[:80]
+    if "step_s" not in est:
+        return est.get("error", "-")[:80]
+    return f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})"
 
 
 def table(rows: list[dict], peak_tflops: float) -> str:
@@ -209,7 +211,8 @@ def run(name: str, model: str, batch: int, seq: int, budget: str | None, args) -
     row = {"skipped": why_not} if why_not else hf_models.run_row(name, common, budget, args.timeout)
     row.update(name=name, model=model, budget=budget, batch=batch, seq=seq)
     print(f"{model} {budget or 'whole device'} {batch}x{seq} {name}: " + (
-        f"{row['step_s_median']:.3f} s/step" if "step_s_median" in row else row.get("skipped") or row.get("error", "?")),
+        f"{row['step_s_median']:.3f} s/step" if "step_s_median" in row
+        else row.get("skipped") or row.get("error", "?")),
         flush=True)
     return row
 

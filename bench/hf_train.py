@@ -257,7 +257,8 @@ def peer_system(args):
             # cpu_checkpointing; without partition_activations, 0.19.8 recomputed HF's layers from
             # inputs of the wrong shape in a trial on the CPU accelerator)
             deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
-            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+            model._set_gradient_checkpointing(enable=True,
+                                              gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
         cap()
 
         def train_step(x):

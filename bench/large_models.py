@@ -289,7 +289,8 @@ def main(argv=None) -> list[dict]:
         jobs += [(peer, row.split("/")[0], int(row.split("/")[1])) for peer in peers if only in ("", peer)]
     rows, summaries = [], []
     for system, preset, batch in jobs:
-        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm", str(args.max_norm),
+        common = ["--preset", preset, "--steps", str(args.steps), "--batch", str(batch), "--max-norm",
+                  str(args.max_norm),
                   "--checkpoint",
                   "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
         if seq:
@@ -302,7 +303,8 @@ def main(argv=None) -> list[dict]:
             extra = extra + ["--init-device", "cuda"]
         why_not = offload.peer_unavailable(system) if script == offload.OTHER_PEERS else None
         s = {"skipped": why_not} if why_not else offload.run_system(script, extra, common, args.timeout)
-        row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset, "batch": batch, **s}
+        row = derive(system, preset, s, rates) if "tokens_per_s" in s else {"system": system, "preset": preset,
+                                                                            "batch": batch, **s}
         if script == offload.GEMINI and "error" not in row and not args.smoke:
             row["estimate"] = predict(preset, batch, args.state, args.loss_chunk_tokens, rates, args.timeout,
                                       args.max_norm, args.step_in_backward)

@@ -55,7 +55,8 @@ def main(argv=None):
             best = min(best, time.perf_counter() - t0)
         return best
 
-    rows = [("CPU kernel alone", timed(lambda: cpu(0, n))), ("device kernel over mapped host memory", timed(lambda: link(0, n)))]
+    rows = [("CPU kernel alone", timed(lambda: cpu(0, n))),
+            ("device kernel over mapped host memory", timed(lambda: link(0, n)))]
     for share in (float(s) for s in args.shares.split(",")):
         k = int(n * share) // 64 * 64
         rows.append((f"both, device share {share:.0%}", timed(lambda: (link(0, k), cpu(k, n)))))

@@ -188,7 +188,8 @@ class JobTimedOut(Exception):
 
     def __init__(self, timeout: int, stderr: str):
         super().__init__(f"timed out after {timeout} s")
-        self.record = {"error": f"timed out after {timeout} s (all of its processes killed)", "stderr_tail": stderr[-3000:]}
+        self.record = {"error": f"timed out after {timeout} s (all of its processes killed)",
+                       "stderr_tail": stderr[-3000:]}
 
 
 def process_tree(root: int) -> list[int]:
@@ -241,7 +242,8 @@ def peer_unavailable(name: str) -> str | None:
 def run_system(script: str, extra: list[str], common: list[str], timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+               str(free_port()),
                script, *common, *extra, "--json-out", out_json]
         if script == GEMINI:
             cmd.append("--no-progress")

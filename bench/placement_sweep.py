@@ -78,7 +78,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--budget", default=None, help="gpu_memory_limit of every row, e.g. 24GiB (default: the whole device)")
+    p.add_argument("--budget", default=None,
+                   help="gpu_memory_limit of every row, e.g. 24GiB (default: the whole device)")
     p.add_argument("--optim-fracs", default="1.0,0.9,0.8,0.7,0.6,0.5")
     p.add_argument("--param-fracs", default="0.0")
     p.add_argument("--init-device", choices=["cpu", "cuda"], default=None)

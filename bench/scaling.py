@@ -44,7 +44,8 @@ def systems(budget: str) -> dict[str, tuple[str, list[str]]]:
 def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_gpus), "--master-port", str(free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_gpus), "--master-port",
+               str(free_port()),
                script, *common, *extra, "--json-out", out_json]
         if script == GEMINI:
             cmd.append("--no-progress")

@@ -47,7 +47,8 @@ def table(rows: dict) -> str:
             lines.append(f"{STATES[name][1]} against fp32 state over {steps} steps: largest difference "
                          f"{max(map(abs, diffs)):.4f}, mean over the last {tail} steps {sum(diffs[-tail:]) / tail:+.4f}")
         lines.append("")
-    lines += ["| optimizer state | median step ms | tokens/s | peak device GiB | peak host GiB |", "|---|---|---|---|---|"]
+    lines += ["| optimizer state | median step ms | tokens/s | peak device GiB | peak host GiB |",
+              "|---|---|---|---|---|"]
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {STATES[name][1]} | failed: {r['error'][:90]} | | | |")

@@ -26,6 +26,7 @@ with gx.enable(model, gx.GeminiConfig(precision="bf16", placement_policy="auto")
     steps = engine.stats()["steps"]
     user_peak = torch.cuda.max_memory_allocated()
     print(f"torch.cuda.max_memory_allocated() after 4 steps: {user_peak / 2**30:.2f} GiB")
-    print("engine non_model_peak_bytes per iteration (GiB):", [round(s["non_model_peak_bytes"] / 2**30, 2) for s in steps])
+    print("engine non_model_peak_bytes per iteration (GiB):",
+          [round(s["non_model_peak_bytes"] / 2**30, 2) for s in steps])
     print("step seconds:", [round(t, 3) for t in times])
     assert user_peak >= max(s["non_model_peak_bytes"] for s in steps)

@@ -30,7 +30,8 @@ class PatternTokens(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(seed)
         self.items = []
         for _ in range(n):
-            start, stride = torch.randint(0, vocab, (1,), generator=g).item(), torch.randint(1, 8, (1,), generator=g).item()
+            start, stride = torch.randint(0, vocab, (1,), generator=g).item(), torch.randint(1, 8, (1,),
+                                                                                             generator=g).item()
             ids = (start + torch.arange(seq) * stride) % vocab
             noise = torch.rand(seq, generator=g) < 0.05
             ids[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)

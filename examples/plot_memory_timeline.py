@@ -52,7 +52,8 @@ def main(argv=None) -> dict:
     model = GPT(cfg_model)
     model_m = cfg_model.num_parameters() / 2**20
     fields = dict(device=args.device, precision="bf16", placement_policy=args.policy,
-                  min_chunk_size_m=min(32.0, model_m / args.chunks), search_range_m=min(64.0, model_m / args.chunks / 2))
+                  min_chunk_size_m=min(32.0, model_m / args.chunks), search_range_m=min(64.0,
+                                                                                        model_m / args.chunks / 2))
     if args.policy == "const":
         # default: half the bf16 parameter bytes, but room for six chunks and three of the largest tensor
         chunk = gx.search_chunk_configuration(model, fields["search_range_m"], fields["min_chunk_size_m"],

@@ -36,11 +36,13 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(GPT_PRESETS), default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max, capped at 256 on sim)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the preset's max, capped at 256 on sim)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--compile", choices=["none", "whole", "blocks"], default="none",
                    help="torch.compile the whole model or each block (inside the engine's block)")
-    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="the optimizer (gemini_ext/models/optimizers.py)")
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer (gemini_ext/models/optimizers.py)")
     p.add_argument("--device", choices=["auto", "cuda", "sim"], default="auto")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default="fp32",
@@ -150,7 +152,8 @@ def add_lora(model, rank: int) -> None:
         import peft
     except ImportError:
         sys.exit('train_gpt.py --lora needs peft: pip install "gemini_ext[peft]"')
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["qkv", "proj", "fc1", "fc2"])
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=["qkv", "proj", "fc1", "fc2"])
     peft.inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)

@@ -23,8 +23,9 @@ def pytest_collection_modifyitems(config, items):
                 if "multigpu" in item.keywords:
                     item.add_marker(skip)
         return
-    why = "CUDA build of gemini_ext and a CUDA device needed" if torch.cuda.is_available() or gx._C.build_info()["cuda"] \
-        else "no CUDA device (see docs/TESTING.md)"
+    built_or_seen = torch.cuda.is_available() or gx._C.build_info()["cuda"]
+    why = ("CUDA build of gemini_ext and a CUDA device needed" if built_or_seen
+           else "no CUDA device (see docs/TESTING.md)")
     skip = pytest.mark.skip(reason=why)
     for item in items:
         if "cuda" in item.keywords:

@@ -36,7 +36,8 @@ def test_chunk_mode_on_a_cpu_only_build_fails_at_import_with_the_fix():
 
 def test_an_unknown_mode_is_refused_at_import():
     out = run_python("-c", "import gemini_ext", env={"GEMINI_EXT_ALLOCATOR": "caching"})
-    assert out.returncode != 0 and "GEMINI_EXT_ALLOCATOR: expected one of ('default', 'chunk'), got 'caching'" in out.stderr
+    assert out.returncode != 0
+    assert "GEMINI_EXT_ALLOCATOR: expected one of ('default', 'chunk'), got 'caching'" in out.stderr
 
 
 def test_default_mode_reports_itself():
@@ -200,7 +201,8 @@ def test_chunk_mode_after_cuda_was_initialised_says_to_import_gemini_ext_first()
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("env, says", [({"GEMINI_EXT_DEVICE": "sim"}, "GEMINI_EXT_DEVICE=sim"),
-                                       ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF")])
+                                       ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+                                        "PYTORCH_CUDA_ALLOC_CONF")])
 def test_chunk_mode_refuses_incompatible_settings(env, says):
     out = run_python("-c", "import gemini_ext", env={"GEMINI_EXT_ALLOCATOR": "chunk", **env})
     assert out.returncode != 0 and says in out.stderr and "RuntimeError" in out.stderr

@@ -155,7 +155,8 @@ def test_every_source_path_written_in_the_tree_exists():
              for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".h", ".cpp", ".cu", ".md", ".sh")
              and "archive" not in p.parts] + [ROOT / "README.md"]
     stale = sorted({(str(f.relative_to(ROOT)), path) for f in files for path in _WRITTEN_PATH.findall(f.read_text())
-                    if not any((base / path).exists() for base in (ROOT, ROOT / "csrc", ROOT / "gemini_ext", f.parent))})
+                    if not any((base / path).exists() for base in (ROOT, ROOT / "csrc", ROOT / "gemini_ext",
+                                                                   f.parent))})
     assert not stale, stale
 
 

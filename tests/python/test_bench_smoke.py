@@ -47,7 +47,8 @@ def test_cpu_adam_bench_smoke(tmp_path):
                                            "gemini_ext out of place, bf16 grad + copy",
                                            "gemini_ext, bf16 grad + copy, bf16 moments",
                                            "gemini_ext out of place, ..., bf16 moments",
-                                           "gemini_ext correction, bf16 grad + copy", "gemini_ext undo, bf16 grad + copy"]
+                                           "gemini_ext correction, bf16 grad + copy",
+                                           "gemini_ext undo, bf16 grad + copy"]
     assert all(r["ms"] > 0 and r["Gparams_per_s"] > 0 and r["GB_per_s"] > 0 for r in rows)
     assert [r["bytes_per_param"] for r in rows] == [28, 28, 28, 28, 28, 20, 20, 28, 28]
     bandwidth = json.loads(out_json.read_text())["bandwidth_GB_per_s"]
@@ -157,7 +158,8 @@ def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, 
 
     script = tmp_path / "child.py"
     script.write_text(child + "\n")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                           "--master-port",
                            str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     record = failure(proc, None)
@@ -226,7 +228,8 @@ def test_a_timed_out_job_leaves_none_of_its_ranks_running(tmp_path):
 
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, time\n"
-                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\n"
                       "print('rank up', file=sys.stderr, flush=True)\ntime.sleep(600)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(script)]
@@ -285,7 +288,8 @@ def test_state_dtype_bench_compares_the_runs(tmp_path):
     spec.loader.exec_module(train_gpt)
     common = ["--device", "sim", "--preset", "tiny", "--steps", "4", "--batch", "2", "--seq", "16", "--no-progress"]
     rows = {name: train_gpt.main(common + flags) for name, (flags, _) in state_dtype.STATES.items()}
-    assert len(rows["8byte"]["losses"]) == 4 and rows["8byte"]["losses"] != rows["bf16"]["losses"] != rows["fp32"]["losses"]
+    assert len(rows["8byte"]["losses"]) == 4
+    assert rows["8byte"]["losses"] != rows["bf16"]["losses"] != rows["fp32"]["losses"]
     assert not rows["8byte"]["master_weights"] and rows["8byte"]["optimizer_state_dtype"] == "bf16"
     text = state_dtype.table(rows)
     for name in ("fp32 state", "bf16 moments", "8-byte state"):

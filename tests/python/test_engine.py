@@ -46,7 +46,8 @@ def test_parameters_are_views_into_chunk_slots_while_enabled(device):
         assert stats["tier_bytes"]["device"]["current"] > 0
         # offload_optim_frac=0: parameter chunks went to the device once each; the optimizer state
         # was allocated there directly (no copy, nothing of it on the host)
-        moved = sum(engine.internal.chunks.chunk_info(c)["shard_numel"] * 4 for c in engine.internal.chunks.group_chunk_ids("param"))
+        chunks = engine.internal.chunks
+        moved = sum(chunks.chunk_info(c)["shard_numel"] * 4 for c in chunks.group_chunk_ids("param"))
         assert stats["traffic"]["h2d_bytes"] == moved
         for g in ("state0", "state1"):  # the optimizer's state chunks: no memory until it exists
             for c in engine.internal.chunks.group_chunk_ids(g):
@@ -119,7 +120,8 @@ def test_close_gives_memory_back_before_it_restores_and_one_chunk_set_at_a_time(
     opt.step()
     engine.synchronize()  # the CPU steps may still be running (direct reads need it)
     # bf16 training: close() gives back the fp32 masters' values
-    expected = {n: engine.internal.runtime.read("param", engine.parameter_index(p)).clone() for n, p in model.named_parameters()}
+    expected = {n: engine.internal.runtime.read("param", engine.parameter_index(p)).clone() for n,
+                p in model.named_parameters()}
     on_host = [p["optim_on_host"] for p in engine.internal.runtime.set_placements()]
     assert any(on_host) and not all(on_host)
     reserved_before = engine.internal.chunks.reserved_bytes("device")["current"]

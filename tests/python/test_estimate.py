@@ -128,7 +128,8 @@ def test_the_8_byte_state_fits_a_25b_model_the_full_state_does_not(capsys):
     full = gx.estimate(model, gx.GeminiConfig(placement_policy="auto"), tokens_per_step=8192, host_bytes="120GiB",
                        **H200)
     assert full["fits"]["host"] is False
-    small = gx.GeminiConfig(placement_policy="auto", precision="bf16", optimizer_state_dtype="bf16", master_weights=False)
+    small = gx.GeminiConfig(placement_policy="auto", precision="bf16", optimizer_state_dtype="bf16",
+                            master_weights=False)
     e = gx.estimate(model, small, tokens_per_step=8192, host_bytes="120GiB", **H200)
     assert e["plan"]["optim_sets_on_host"] > 0 and e["host_bytes"] <= 120 * 2**30
     assert e["device_bytes"] + e["host_bytes"] >= 8 * 25.7e9, "8 bytes a parameter, somewhere"

@@ -147,7 +147,8 @@ def test_sharded_export_with_an_index_loads_with_from_pretrained(tmp_path):
         expected = engine.state_dict()
     cfg.save_pretrained(tmp_path / "cfg")
     limit = 20_000  # bytes: the 16 KiB embedding alone, the layers' tensors several to a shard
-    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "cfg" / "config.json"),
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config",
+                 str(tmp_path / "cfg" / "config.json"),
                  "--max-shard-size", f"{limit}B", "--no-progress"]) == 0
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

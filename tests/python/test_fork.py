@@ -5,7 +5,8 @@ the parent writes them, and the engine rewrites its host memory at every step. M
 the workers' proportional set size: a page the parent copies leaves the workers sharing the old
 one, so their Pss grows by a third of each page copied (two workers); the parent's first touch of
 memory it reserved earlier is its own and is not counted. It must stay flat while the engine
-trains with two persistent workers. Measured in a fresh interpreter (workers/fork_worker.py): the parent's own heap is shared copy-on-write with the workers
+trains with two persistent workers. Measured in a fresh interpreter (workers/fork_worker.py): the parent's own heap is
+shared copy-on-write with the workers
 as in any program, and what earlier tests left in it would be counted too."""
 
 import json

@@ -35,7 +35,8 @@ def test_the_host_budget_reads_the_cgroup_limits_as_the_kernel_enforces_them(tmp
         "memory/slurm/memory.limit_in_bytes": str(2 ** 63 - 4096), "memory/slurm/memory.usage_in_bytes": "0",
         "memory/slurm/job7/memory.limit_in_bytes": str(8 * GiB),
         "memory/slurm/job7/memory.usage_in_bytes": str(3 * GiB)})
-    assert host_memory.cgroup_room(proc, root) == (5 * GiB, os.path.join(root, "memory/slurm/job7/memory.limit_in_bytes"))
+    assert host_memory.cgroup_room(proc, root) == (5 * GiB,
+                                                   os.path.join(root, "memory/slurm/job7/memory.limit_in_bytes"))
     assert host_memory.cgroup_room(str(tmp_path / "absent"), root) is None
     # the budget: the least of MemAvailable and the cgroup's room, shared by the ranks on the host
     monkeypatch.setattr(host_memory, "mem_available_bytes", lambda: 100 * GiB)

@@ -50,7 +50,8 @@ class GPTModule(pl.LightningModule):
 
 def _fit(module, strategy, root, max_steps=STEPS, ckpt_path=None, callbacks=(), batches=STEPS * ACCUM, devices=1,
          device="sim", clip=0.05):
-    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", devices=devices, precision="32-true", max_steps=max_steps,
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", devices=devices,
+                         precision="32-true", max_steps=max_steps,
                          gradient_clip_val=clip or None, accumulate_grad_batches=ACCUM, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
                          enable_checkpointing=bool(callbacks), default_root_dir=str(root), num_sanity_val_steps=0,

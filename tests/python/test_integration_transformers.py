@@ -222,7 +222,8 @@ def test_the_mixin_over_a_trainer_subclass_with_checkpointing_and_compile_trains
     steps = 6
     reference = _losses(GeminiTrainer(model=_llama(), args=_args(tmp_path / "a", max_steps=steps, logging_steps=1),
                                       train_dataset=Tokens(), gemini_config=_gemini_config()))
-    counting = CountingTrainer(_llama(), _args(tmp_path / "b", max_steps=steps, logging_steps=1), train_dataset=Tokens(),
+    counting = CountingTrainer(_llama(), _args(tmp_path / "b", max_steps=steps, logging_steps=1),
+                               train_dataset=Tokens(),
                                gemini_config=_gemini_config())
     assert _losses(counting) == reference and counting.losses_computed == steps * ACCUM
     model = _llama()

@@ -156,7 +156,8 @@ def test_the_install_scripts_read_the_same_requirements_as_pip():
     """scripts/extra_requirements.py (the list setup_env.sh installs while the extension
     compiles) expands the `test` extra as pip does from the package's metadata."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("extra_requirements", os.path.join(REPO, "scripts", "extra_requirements.py"))
+    spec = importlib.util.spec_from_file_location("extra_requirements",
+                                                  os.path.join(REPO, "scripts", "extra_requirements.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     base = [Requirement(t) for t in importlib.metadata.requires("gemini_ext") or [] if "extra ==" not in t]

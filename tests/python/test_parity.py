@@ -2,7 +2,8 @@
 
 fp32: every parameter within 1e-5 relative of torch.optim.AdamW after 20 steps, under every
 policy (static placements, const, auto) and under device budgets so small that chunks are
-evicted and fetched every step, with and without prefetching. bf16 and fp16: the loss curve within bf16/fp16 tolerance of
+evicted and fetched every step, with and without prefetching. bf16 and fp16: the loss curve within bf16/fp16 tolerance
+of
 plain PyTorch under autocast (fp32 master weights on both sides). Runs on `sim` in CI and on
 cuda on the GPU machine.
 """

@@ -5,7 +5,8 @@ under clipping that triggers, fp16 loss scaling, gradient accumulation, tight de
 (chunks evicted while steps are pending), optimizer state split between host and device, and the
 auto policy. AdamW speculates in place (its guesses confirmed here; corrections and undos have
 their own tolerances in test_speculation.py); Lion, which has no correction, speculates with
-spare copies, whose drops are exact. Overlap: step() returns while the CPU work is still pending, zero_grad does not wait
+spare copies, whose drops are exact. Overlap: step() returns while the CPU work is still pending, zero_grad does not
+wait
 for it, and the next forward (or any read of the state) settles it. On `sim` in CI, on cuda on
 the GPU machine.
 """

@@ -62,7 +62,8 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"))
     with gx.enable(make_models()[0], config("sim")) as probe:  # the layout, to size the host
-        sizes = [probe.internal.chunks.chunk_info(p["param_chunk"])["shard_numel"] * 4 for p in probe.internal.runtime.set_placements()]
+        sizes = [probe.internal.chunks.chunk_info(p["param_chunk"])["shard_numel"] * 4
+                 for p in probe.internal.runtime.set_placements()]
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     limit = params_host + optim_host // 2  # room for half the optimizer state
     host_room(monkeypatch, limit)

@@ -11,9 +11,10 @@ from placement_utils import CHUNK_BYTES, measured
 
 
 def test_the_predicted_exposed_optimizer_time_follows_the_backward_pass():
-    """The rate model (gemini_ext/placement/optimizer_split.py) on figures: two sets of 100 elements, a 1 s backward pass, a CPU at 100
-    elements/s. The back set's gradients are complete halfway through backward, the front set's
-    at its end; each CPU step starts then or when the previous one ended."""
+    """The rate model (gemini_ext/placement/optimizer_split.py) on figures: two sets of 100
+    elements, a 1 s backward pass, a CPU at 100 elements/s. The back set's gradients are complete
+    halfway through backward, the front set's at its end; each CPU step starts then or when the
+    previous one ended."""
     from gemini_ext.placement.optimizer_split import predicted_exposed_optimizer_seconds as exposed
     assert exposed([100, 100], [True, True], 1.0, 100.0) == pytest.approx(1.5)  # 0.5 -> 1.5 -> 2.5
     assert exposed([100, 100], [False, True], 1.0, 100.0) == pytest.approx(0.5)  # the back set only

@@ -40,7 +40,8 @@ def test_extension_sources_use_no_iostreams():
                  if path.suffix in {".h", ".cpp", ".cu", ".cuh"}
                  for m in stream_headers.finditer(path.read_text())]
     assert list(csrc.rglob("*.cpp")), f"no C++ sources found under {csrc}"
-    assert offenders == [], "use detail::concat / POSIX I/O instead of iostreams in the extension: " + "; ".join(offenders)
+    assert offenders == [], ("use detail::concat / POSIX I/O instead of iostreams in the extension: "
+                             + "; ".join(offenders))
 
 
 def test_the_cpp_suite_configures_with_googletests_sources_alone(tmp_path):
@@ -55,6 +56,7 @@ def test_the_cpp_suite_configures_with_googletests_sources_alone(tmp_path):
     if shutil.which("cmake") is None or not (source / "CMakeLists.txt").exists():
         pytest.skip("needs cmake and GoogleTest's sources in /usr/src/googletest (Debian's googletest)")
     repo = pathlib.Path(__file__).resolve().parents[2]
-    done = subprocess.run(["cmake", "-S", str(repo / "csrc"), "-B", str(tmp_path), "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON",
+    done = subprocess.run(["cmake", "-S", str(repo / "csrc"), "-B", str(tmp_path),
+                           "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON",
                            f"-DGX_GTEST_SOURCE={source}", "-DGX_WITH_CUDA=OFF"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -33,10 +33,12 @@ def parity() -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         stats = engine.stats()
-        figures = engine.internal.tracer.memory_figures()  # what an out-of-memory note and the info log after enable() print
+        # what an out-of-memory note and the info log after enable() print
+        figures = engine.internal.tracer.memory_figures()
     diffs = max_relative_difference(model, reference)
     return {"losses": losses, "ref_losses": ref_losses, "max_param_diff": max(diffs.values()),
-            "evictions": stats["counters"]["evictions"], "non_model_peak": [s["non_model_peak_bytes"] for s in stats["steps"]],
+            "evictions": stats["counters"]["evictions"],
+            "non_model_peak": [s["non_model_peak_bytes"] for s in stats["steps"]],
             "memory_stats": gx.memory_stats(), "memory_figures": figures}
 
 
@@ -70,7 +72,8 @@ def rescue() -> dict:
     blocker = torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda")  # noqa: F841
     torch.manual_seed(0)
     model = Stack(width, depth)
-    cfg = gx.GeminiConfig(device="cuda", precision="fp32", placement_policy="const", const_gpu_budget=depth * layer_bytes + (64 << 20),
+    cfg = gx.GeminiConfig(device="cuda", precision="fp32", placement_policy="const",
+                          const_gpu_budget=depth * layer_bytes + (64 << 20),
                           offload_optim_frac=1.0, chunk_config_dict={"chunk_size": width * width})
     out = {"mode": gx.memory_stats()["mode"], "leave_bytes": leave}
     with gx.enable(model, cfg) as engine:

@@ -276,15 +276,16 @@ def check_close_gives_buffers_back(ctx):
     after = dict(ctx.model.named_buffers())
     for k, v in ctx.buffers_before.items():
         assert after[k].dtype == v.dtype and torch.equal(after[k].cpu(), v.cpu()), f"buffer {k} changed"
-    assert clip is not torch.nn.utils.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_.__module__.startswith("torch"), \
-        "torch's clip_grad_norm_ was not put back at close"
+    restored = torch.nn.utils.clip_grad_norm_
+    assert clip is not restored and restored.__module__.startswith("torch"), "torch's clip_grad_norm_ was not put back"
     for name, p in ctx.model.named_parameters():
         float(p.sum())  # ordinary tensors again
     sgd = torch.optim.SGD(ctx.model.parameters(), lr=0.0)
     sgd.step()  # the engine's step pre-hook is gone with the engine
 
 
-CHECKS = [check_train, check_read_right_after_the_step, check_evicted_between_steps, check_touch_every_parameter, check_write_in_place,
+CHECKS = [check_train, check_read_right_after_the_step, check_evicted_between_steps, check_touch_every_parameter,
+          check_write_in_place,
           check_model_state_dict, check_load_state_dict, check_save_pretrained, check_gathered_writable,
           check_foreign_optimizer_refused, check_clip_value_refused, check_refused_optimizer_flags,
           check_peak_counters_kept, check_close_gives_buffers_back]
