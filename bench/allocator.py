@@ -105,7 +105,9 @@ def main(argv=None) -> dict:
             print(f"| {r['mode']} | failed: {r['error'][:100]} ||||||")
             continue
         ratio = r["step_ms"] / base["step_ms"] if "step_ms" in base else float("nan")
-        print(f"| {r['mode']} | {r['allocs_per_s']:,.0f} | {r['step_ms']:.1f} [{r['step_ms_range'][0]:.1f}-{r['step_ms_range'][1]:.1f}] | {ratio:.3f} | {r['tokens_per_s']:,.0f} | "
+        low, high = r["step_ms_range"]
+        print(f"| {r['mode']} | {r['allocs_per_s']:,.0f} | {r['step_ms']:.1f} [{low:.1f}-{high:.1f}] | {ratio:.3f} | "
+              f"{r['tokens_per_s']:,.0f} | "
               f"{r['torch_peak_GiB']:.2f} | {r['last_loss']:.4f} |")
     if args.json_out:
         with open(args.json_out, "w") as f:

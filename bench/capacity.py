@@ -5,7 +5,7 @@
     python bench/capacity.py --presets 6.7b,13b --only gemini-offload-all
     python bench/capacity.py --gpus 2                         # nvidia-h200-x2: 13b .. 30b, sharded
     python bench/capacity.py --gpus 8                         # nvidia-h200-x8: 30b, 40b, 80b
-    python bench/capacity.py --smoke                          # gemini_ext on tiny and small (two ranks: tiny), sim (tests)
+    python bench/capacity.py --smoke                          # tiny and small (two ranks: tiny) on sim (tests)
     python bench/capacity.py --lora 16 --presets 30b,40b,80b --init-device meta   # LoRA on a frozen base
 
 Every attempt is a fresh process (bench/offload.py's runners), batch 1 x 1024 tokens with
@@ -149,7 +149,8 @@ def main(argv=None) -> list[dict]:
         # setup: enable() for gemini_ext, building + sharding + initialising for the peers; the
         # first step includes the warm-up (and auto's placement decision)
         trainable = f" ({big['trainable_parameters'] / 1e6:.0f}M trainable)" if args.lora else ""
-        print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B{trainable} | {big['step_s_median']:.2f} | "
+        print(f"| {r['system']} | {big['preset']} | {big['parameters'] / 1e9:.2f}B{trainable} | "
+              f"{big['step_s_median']:.2f} | "
               f"{big['setup_seconds']['total']:.1f} | {big['step_seconds'][0]:.2f} | "
               f"{big['peak_device_bytes_max_rank'] / 2**30:.1f} | {big['peak_host_rss_bytes_all_ranks'] / 2**30:.1f} | "
               f"{fail_text} |")

@@ -46,6 +46,14 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+
+def _bandwidth(n: int, repeats: int) -> dict:
+    """GB/s of a copy and an in-place add over fp32 arrays of 4 x n elements (freed on return)."""
+    dst, src = torch.rand(4 * n), torch.rand(4 * n)
+    timings = {"copy": (timed(lambda: dst.copy_(src), repeats), 8 * 4 * n),
+               "add in place": (timed(lambda: dst.add_(src, alpha=0.5), repeats), 12 * 4 * n)}
+    return {k: nbytes / s / 1e9 for k, (s, nbytes) in timings.items()}
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params-m", type=float, default=100.0, help="millions of parameters")
@@ -104,11 +112,7 @@ def main(argv=None) -> list[dict]:
         return run
 
     # the machine's bandwidth on the same cores: fp32 arrays of 4 x n elements (1.6 GB at 100 M)
-    big = [torch.rand(4 * n), torch.rand(4 * n)]
-    bandwidth = {"copy": (timed(lambda: big[0].copy_(big[1]), args.repeats), 8 * 4 * n),
-                 "add in place": (timed(lambda: big[0].add_(big[1], alpha=0.5), args.repeats), 12 * 4 * n)}
-    bandwidth = {k: nbytes / s / 1e9 for k, (s, nbytes) in bandwidth.items()}
-    del big
+    bandwidth = _bandwidth(n, args.repeats)
 
     traffic = {"torch fused AdamW, fp32 grad": 28, "torch fused AdamW + casts, bf16 in/out": 28,
                "gemini_ext, fp32 grad": 28}  # bytes per parameter, read and written once

@@ -46,7 +46,8 @@ _gpt = _load_by_path("gx_gpt", "models", "gpt.py")
 _load_by_path("gx_lion", "optim", "lion.py")
 _optimizers = _load_by_path("gx_optimizers", "models", "optimizers.py")
 OPTIMIZERS, optimizer_spec = _optimizers.OPTIMIZERS, _optimizers.optimizer_spec
-GPT, GPT_PRESETS, synthetic_batch, checkpoint_blocks = _gpt.GPT, _gpt.GPT_PRESETS, _gpt.synthetic_batch, _gpt.checkpoint_blocks
+GPT, GPT_PRESETS = _gpt.GPT, _gpt.GPT_PRESETS
+synthetic_batch, checkpoint_blocks = _gpt.synthetic_batch, _gpt.checkpoint_blocks
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +64,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="cap torch's allocator at this many bytes (e.g. 16GiB) via set_per_process_memory_fraction")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
-                   help="the loss over this many tokens at a time, each piece checkpointed (GPTConfig.loss_chunk_tokens; 0: at once)")
+                   help="the loss over this many tokens at a time, each piece checkpointed "
+                        "(GPTConfig.loss_chunk_tokens; 0: at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
 
@@ -159,7 +161,8 @@ def finish(summary: dict, args, rank: int, extra: str = "") -> None:
     """Rank 0 prints the summary line and writes --json-out; then the group is torn down."""
     if rank == 0:
         print(f"== {summary['system']}: gpt-{args.preset} ({summary['parameters'] / 1e6:.1f}M params) on "
-              f"{summary['ranks']} x {summary['device']}, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+              f"{summary['ranks']} x {summary['device']}, loss {summary['first_loss']:.4f} -> "
+              f"{summary['last_loss']:.4f}, "
               f"{summary['tokens_per_s']:,.0f} tokens/s, median step {summary['step_s_median'] * 1e3:.1f} ms" + extra)
         if args.json_out:
             with open(args.json_out, "w") as f:

@@ -7,7 +7,8 @@ available memory, the CPU Adam rate measured here, the GPU's rate on this model 
 row). Every run is a fresh process (bench/hf_models.py's
 runner); peers (bench/hf_models.py's systems) run beside the engine where --systems names them.
 
-    python3 bench/hf_map.py --models llama-7b --budgets 24GiB,40GiB,whole --shapes 4x2048,16x2048,32x2048,1x65536 --out /tmp/map
+    python3 bench/hf_map.py --models llama-7b --budgets 24GiB,40GiB,whole \
+        --shapes 4x2048,16x2048,32x2048,1x65536 --out /tmp/map
     python3 bench/hf_map.py --models llama-13b --state 8-byte --budgets 40GiB --shapes 16x2048
     python3 bench/hf_map.py --smoke              # a tiny Llama on sim (tests)
     python3 bench/hf_map.py --reestimate /tmp/map.json --out /tmp/map-now   # this tree's estimates of those rows
@@ -139,7 +140,8 @@ def table(rows: list[dict], peak_tflops: float) -> str:
     again = any("estimate_now" in r for r in rows)
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB (chunks + torch "
              "allocated / + torch reserved) | host RSS GiB | "
-             "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) |" + (" estimate now s (error) |" if again else "") +
+             "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) |" +
+             (" estimate now s (error) |" if again else "") +
              " auto chose |", "|---" * (14 if again else 13) + "|"]
     for r in rows:
         head = (f"| {r['model']} | {r['budget'] or 'whole device'} | {r['batch'] * r['seq']:,} "

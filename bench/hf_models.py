@@ -58,7 +58,8 @@ LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in 
           "gemini-act": "gemini_ext auto, activations planned",
           "gemini-act-offload": "gemini_ext auto, inputs offloaded",
           "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu",
-          "deepspeed-offload-optim-act": "DeepSpeed ZeRO-3, optimizer offloaded, CPU checkpointing", "gpu-alone": "GPU alone (forward and backward)"}
+          "deepspeed-offload-optim-act": "DeepSpeed ZeRO-3, optimizer offloaded, CPU checkpointing",
+          "gpu-alone": "GPU alone (forward and backward)"}
 
 
 def unavailable(name: str, smoke: bool) -> str | None:
@@ -94,7 +95,8 @@ def auto_choice(row: dict) -> str:
     placement = (row.get("engine") or {}).get("placement") or {}
     if not placement:
         return ""
-    lane = f", {placement.get('optim_chunks_link_lane', 0)} via the link" if placement.get("optim_chunks_link_lane") else ""
+    lanes = placement.get("optim_chunks_link_lane")
+    lane = f", {lanes} via the link" if lanes else ""
     started = (placement.get("host_steps") or {}).get("during_backward")
     return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
             f"{placement.get('optim_chunks_on_host', '?')} host{lane}" +
@@ -215,7 +217,8 @@ def main(argv=None) -> list[dict]:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     budgets = [None if b.strip() == "whole" else b.strip() for b in args.budgets.split(",") if b.strip()]
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens), "--loss-scale", str(args.loss_scale)]
+              "--max-norm", str(args.max_norm), "--loss-chunk-tokens", str(args.loss_chunk_tokens),
+              "--loss-scale", str(args.loss_scale)]
     if args.smoke:
         models, budgets, common = ["tiny-mixtral"], [None], \
             ["--batch", "2", "--seq", "32", "--steps", "3", "--max-norm", str(args.max_norm), "--device", "sim",

@@ -27,7 +27,8 @@ Systems:
                            its inputs in CPU memory: cpu_checkpointing)
   plain                    the model on the GPU, bf16 autocast, fused AdamW on the GPU (fsdp2-offload and
                            plain: --activation-offload on wraps the forward in torch's save_on_cpu)
-  gpu-alone                forward and backward only: bf16 parameters on the GPU, no optimizer, the whole device (--budget ignored)
+  gpu-alone                forward and backward only: bf16 parameters on the GPU, no optimizer, the whole
+                           device (--budget ignored)
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ if torch.cuda.is_available():
     dev = torch.device("cuda")
     host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
     gpu = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for name, fn in (("h2d", lambda: gpu.copy_(host, non_blocking=True)), ("d2h", lambda: host.copy_(gpu, non_blocking=True))):
+    for name, fn in (("h2d", lambda: gpu.copy_(host, non_blocking=True)),
+                     ("d2h", lambda: host.copy_(gpu, non_blocking=True))):
         fn(); torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(8): fn()
@@ -167,7 +168,8 @@ def derive(system: str, preset: str, s: dict, rates: dict) -> dict:
     """The row's figures from a run's summary and the machine's rates."""
     row = {"system": system, "preset": preset, "batch": s["batch"], "step_s": s["step_s_median"],
            "tokens_per_s": s["tokens_per_s"], "parameters": s["parameters"],
-           "peak_device_bytes": s.get("peak_device_bytes_max_rank"), "peak_host_bytes": s.get("peak_host_rss_bytes_max_rank"),
+           "peak_device_bytes": s.get("peak_device_bytes_max_rank"),
+           "peak_host_bytes": s.get("peak_host_rss_bytes_max_rank"),
            "last_loss": s.get("last_loss")}
     row["model_tflops"] = 6 * s["parameters"] * s["tokens_per_s"] / 1e12
     peak = (s.get("throughput") or {}).get("peak_tflops") or rates.get("peak_tflops")
@@ -227,7 +229,7 @@ def table(rows: list[dict], rates: dict) -> str:
             continue
         parts = r["bound_parts_s"]
         bound = " / ".join(f(parts.get(k), ".2f") for k in ("gpu", "cpu_adam", "pcie"))
-        split = f"{r['split']}, {r['host_params'] / 1e9:.2f}B" if "split" in r else f"host, {r['host_params'] / 1e9:.2f}B"
+        split = f"{r['split'] if 'split' in r else 'host'}, {r['host_params'] / 1e9:.2f}B"
         lines.append(head + f" {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | {split} | "
                      f"{f(r['peak_device_bytes'] and r['peak_device_bytes'] / 2**30, '.1f')} | "
                      f"{f(r['peak_host_bytes'] and r['peak_host_bytes'] / 2**30, '.1f')} | {bound} | "
@@ -312,7 +314,8 @@ def main(argv=None) -> list[dict]:
         summaries.append({"system": system, "preset": preset, "batch": batch, "summary": s})
         write(args.out, rows, summaries, rates, args)  # what ran so far survives a later timeout
         print(f"{system} {preset} {batch}: " + (s.get("error") or s.get("skipped") or
-              f"{s['step_s_median']:.3f} s/step, {s['tokens_per_s']:,.0f} tokens/s, MFU {offload.fmt(row.get('mfu'), '.1%')}"),
+              f"{s['step_s_median']:.3f} s/step, {s['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {offload.fmt(row.get('mfu'), '.1%')}"),
               flush=True)
     print("\n" + write(args.out, rows, summaries, rates, args))
     return rows

@@ -76,7 +76,8 @@ if torch.cuda.is_available():
     dev = torch.device("cuda")
     host = torch.empty(32 << 20, dtype=torch.uint8).pin_memory()
     gpu = torch.empty(32 << 20, dtype=torch.uint8, device=dev)
-    for name, fn in (("h2d", lambda: gpu.copy_(host, non_blocking=True)), ("d2h", lambda: host.copy_(gpu, non_blocking=True))):
+    for name, fn in (("h2d", lambda: gpu.copy_(host, non_blocking=True)),
+                     ("d2h", lambda: host.copy_(gpu, non_blocking=True))):
         fn(); torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20): fn()
@@ -319,8 +320,8 @@ def write_outputs(out: str, header: str, rows: list[dict], rates: dict, args) ->
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r or "error" in r:
-            lines.append(f"| {r['name']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error'][:90]}"
-                         " ||||||||||")
+            why = "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"][:90]
+            lines.append(f"| {r['name']} | {why} ||||||||||")
             continue
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {r['step_s_median'] * 1e3:.1f} | "

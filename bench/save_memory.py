@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 
@@ -75,7 +74,8 @@ def _rank(rank, world, port, args, out_dir):
         model = GPT(cfg)
     config = gx.GeminiConfig(device=args.device, precision="bf16" if args.device == "cuda" else "fp32",
                              placement_policy="auto" if args.device == "cuda" else "static",
-                             **({"chunk_config_dict": {"chunk_size": int(args.chunk_m * 2**20)}} if args.chunk_m else {}))
+                             **({"chunk_config_dict": {"chunk_size": int(args.chunk_m * 2**20)}}
+                                if args.chunk_m else {}))
     target = os.path.join(args.dir, args.mode)
     report = {"rank": rank}
     with gx.enable(model, config, process_group=group) as engine:

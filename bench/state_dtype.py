@@ -45,7 +45,8 @@ def table(rows: dict) -> str:
                 continue
             diffs = [y - x for x, y in zip(base, r["losses"])]
             lines.append(f"{STATES[name][1]} against fp32 state over {steps} steps: largest difference "
-                         f"{max(map(abs, diffs)):.4f}, mean over the last {tail} steps {sum(diffs[-tail:]) / tail:+.4f}")
+                         f"{max(map(abs, diffs)):.4f}, mean over the last {tail} steps "
+                         f"{sum(diffs[-tail:]) / tail:+.4f}")
         lines.append("")
     lines += ["| optimizer state | median step ms | tokens/s | peak device GiB | peak host GiB |",
               "|---|---|---|---|---|"]
@@ -54,7 +55,8 @@ def table(rows: dict) -> str:
             lines.append(f"| {STATES[name][1]} | failed: {r['error'][:90]} | | | |")
             continue
         lines.append(f"| {STATES[name][1]} | {r['step_s_median'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['peak_device_bytes_max_rank'] / 2**30:.2f} | {r['peak_host_rss_bytes_max_rank'] / 2**30:.2f} |")
+                     f"{r['peak_device_bytes_max_rank'] / 2**30:.2f} | "
+                     f"{r['peak_host_rss_bytes_max_rank'] / 2**30:.2f} |")
     return "\n".join(lines)
 
 

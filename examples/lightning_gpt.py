@@ -73,8 +73,9 @@ def main(argv=None) -> list[float]:
                          accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     seq = min(args.seq, module.cfg.max_seq_len)
-    trainer.fit(module, torch.utils.data.DataLoader(Batches(module.cfg, args.steps * 2, args.batch, seq),
-                                                    batch_size=1, collate_fn=lambda items: tuple(t[None] for t in items[0])))
+    batches = Batches(module.cfg, args.steps * 2, args.batch, seq)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=1,
+                                                    collate_fn=lambda items: tuple(t[None] for t in items[0])))
     if trainer.global_rank != 0:
         return module.losses
     print(f"gpt-{args.preset}: loss {module.losses[0]:.3f} -> {module.losses[-1]:.3f} over {args.steps} steps "

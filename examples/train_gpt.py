@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--max-norm", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     p.add_argument("--checkpoint", action="store_true", help="non-reentrant activation checkpointing per block")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
-                   help="the loss over this many tokens at a time, each piece checkpointed (GPTConfig.loss_chunk_tokens; 0: at once)")
+                   help="the loss over this many tokens at a time, each piece checkpointed "
+                        "(GPTConfig.loss_chunk_tokens; 0: at once)")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on every block's linear layers; the base is frozen")
     p.add_argument("--init-device", choices=["cpu", "cuda", "meta"], default="cpu",
@@ -134,6 +135,10 @@ def peaks_over_ranks(values: list[int], world: int, device) -> tuple[list[int], 
     torch.distributed.all_gather(gathered, t)
     per_rank = torch.stack(gathered)
     return [int(v) for v in per_rank.max(0).values.tolist()], [int(v) for v in per_rank.sum(0).tolist()]
+
+
+def _upper_median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def step_figures(losses: list[float], step_seconds: list[float], tokens_per_step: int) -> dict:
@@ -236,7 +241,8 @@ def main(argv=None) -> dict:
             # the optimizer's time on the critical path: inside step(), plus this iteration's
             # waits for CPU steps of the previous one (the forward settling a pending chunk)
             # (waits inside step() are part of in_step already)
-            exposed_optimizer.append(in_step + engine.internal.runtime.counters()["optimizer_wait_seconds"] - waited - waited_in_step)
+            waits = engine.internal.runtime.counters()["optimizer_wait_seconds"]
+            exposed_optimizer.append(in_step + waits - waited - waited_in_step)
             loss_value = mean_over_ranks(loss_value, world, dev)
             losses.append(loss_value)
             bar.set_postfix(loss=f"{loss_value:.3f}")
@@ -262,7 +268,7 @@ def main(argv=None) -> dict:
         "optimizer_state_dtype": args.optimizer_state_dtype, "master_weights": not args.no_master_weights,
         "steps": args.steps, "batch": args.batch, "seq_len": seq, "ranks": world, "extra_dp_size": args.extra_dp_size,
         **step_figures(losses, step_seconds, world * args.batch * seq),
-        "exposed_optimizer_s_median": sorted(exposed_optimizer[1:] or exposed_optimizer)[len(exposed_optimizer[1:] or exposed_optimizer) // 2],
+        "exposed_optimizer_s_median": _upper_median(exposed_optimizer[1:] or exposed_optimizer),
         "overlap_optimizer": not args.no_overlap, "optimizer_step_in_backward": args.step_in_backward,
         "chunks": stats["num_param_chunks"], "chunk_size_elements": stats["chunk_size"],
         "chunk_wasted_bytes": stats["wasted_bytes"],
@@ -287,10 +293,12 @@ def main(argv=None) -> dict:
     if rank == 0:
         t = summary["chunk_traffic"]
         lora = f", LoRA r={args.lora}: {n_trainable / 1e6:.1f}M trainable" if args.lora else ""
-        print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params{lora}) on {device_kind}, {args.precision}, "
-              f"{args.steps} steps of {args.batch} x {seq} tokens" + (f" on each of {world} ranks" if world > 1 else ""))
+        print(f"\n== gemini_ext summary: gpt-{preset} ({n_params / 1e6:.1f}M params{lora}) on {device_kind}, "
+              f"{args.precision}, {args.steps} steps of {args.batch} x {seq} tokens" +
+              (f" on each of {world} ranks" if world > 1 else ""))
         print(f"   loss            {losses[0]:.4f} -> {losses[-1]:.4f}")
-        print(f"   throughput      {summary['tokens_per_s']:,.0f} tokens/s (median step {summary['step_s_median'] * 1e3:.1f} ms)")
+        print(f"   throughput      {summary['tokens_per_s']:,.0f} tokens/s (median step "
+              f"{summary['step_s_median'] * 1e3:.1f} ms)")
         tp = stats["throughput"]
         if tp["model_tflops_per_s"] is not None:
             mfu = f"MFU {tp['mfu']:.1%} of {tp['peak_tflops']:.0f} TFLOP/s" if tp["mfu"] is not None \
@@ -315,7 +323,8 @@ def main(argv=None) -> dict:
         link = (f"; {pl['optim_chunks_link_lane']} of them stepped by the device over the link "
                 f"({ls.get('link_seconds', 0.0) * 1e3:.1f} ms)" if pl.get("optim_chunks_link_lane") else "")
         print(f"   optimizer       {pl['optim_chunks_on_host']} chunks on the host (CPU Adam, "
-              f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step{link}), {pl['optim_chunks_on_device']} on the device")
+              f"{ls.get('host_seconds', 0.0) * 1e3:.1f} ms last step{link}), {pl['optim_chunks_on_device']} on the "
+              "device")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)

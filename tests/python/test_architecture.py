@@ -8,6 +8,8 @@ import ast
 import collections
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gemini_ext"
@@ -169,3 +171,21 @@ def test_no_cpp_line_is_wider_than_the_clang_format_limit():
     wide = [f"{p.relative_to(ROOT)}:{n}" for p in sources
             for n, line in enumerate(p.read_text().split("\n"), 1) if len(line) > MAX_CPP_COLUMNS]
     assert wide == [], "wider than .clang-format's limit (run clang-format on them): " + ", ".join(wide[:10])
+
+
+def test_no_python_line_is_wider_than_the_ruff_limit():
+    config = (ROOT / "pyproject.toml").read_text()
+    assert f"line-length = {MAX_CPP_COLUMNS}" in config  # one width for both languages
+    sources = [p for folder in ("gemini_ext", "tests", "bench", "examples", "scripts") for p in
+               sorted((ROOT / folder).rglob("*.py"))] + [ROOT / "setup.py"]
+    assert len(sources) > 100
+    wide = [f"{p.relative_to(ROOT)}:{n}" for p in sources
+            for n, line in enumerate(p.read_text().split("\n"), 1) if len(line) > MAX_CPP_COLUMNS]
+    assert wide == [], "wider than pyproject.toml's line-length: " + ", ".join(wide[:10])
+
+
+def test_ruff_check_passes():
+    """pyproject.toml's [tool.ruff.lint] rules over the whole tree (ruff comes with the test extra)."""
+    command = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", str(ROOT)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -1,7 +1,6 @@
 """torch.distributed.checkpoint (DCP) with the engine: sharded state dicts (DTensors over the
 ranks), dcp.save / async_save / load, resharding 2 -> 1, dcp_to_torch_save, the Stateful path."""
 
-import os
 
 import pytest
 import torch

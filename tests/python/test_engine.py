@@ -1,6 +1,5 @@
 """enable(): parameters live in chunks, training matches plain PyTorch, close restores them."""
 
-import copy
 import sys
 
 import pytest

@@ -135,7 +135,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(device, offload_optim_frac):
         stats = engine.stats()
         assert stats["optimizer_steps"] > 0 and stats["loss_scale"] < 2.0**23
         assert stats["optimizer_steps"] + stats["skipped_steps"] == 31
-        finite = [l for l in losses if math.isfinite(l)]
+        finite = [value for value in losses if math.isfinite(value)]
         assert finite[-1] < finite[0] - 0.1
 
 
