@@ -90,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--policy", default="auto", help="gemini: GeminiConfig.placement_policy")
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
     p.add_argument("--no-speculation", action="store_true",
-                   help="gemini, for diagnosis: no host room for speculation's spares (every host step from step())")
+                   help="gemini, for diagnosis: host_step_speculation='off' (every host step from step())")
     p.add_argument("--speculation", choices=["in-place", "spares"], default="in-place",
                    help="gemini: AdamW's host steps during backward in place (the default), or with spare copies "
                         "as rules without a correction do (the previous default, for comparison)")
@@ -202,15 +202,11 @@ def gemini_system(args, dev_kind: str):
     budget = {"gpu_memory_limit": args.budget} if args.budget and dev_kind == "cuda" else {}
     if dev_kind == "sim":
         budget = {"sim_capacity": args.budget or "2GiB"}
-    from gemini_ext.optim import wrapper
-    if args.no_speculation:  # the engine reads the host's free memory for spares here only
-        wrapper.host_available_bytes = lambda ranks=1: 0
-        wrapper.IN_PLACE_SPECULATION = False
-    if args.speculation == "spares":
-        wrapper.IN_PLACE_SPECULATION = False
+    speculation = "off" if args.no_speculation else {"in-place": "in_place", "spares": "spares"}[args.speculation]
     state = {"optimizer_state_dtype": "bf16", "master_weights": False} if args.state == "8-byte" else {}
     cfg = gx.GeminiConfig(device=dev_kind, precision="bf16", placement_policy=args.policy, max_norm=args.max_norm,
                           optimizer_step_in_backward=args.step_in_backward, activation_offload=args.activation_offload,
+                          host_step_speculation=speculation,
                           activation_checkpointing={"hf": "off", "engine-on": "on",
                                                     "engine-auto": "auto"}[args.checkpointing], **budget, **state)
     engine = gx.enable(model, cfg).__enter__()

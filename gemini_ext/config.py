@@ -16,6 +16,7 @@ OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
 ACTIVATION_OFFLOAD_MODES = ("off", "on", "auto")
 ACTIVATION_CHECKPOINTING_MODES = ("off", "on", "auto")
+HOST_STEP_SPECULATION_MODES = ("in_place", "spares", "off")
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
 
@@ -57,6 +58,12 @@ class GeminiConfig:
     # result is the serial step's, bit for bit. False: step() returns only once every chunk is
     # stepped (the serial step, for comparison).
     overlap_optimizer: bool = True
+    # Extension: with overlap_optimizer, the host sets' steps start during backward where they can
+    # be guessed (docs/USAGE.md, "The host's steps during backward"). "in_place": stepped in place
+    # and corrected or undone at step() where the rule can (Adam/AdamW with fp32 state), spare
+    # copies for the others; "spares": spare copies for every rule; "off": every host set steps at
+    # step() (for comparison).
+    host_step_speculation: str = "in_place"
     # Extension (not in the original): each host-held chunk set's optimizer step starts during
     # backward, in place, as soon as its gradients reach the host, with the hyperparameters of the
     # backward's start; optimizer.step() steps the rest. Exact (the same bits as step()) for what it
@@ -108,6 +115,7 @@ class GeminiConfig:
         _choice("device", self.device, DEVICES)
         _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_MODES)
         _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING_MODES)
+        _choice("host_step_speculation", self.host_step_speculation, HOST_STEP_SPECULATION_MODES)
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):

@@ -51,11 +51,6 @@ from .generic import GenericStepper
 from .lion import Lion  # noqa: F401  (gx.optim.Lion)
 from .rules import ADAM, MAX_STATE_KINDS, rule_for
 
-# False: every rule speculates with spare copies, as rules without a correction do (the
-# benchmarks compare the two: bench/hf_train.py --speculation spares).
-IN_PLACE_SPECULATION = True
-
-
 def _as_param_list(params) -> list:
     """torch.optim's `params` argument taken once: a generator (model.parameters()) is read here,
     before anything else iterates it, and a lone tensor is refused as torch refuses it."""
@@ -279,13 +274,16 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return "none", "overlap_optimizer=False: every set steps inside step()"
         if parts.scaler is not None:
             return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
+        if cfg.host_step_speculation == "off":
+            return "none", "host_step_speculation='off': every host set steps at step()"
         # In place, where the rule corrects its own step. Guesses started during the iteration whose
         # end decides the placement would be undone by the chunks moving before step(): that
         # backward is counted (the policy learns the accumulation) but steps at step(); the later
         # iterations guess where nothing says they will clip, which the placement plans for.
         # (Spare-copy speculation, below, is only dropped by such a move, exactly: it stays armed.)
         deciding = parts.placer.decides_at_iteration_end()
-        arming = parts.runtime.arm_guess(self._hyper(), not deciding) if IN_PLACE_SPECULATION else {"supported": False}
+        in_place = cfg.host_step_speculation == "in_place"
+        arming = parts.runtime.arm_guess(self._hyper(), not deciding) if in_place else {"supported": False}
         if arming["supported"]:
             if not deciding:
                 return ("every set" if arming["armed"] else "none"), arming["why"]

@@ -145,13 +145,14 @@ def test_auto_gives_up_the_link_lane_when_the_step_shows_the_cpu_keeps_up(monkey
     monkeypatch.setattr(_rates, "link_optimizer_elements_per_s", lambda device: 1e4)
     monkeypatch.setattr(_rates, "h2d_bytes_per_s", lambda device: 0.0)
     max_norm = 0.05 if case == "clipped" else 0.0
-    if case == "speculating":  # room for one or two sets' spares, not every host set's (AdamW's in-place
-        monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: 6 * CHUNK_BYTES)  # guesses off)
-        monkeypatch.setattr(wrapper, "IN_PLACE_SPECULATION", False)
+    speculation = "in_place"
+    if case == "speculating":  # room for one or two sets' spares, not every host set's
+        monkeypatch.setattr(wrapper, "host_available_bytes", lambda ranks=1: 6 * CHUNK_BYTES)
+        speculation = "spares"
     model, reference = make_models()
     train_reference(reference, 6, torch.device("cpu"), max_norm=max_norm)
     _, stats = train_gemini(model, 6, config("sim", placement_policy="auto", sim_capacity=40 * CHUNK_BYTES,
-                                             max_norm=max_norm))
+                                             max_norm=max_norm, host_step_speculation=speculation))
     decision = stats["placement"]["decision"]
     assert decision["link_lane_sets"] > 0 and decision["predicted_exposed_cpu_only_s"] > 0, decision
     assert decision["lane_rebalances"] == optimizer_lanes.REBALANCES

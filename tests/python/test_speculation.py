@@ -271,3 +271,34 @@ def test_lr_changed_between_backward_and_step_is_undone_and_redone():
             run.zero_grad()
     finally:
         run.close()
+
+
+def test_host_step_speculation_chooses_the_guess_and_is_checked():
+    """GeminiConfig(host_step_speculation=...): "in_place" guesses in place, "spares" with spare
+    copies, "off" not at all; every one trains to the serial step's bits (no clipping)."""
+    from parity_utils import LR, WD, batch, config, make_models
+
+    def run(mode):
+        model, _ = make_models()
+        with gx.enable(model, config("sim", host_step_speculation=mode, offload_optim_frac=1.0)) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+            for k in range(3):
+                x, y = batch(model.cfg, k, engine.compute_device)
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            engine.synchronize()
+            summary = engine.stats()["speculation"]
+            return {n: p.detach().clone() for n, p in model.named_parameters()}, summary, engine.stats()["placement"]
+
+    results = {mode: run(mode) for mode in ("in_place", "spares", "off")}
+    for mode in ("spares", "off"):
+        assert all(torch.equal(results[mode][0][n], v) for n, v in results["in_place"][0].items()), mode
+    in_place, spares, off = (results[m][1] for m in ("in_place", "spares", "off"))
+    assert in_place["last_step"]["guessed_sets"] > 0 and in_place["spare_bytes"] == 0, in_place
+    assert spares["last_step"]["guessed_sets"] == 0 and spares["spare_bytes"] > 0, spares
+    assert off["last_step"]["guessed_sets"] == 0 and off["spare_bytes"] == 0, off
+    assert results["off"][2]["host_steps"] == {"during_backward": "none",
+                                               "why": "host_step_speculation='off': every host set steps at step()"}
+    with pytest.raises(ValueError, match="host_step_speculation: expected one of"):
+        gx.GeminiConfig(host_step_speculation="yes")
