@@ -1,5 +1,5 @@
-"""build_parts: what enable() builds, in order, as an EngineParts (see engine.py's Note: what
-enable() builds).
+"""build_parts: what enable() builds, in order, as an EngineParts (see [Note: what enable()
+builds], engine.py).
 
 Each part receives the parts it uses, never the engine: the facade (engine.py) only holds the
 result. A failure after the first chunk was filled rolls the fill back (_engine/fill.py), so the
@@ -148,12 +148,14 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
         if parts.activations is not None:
             parts.activations.backward_started()
 
+    # see [Note: which hook does what] (hooks.py)
     parts.hooks = HookSet(runtime, model, layout.params,
                           loss_scale=parts.loss_scale,
                           on_backward_start=on_backward_start,
                           on_forward_start=lambda: parts.access.absorb_writes())
     parts.access = ParamAccess(parts, model)
     parts.sharded_state = ShardedState(parts, model)
+    # see [Note: what MFU counts] (throughput.py)
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
     _plan_activations(parts, model)
 

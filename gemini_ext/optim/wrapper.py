@@ -283,6 +283,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # (Spare-copy speculation, below, is only dropped by such a move, exactly: it stays armed.)
         deciding = parts.placer.decides_at_iteration_end()
         in_place = cfg.host_step_speculation == "in_place"
+        # see [Note: in-place speculation] (csrc/torch/optim/hybrid_optimizer_in_place.cpp)
         arming = parts.runtime.arm_guess(self._hyper(), not deciding) if in_place else {"supported": False}
         if arming["supported"]:
             if not deciding:
@@ -305,6 +306,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         else:
             needed = parts.runtime.spare_bytes_needed()
             room = needed if needed <= max(0, (available + held) // 2 - held) else 0
+        # see [Note: speculative CPU steps] (csrc/torch/optim/hybrid_optimizer_speculation.cpp)
         cover = parts.runtime.arm_speculation(self._hyper(), room)
         return cover, {"every set": "speculation: the host holds every host set's spares",
                        "some sets": "speculation: the host holds some sets' spares; those whose gradients come "

@@ -99,6 +99,7 @@ class AdamRule final : public OptimizerRule {
   std::function<void()> prepare_host_correction(const RunViews& run, int64_t step, const HyperValues& hyper,
                                                 double taken, double true_multiplier) const override {
     const CpuAdamWork w = in_place_work(run, step, hyper, taken);
+    // see [Note: correcting a speculative Adam step] (core/kernels/adam_correction.h)
     return [w, true_multiplier] { adam_correct_step(w.hyper, true_multiplier, w.buffers); };
   }
 

@@ -81,13 +81,14 @@ class Blocks:
                 block.forward = wrapper
                 self._wrapped.append((block, wrapper))
 
-    def _engine_call(self, index, block, original, *args, **kwargs):
+    def _engine_call(self, index, block, original, *args, **kwargs):  # see [Note: which blocks, and how]
         if not torch.is_grad_enabled() or _checkpoints_itself(block):  # the model's own call comes to route()
             return original(*args, **kwargs)
         return self.run(index, ENGINE_CHECKPOINT, original, args, kwargs)
 
     def route(self, module, checkpoint_fn, fn, args, kwargs):
-        """A checkpoint call the model makes through the function it carries (calls.py)."""
+        """A checkpoint call the model makes through the function it carries (see [Note: the
+        checkpoint functions a model carries], calls.py)."""
         if not torch.is_grad_enabled():
             return checkpoint_fn(fn, *args, **kwargs)
         self.counts["calls_left_to_the_model"] += 1
@@ -100,6 +101,7 @@ class Blocks:
         return self.execute(choice, checkpoint_fn, fn, args, kwargs)
 
     def execute(self, choice: str, checkpoint_fn, fn, args, kwargs):
+        # see [Note: what is offloaded, and how it is found] (offload.py)
         if choice == "keep":
             self.counts["kept_calls"] += 1
             return fn(*args, **kwargs)

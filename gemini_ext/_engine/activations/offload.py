@@ -147,7 +147,7 @@ class ActivationOffload:
             self.counts["shared"] += 1
             return known
         nbytes = tensor.numel() * tensor.element_size()
-        buf = self._buffers.acquire(nbytes, self._streams)
+        buf = self._buffers.acquire(nbytes, self._streams)  # see [Note: where the bytes come from]
         if buf is None:
             self.counts["kept"] += 1
             return _Kept(tensor)
@@ -168,7 +168,7 @@ class ActivationOffload:
             return False
         return not (tensor.is_leaf and tensor.requires_grad)  # a parameter stays where its chunk is
 
-    def _copy_to_host(self, host: torch.Tensor, tensor: torch.Tensor):
+    def _copy_to_host(self, host: torch.Tensor, tensor: torch.Tensor):  # see [Note: the copies (cuda)]
         if not self._cuda:
             host.copy_(tensor)
             return None

@@ -87,7 +87,7 @@ class ActivationPlanner:
         if self.plan is not None or not self._probe.ran:
             return
         self._blocks.probe = None
-        self.measured = measured = self._probe.blocks()
+        self.measured = measured = self._probe.blocks()  # see [Note: what is measured] (probe.py)
         warm = [self._warm_choice] * len(measured)
         warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
         room = self.room_bytes(warm_bytes)
@@ -120,7 +120,7 @@ class ActivationPlanner:
                 f"run over it: {fit}raise gpu_memory_limit by at least {b(over)}{offload}, or free host memory.")
 
     def room_bytes(self, warm_activation_bytes: int) -> int:
-        """Device bytes the activations may take (the module's note)."""
+        """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
         figures = self._tracer.last_device_figures()
         chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
         budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()

@@ -58,7 +58,7 @@ class ActivationRoom:
         self._device, self._placement, self._mode = device, placement, (checkpointing, offload)
         self.offload = None
         if offload != "off":
-            verify_mechanism()
+            verify_mechanism()  # see [Note: the mechanism check] (calls.py)
             self.offload = ActivationOffload(HostBuffers(device.context, ranks_on_host), device.torch_device)
         default = "offload" if offload != "off" else "recompute"
         self.blocks = Blocks(found, self.offload, default, wrap_forward=checkpointing != "off")
@@ -81,8 +81,8 @@ class ActivationRoom:
                          model.register_forward_hook(self._forward_ended, always_call=True)]
         self._calls_at_start = 0
 
-    def _forward_started(self, module, args):
-        self.calls.wrap()
+    def _forward_started(self, module, args):  # see [Note: the root forward]
+        self.calls.wrap()  # see [Note: the checkpoint functions a model carries] (calls.py)
         if self.planner is not None and self.planner.refusal is not None:
             raise RuntimeError(self.planner.refusal)
         if self.offload is not None:
@@ -120,7 +120,7 @@ class ActivationRoom:
         if self._cap_torch and (self.planner is None or self.planner.refusal is None):
             self._apply_torch_cap()
 
-    def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:
+    def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:  # see [Note: the root forward]
         foreseen = int(self.planner.warm_device_bytes(activation_bytes, input_bytes) * WARM_UP_MARGIN)
         held = torch.cuda.memory_reserved(self._device.torch_device)
         floor = self._chunk_floor
