@@ -33,6 +33,7 @@ class DynamicLossScaler:
                    config.growth_interval, config.hysteresis, config.max_scale)
 
     def update(self, found_inf: bool) -> None:
+        # see [Note: loss scaling without touching the user's loss]
         if found_inf:
             self.skipped_steps += 1
             self._clean_steps = 0

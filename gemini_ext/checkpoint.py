@@ -190,6 +190,7 @@ def _saved(parts, idx: int, frozen: bool) -> bool:
 
 
 def save(parts, model, path: str, frozen: bool = True) -> None:
+    # see [Note: a save killed at any moment]
     if parts.groups.zero is not None:
         _save_sharded(parts, model, path, frozen)
         return

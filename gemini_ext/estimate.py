@@ -69,7 +69,7 @@ blocks' recompute saved. The first iteration runs every block recomputed (inputs
 activation_offload is "off"; block 0's activations counted by a forward of its own, dropped at
 once): one recomputed block's activations beside the inputs, which the placement plans around.
 
-[Note: what the map of LLaMA-7B on an H100 taught (8k to 64k tokens, 24 GiB to the whole device)]
+[Note: what the map of LLaMA-7B on an H100 taught] (8k to 64k tokens, 24 GiB to the whole device)
 - The first iteration's peak decides the chunk budget. Counting only the inputs and the logits,
   the estimate gave the chunks 33.9 GiB at 40 GiB and 32k tokens where the engine measured a
   non-model peak of 14.1 GiB and gave them 21.7 GiB (3 optimizer sets on the device, not 9). That
@@ -274,7 +274,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     policy = make_policy(config)
     initial = _initial_placement(policy, base)
 
-    # The first iteration, predicted.
+    # The first iteration, predicted (see [Note: what the map of LLaMA-7B on an H100 taught]).
     n_total = sum(p.numel() for _, p in named)
     n_trainable = sum(p.numel() for _, p in named if p.requires_grad)
     shape = model_shape(model)
@@ -452,7 +452,7 @@ def _summary(config, layout, m: Measurements, initial, chosen, gpu_seconds, forw
                                                      during_backward=False)
     stall = displaced / H2D_BYTES_PER_S
     # step() starts the host steps once every gradient is on the host: what of the host sets' copies
-    # down a short backward pass cannot cover comes first
+    # down a short backward pass cannot cover comes first (see [Note: the step-time model])
     grads_tail = 0.0 if m.optimizer_steps_during_backward else max(
         0.0, host_elements * itemsize / H2D_BYTES_PER_S - (gpu_seconds - forward_seconds))
     device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)

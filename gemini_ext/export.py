@@ -205,6 +205,7 @@ def _write_safetensors(path: str, entries: list, src: "_Source", bar, peak: int)
 
 def export(checkpoint: str, out: str, dtype: str = "fp32", config: str | None = None,
            progress: bool = True, max_shard_size: int | str | None = None) -> dict:
+    # see [Note: streaming the export]
     """Writes the model of `checkpoint` as safetensors (see the note above): one file `out`, or
     with `config` or `max_shard_size` a directory `out` in the layout transformers'
     `save_pretrained` writes (`model.safetensors`, or shards `model-0000k-of-0000N.safetensors`

@@ -44,6 +44,7 @@ class BufferPlacement:
                               f"then run in {compute_dtype}; close() gives them back as float32).", stacklevel=5)
 
     def restore(self) -> None:
+        # see [Note: buffers lose nothing]
         """Every buffer back to its original dtype and device (see the note above)."""
         with torch.no_grad():
             for module, key, base, installed in self._entries:

@@ -1,5 +1,5 @@
-"""build_parts: what enable() builds, in order, as an EngineParts (see [Note: what enable()
-builds], engine.py).
+"""build_parts: what enable() builds, in order, as an EngineParts
+(see [Note: what enable() builds], engine.py).
 
 Each part receives the parts it uses, never the engine: the facade (engine.py) only holds the
 result. A failure after the first chunk was filled rolls the fill back (_engine/fill.py), so the

@@ -29,6 +29,7 @@ class GradClipper:
         self.clipped_last = False  # whether the last call scaled the gradients down
 
     def clip(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        # see [Note: clipping without touching the gradients]
         parts = self._parts
         max_norm = float(max_norm)
         norm_type = float(norm_type)

@@ -61,6 +61,7 @@ class ChunkFill:
         return now
 
     def run(self, on_device: set, allocate_on_write: set = frozenset()) -> None:
+        # see [Note: releasing the model's own tensors while filling the chunks]
         """Fills the chunks; those in `on_device` live on the device only. Those of them in
         `allocate_on_write` have no copy yet: each gets its device copy (zeroed) right before
         its first value is written, so that the memory the model's own device tensors give back

@@ -69,6 +69,7 @@ def _owner(p):
 
 
 def _install() -> None:
+    # see [Note: why the engine touches torch's globals, and how it leaves them]
     _installed["hook"] = register_optimizer_step_pre_hook(_refuse_foreign_step)
     _installed["clip_norm"] = torch.nn.utils.clip_grad_norm_
     _installed["clip_value"] = torch.nn.utils.clip_grad_value_

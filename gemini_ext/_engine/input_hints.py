@@ -19,6 +19,7 @@ HINT_PREFIX = "gemini_ext: the engine does not cast or move a model's inputs"
 
 
 def register(model: torch.nn.Module, compute_dtype: torch.dtype, compute_device: torch.device):
+    # see [Note: inputs]
     """The root module's always-called forward hook that annotates a failed forward; returns its handle."""
 
     def annotate(module, args, kwargs, result):

@@ -170,6 +170,7 @@ class ChunkLayout:
         self._set_numels = [(infos[s.param]["padded_numel"], infos[s.param]["payload_numel"]) for s in self.sets]
 
     def _chunk_sets(self, chunks) -> list[SetChunks]:
+        # see [Note: the layout]
         """Trainable sets first (chunk order), then frozen ones."""
         def ids(kind):
             try:

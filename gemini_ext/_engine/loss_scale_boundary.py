@@ -52,6 +52,7 @@ class LossScaleBoundary:
         self._handles = []
 
     def attach(self, model: torch.nn.Module) -> None:
+        # see [Note: the loss scale enters at the model's boundary]
         self._handles.append(model.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._wrap_outputs))
 

@@ -104,6 +104,7 @@ class MetaMaterializer:
             self._materialize(group)
 
     def materialize_rest(self) -> None:
+        # see [Note: models too large to build anywhere]
         """Groups enable() never reached through a parameter (modules with meta buffers only)."""
         for group in self._groups:
             self._materialize(group)

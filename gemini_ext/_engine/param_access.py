@@ -73,6 +73,7 @@ class ParamAccess:
 
     # --- writes ------------------------------------------------------------------------------
     def absorb_writes(self, refuse_rebinding: bool = True) -> None:
+        # see [Note: what a user may do to a managed parameter between steps]
         """Moves values written to parameters in place since the last call into the masters.
         First, parameters whose `.data` was replaced (model.half(), .to(dtype or device)) are
         given their chunk views back, and with `refuse_rebinding` that raises (see check_bindings)."""
@@ -91,6 +92,7 @@ class ParamAccess:
         self._gm.note_param_versions()
 
     def check_bindings(self, refuse: bool = True) -> None:
+        # see [Note: a dtype or device change inside the block]
         """[Note: a dtype or device change inside the block] `model.half()`, `.float()`,
         `.to(dtype)`, `.to(device)` and the Trainer's `*_full_eval` casts replace each parameter's
         `.data` with a converted copy, which no chunk holds: the forward would compute from the

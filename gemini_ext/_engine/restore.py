@@ -86,6 +86,7 @@ class ModelRestorer:
         # fails on a full device (30B over 2 GPUs did, at 876 MiB). Blocks torch caches unused do
         # not count: they may lie between live tensors (there, 8.7 GiB cached, in pieces too small
         # for the gather).
+        # see [Note: closing a model that fills memory]
         layout, runtime = self._layout, self._runtime
         staged = []
         reserve = self._gather_reserve_bytes()

@@ -127,6 +127,7 @@ class ShardedState:
 
     # --- the model ---------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
+        # see [Note: sharded state dicts]
         self._internal.access.absorb_writes()
         layout = self._internal.layout
         # read in the chunks' order (each gathered chunk is then read to the end before the next),

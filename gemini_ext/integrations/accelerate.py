@@ -30,6 +30,7 @@ def clip_grad_norm_in_chunks(parameters, max_norm, norm_type=2):
 
 
 def prepare(accelerator, engine) -> None:
+    # see [Note: what the Accelerator keeps and what the engine takes]
     """Makes `accelerator` leave `engine`'s model to the engine (see the Note above)."""
     if not registry.is_open_engine(engine):
         raise ValueError("gemini_ext.integrations.accelerate.prepare(accelerator, engine): `engine` must be an open "

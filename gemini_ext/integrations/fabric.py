@@ -66,6 +66,7 @@ class GeminiFabricStrategy(DDPStrategy):
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
     def setup_module(self, module):
+        # see [Note: what Fabric hands to the engine]
         if self.engine is not None and not self.engine.closed:
             raise ValueError("GeminiFabricStrategy: a model is set up already; the strategy's engine manages one "
                              "model.")

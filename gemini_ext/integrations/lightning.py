@@ -106,6 +106,7 @@ class GeminiStrategy(DDPStrategy):
         return True  # ckpt_path is loaded into the engine, which exists from setup() on
 
     def setup(self, trainer) -> None:
+        # see [Note: what Lightning hands to the engine]
         self.accelerator.setup(trainer)
         module = self.lightning_module
         precision = engine_precision(trainer.precision, self.config)

@@ -123,6 +123,7 @@ class GeminiTrainerMixin:
     beside the trainer's own arguments (the model and the arguments by name or in the Trainer's order)."""
 
     def __init__(self, *args, gemini_config: GeminiConfig | None = None, **kwargs):
+        # see [Note: what the Trainer hands to the engine]
         who = type(self).__name__
         if not isinstance(self, transformers.Trainer):
             raise TypeError(f"{who}: GeminiTrainerMixin goes first in the bases of a transformers.Trainer subclass, "

@@ -73,6 +73,7 @@ class GenericStepper:
                     inner[k] = v
 
     def step_set(self, set_index: int, master: torch.Tensor, grad: torch.Tensor, params: list, multiplier: float):
+        # see [Note: stepping a torch optimizer over chunk views]
         """Called by the C++ HybridOptimizer for one chunk set (see the note above)."""
         parts = self._parts
         sharded = parts.groups.world_size > 1

@@ -189,6 +189,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # see [Note: what a step does]
+        # see [Note: the manager calls of a step]
+        # see [Note: the overlapped CPU step] (csrc/torch/optim/hybrid_optimizer.cpp]
         loss = None
         if closure is not None:
             with torch.enable_grad():

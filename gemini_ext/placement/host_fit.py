@@ -88,6 +88,7 @@ def _demand(host: int, device: int, device_kind: str, capacity_bytes: int, devic
 
 
 def check(demand: HostDemand, available: int | None, source: str | None, what: str, fixes: str) -> None:
+    # see [Note: the host holds the plan, the sim device included]
     """Raises gx.OutOfMemoryError where `demand` exceeds `available` less the reserve kept for the
     process (None: the host's memory cannot be read, nothing is checked)."""
     if available is None:

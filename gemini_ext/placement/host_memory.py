@@ -97,6 +97,7 @@ class HostBudget:
 
 def host_budget(ranks_on_host: int = 1, proc_cgroup: str = "/proc/self/cgroup",
                 cgroup_root: str = "/sys/fs/cgroup") -> HostBudget | None:
+    # see [Note: the host budget is what the kernel enforces]
     """Host memory this rank may still fill (see the note above): the least of MemAvailable and
     the cgroup limits less their usage, over the ranks of this host. None when neither is readable."""
     ranks = max(1, int(ranks_on_host))

@@ -189,3 +189,20 @@ def test_ruff_check_passes():
     command = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", str(ROOT)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
+def test_every_note_is_cited_where_its_rule_applies():
+    """A `[Note: X]` block says a rule once; the code it governs says "see [Note: X]", on one line
+    (FSDP2's convention): a note that nothing cites is a rule nobody is pointed to."""
+    sources = [p for folder in ("gemini_ext", "csrc") for p in sorted((ROOT / folder).rglob("*"))
+               if p.suffix in (".py", ".h", ".cpp", ".inc", ".cu")]
+    defined, cited = {}, set()
+    for path in sources:
+        for match in re.finditer(r"(see )?\[Note: ([^\]]+)\]", path.read_text()):
+            if match.group(1):
+                cited.add(match.group(2))
+            else:
+                defined.setdefault(match.group(2), str(path.relative_to(ROOT)))
+    assert len(defined) > 30
+    assert {n: p for n, p in defined.items() if n not in cited} == {}
+    assert cited <= set(defined), f"cited but written nowhere: {sorted(cited - set(defined))}"

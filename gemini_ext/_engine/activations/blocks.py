@@ -87,8 +87,8 @@ class Blocks:
         return self.run(index, ENGINE_CHECKPOINT, original, args, kwargs)
 
     def route(self, module, checkpoint_fn, fn, args, kwargs):
-        """A checkpoint call the model makes through the function it carries (see [Note: the
-        checkpoint functions a model carries], calls.py)."""
+        """A checkpoint call the model makes through the function it carries
+        (see [Note: the checkpoint functions a model carries], calls.py)."""
         if not torch.is_grad_enabled():
             return checkpoint_fn(fn, *args, **kwargs)
         self.counts["calls_left_to_the_model"] += 1

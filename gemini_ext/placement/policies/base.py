@@ -197,6 +197,7 @@ def host_reserve_bytes(available: int) -> int:
 
 
 def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]:
+    # see [Note: safety margins]
     """The chunk budget from the last iteration (the Note on safety margins), never below three
     of the largest chunks (one in compute, one gradient chunk, one being fetched); with a warning
     when it had to raise it to that floor."""
