@@ -62,25 +62,15 @@ Stat SizeClassPool::in_use_bytes() const {
   return in_use_;
 }
 
-size_t SizeClassPool::reserved_bytes() const {
+size_t SizeClassPool::sum_over_classes(size_t (FixedSizePool::*figure)() const) const {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t total = 0;
-  for (const auto& [slot, pool] : pools_) total += pool->reserved_bytes();
+  for (const auto& [slot, pool] : pools_) total += ((*pool).*figure)();
   return total;
 }
 
-size_t SizeClassPool::upstream_allocations() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  size_t total = 0;
-  for (const auto& [slot, pool] : pools_) total += pool->upstream_allocations();
-  return total;
-}
-
-size_t SizeClassPool::ordered_reuses() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  size_t total = 0;
-  for (const auto& [slot, pool] : pools_) total += pool->ordered_reuses();
-  return total;
-}
+size_t SizeClassPool::reserved_bytes() const { return sum_over_classes(&FixedSizePool::reserved_bytes); }
+size_t SizeClassPool::upstream_allocations() const { return sum_over_classes(&FixedSizePool::upstream_allocations); }
+size_t SizeClassPool::ordered_reuses() const { return sum_over_classes(&FixedSizePool::ordered_reuses); }
 
 }  // namespace gx

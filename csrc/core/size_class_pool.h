@@ -48,6 +48,7 @@ class SizeClassPool final : public MemoryResource {
 
  private:
   FixedSizePool& pool_for(size_t bytes);
+  size_t sum_over_classes(size_t (FixedSizePool::*figure)() const) const;  // one figure, summed over the classes
 
   MemoryResource& upstream_;
   mutable std::mutex mutex_;  // guards the map; each pool guards itself

@@ -119,13 +119,16 @@ class ActivationPlanner:
                 f"device budget ({b(self._device.capacity_bytes())}){host}. The engine keeps the budget rather than "
                 f"run over it: {fit}raise gpu_memory_limit by at least {b(over)}{offload}, or free host memory.")
 
+    def chunk_need_bytes(self) -> int:
+        """The device bytes the chunks may take: the placement's budget, or every chunk's bytes where fewer."""
+        chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
+        return min(self._placer.current.device_budget_bytes or self._device.capacity_bytes(), chunk_bytes)
+
     def room_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
         figures = self._tracer.last_device_figures()
-        chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
-        budget = self._placer.current.device_budget_bytes or self._device.capacity_bytes()
         other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
-        chunk_need = min(budget, chunk_bytes)
+        chunk_need = self.chunk_need_bytes()
         # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
         held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
         free = self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"]

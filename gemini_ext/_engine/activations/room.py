@@ -55,7 +55,7 @@ class ActivationRoom:
         if checkpointing != "off" or offload == "auto":
             found = require_blocks(model, f"activation_checkpointing={checkpointing!r}" if checkpointing != "off"
                                    else "activation_offload='auto'")
-        self._device, self._placement, self._mode = device, placement, (checkpointing, offload)
+        self._device, self._mode = device, (checkpointing, offload)
         self.offload = None
         if offload != "off":
             verify_mechanism()  # see [Note: the mechanism check] (calls.py)
@@ -69,7 +69,7 @@ class ActivationRoom:
             chunks, placer, tracer = placement
             self.planner = ActivationPlanner(self.blocks, device, chunks, placer, tracer, checkpointing, offload,
                                              host_buffers=self.offload._buffers if self.offload else None)
-        self._cap_torch = cap_torch and device.is_cuda
+        self._cap_torch = cap_torch and device.is_cuda and self.planner is not None  # the cap reads the plan's chunks
         self.torch_cap_bytes = None
         self._leave_room = leave_room
         self._chunk_floor = chunk_floor_bytes  # the least device bytes the chunks may have (three of the largest sets)
@@ -139,10 +139,7 @@ class ActivationRoom:
         total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
         if capacity >= total:
             return  # the whole device: torch meets the chunks at the device's own end
-        chunks, placer, _ = self._placement
-        chunk_bytes = sum(chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
-        chunk_need = min(placer.current.device_budget_bytes or capacity, chunk_bytes)
-        self.torch_cap_bytes = max(0, capacity - chunk_need)
+        self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes())
         torch.cuda.set_per_process_memory_fraction(self.torch_cap_bytes / total, self._device.torch_device)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -154,7 +151,7 @@ class ActivationRoom:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._leave_room = self._placement = None  # the manager and its chunks go with the engine (close())
+        self._leave_room = None  # the manager and its chunks go with the engine (close())
         if self.planner is not None:
             self.planner.detach()
         self.calls.unwrap()
