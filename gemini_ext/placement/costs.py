@@ -23,3 +23,13 @@ def set_bytes_per_element(compute_dtype: torch.dtype, num_state_kinds: int,
         has_master = compute_dtype != STATE_DTYPE
     master = STATE_DTYPE.itemsize if has_master else 0
     return compute_dtype.itemsize + master + state_dtype.itemsize * num_state_kinds
+
+
+def layout_figures(layout) -> dict:
+    """The placement's measurements a chunk layout fixes (policies.Measurements' fields): the Placer's
+    and gx.estimate's one source of them."""
+    return dict(set_shard_bytes=tuple(layout.shard_bytes), trainable=tuple(s.trainable for s in layout.sets),
+                set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
+                                                            layout.state_dtype, layout.has_master),
+                master_itemsize=4 if layout.has_master else 0, compute_itemsize=layout.compute_dtype.itemsize,
+                frozen_master_bytes=layout.frozen_master_shard_bytes())

@@ -18,8 +18,8 @@ from .. import allocator
 from .._native import _C
 from . import host_fit, host_memory, rates
 from .._env import logger
-from .costs import set_bytes_per_element
-from .policies import Measurements, Placement, SetPlacement
+from .costs import layout_figures
+from .policies import Measurements, Placement, SetPlacement, warm_up_chunk_budget
 
 
 class Placer:
@@ -73,7 +73,6 @@ class Placer:
         self._frozen = True
 
     def _measure(self, **iteration) -> Measurements:
-        layout = self._layout
         available, source = None, None
         if self.policy.reads_host_memory:
             budget = host_memory.host_budget(self._groups.ranks_on_host())
@@ -85,15 +84,9 @@ class Placer:
                 available = least
         return Measurements(
             device_kind=self._device.kind, allocator_mode=allocator.mode(),
-            device_capacity_bytes=self._device.capacity_bytes(), set_shard_bytes=tuple(layout.shard_bytes),
-            trainable=tuple(s.trainable for s in layout.sets),
-            set_bytes_per_element=set_bytes_per_element(layout.compute_dtype, layout.planned_state_kinds,
-                                                        layout.state_dtype, layout.has_master),
-            master_itemsize=4 if layout.has_master else 0,
-            compute_itemsize=layout.compute_dtype.itemsize, sharded=self._groups.zero is not None,
-            world_size=self._groups.world_size, host_available_bytes=available, host_budget_source=source,
-            device_total_bytes=self._device.total_bytes(), frozen_master_bytes=layout.frozen_master_shard_bytes(),
-            **iteration)
+            device_capacity_bytes=self._device.capacity_bytes(), **layout_figures(self._layout),
+            sharded=self._groups.zero is not None, world_size=self._groups.world_size, host_available_bytes=available,
+            host_budget_source=source, device_total_bytes=self._device.total_bytes(), **iteration)
 
     def _releasable_host_bytes(self) -> int:
         """The model's host tensors enable() releases as their values land in chunks: every
@@ -240,8 +233,7 @@ class Placer:
         device's capacity, never below three of the largest chunk sets (one computing, one fetched,
         one reduced). Returns the chunks' budget (0: the whole device)."""
         capacity = self._device.capacity_bytes()
-        floor = 3 * max(self._layout.shard_bytes, default=0)
-        wanted = max(floor, capacity - other_bytes)
+        wanted = warm_up_chunk_budget(capacity, self._layout.shard_bytes, other_bytes)
         budget = self.current.device_budget_bytes or capacity
         if wanted < budget and not self.current.decision:
             self.current = dataclasses.replace(self.current, device_budget_bytes=wanted)

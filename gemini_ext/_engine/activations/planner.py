@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import warnings
 
-from ..._native import _C
 from ..._units import format_bytes
 from ...placement import rates
-from .offload import LOOKAHEAD
+from . import budget
 from .probe import BlockProbe
 
 
@@ -39,12 +38,8 @@ class ActivationPlanner:
         self._host_buffers = host_buffers  # where offloaded inputs go (HostBuffers), None without offload
         self._placer, self._tracer = placer, tracer
         self._offload = offload != "off"
-        # what the plan may choose: keep only where the engine decides the checkpointing; plain
-        # recompute unless every checkpointed block's input goes to the host
-        self._allow_keep = checkpointing == "auto"
-        self._allow_recompute = offload != "on"
-        self._warm_choice = "offload" if self._offload else "recompute"
-        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, self._warm_choice)
+        self._allowed = budget.Allowed.of(checkpointing, offload)
+        self._probe = BlockProbe(blocks.num_blocks, device.torch_device, self._allowed.warm_choice)
         blocks.probe = self._probe
         self.plan: dict | None = None
         self.refusal: str | None = None  # where no plan fits: what the next forward raises
@@ -53,13 +48,12 @@ class ActivationPlanner:
     def warm_device_bytes(self, activation_bytes: int, input_bytes: int) -> int:
         """What the measured forward's choices need on the device, every block taken as block 0: the
         inputs the host has room for offloaded, the others kept on the device (recomputed)."""
-        n = self._blocks.num_blocks
-        offloaded = n if self._warm_choice == "offload" else 0
-        host_room = self._host_buffers.room_bytes() if self._host_buffers is not None else -1
-        if offloaded and host_room >= 0 and input_bytes > 0:
-            offloaded = min(n, host_room // input_bytes)
-        choices = ["offload"] * offloaded + ["recompute"] * (n - offloaded)
-        return _C.activation_device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * n, choices, LOOKAHEAD)
+        return budget.warm_device_bytes(self._blocks.num_blocks, self._allowed.warm_choice, activation_bytes,
+                                        input_bytes, self.host_room_bytes())
+
+    def host_room_bytes(self) -> int:
+        """What offloaded inputs may take of the host (-1: no limit known, or no offload)."""
+        return self._host_buffers.room_bytes() if self._host_buffers is not None else -1
 
     def warm_up_refusal(self, need_bytes: int, room_bytes: int) -> str:
         """Why the first iteration cannot keep the budget: its activations, foreseen from block 0,
@@ -88,13 +82,12 @@ class ActivationPlanner:
             return
         self._blocks.probe = None
         self.measured = measured = self._probe.blocks()  # see [Note: what is measured] (probe.py)
-        warm = [self._warm_choice] * len(measured)
-        warm_bytes = _C.activation_device_bytes(measured, warm, LOOKAHEAD)
+        warm = [self._allowed.warm_choice] * len(measured)
+        warm_bytes = budget.device_bytes(measured, warm)
         room = self.room_bytes(warm_bytes)
         link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
-        host_room = self._host_buffers.room_bytes() if self._host_buffers is not None else -1
-        plan = _C.plan_activations(measured, max(0, room), link, LOOKAHEAD, allow_keep=self._allow_keep,
-                                   allow_recompute=self._allow_recompute, host_room_bytes=host_room)
+        host_room = self.host_room_bytes()
+        plan = budget.plan(measured, room, link, self._allowed, host_room)
         self._blocks.choices = plan["choices"]
         self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link, "host_room_bytes": host_room}
         if not plan["fits"]:
@@ -122,17 +115,13 @@ class ActivationPlanner:
     def chunk_need_bytes(self) -> int:
         """The device bytes the chunks may take: the placement's budget, or every chunk's bytes where fewer."""
         chunk_bytes = sum(self._chunks.tier_bytes(t)["current"] for t in ("device", "pinned_host", "pageable_host"))
-        return min(self._placer.current.device_budget_bytes or self._device.capacity_bytes(), chunk_bytes)
+        return budget.chunk_need_bytes(self._placer.current.device_budget_bytes, self._device.capacity_bytes(),
+                                       chunk_bytes)
 
     def room_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
-        figures = self._tracer.last_device_figures()
-        other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
-        chunk_need = self.chunk_need_bytes()
-        # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
-        held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
-        free = self._device.capacity_bytes() - chunk_need - figures["device_other_bytes"]
-        return int(free / held) - other_non_model
+        return budget.room_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
+                                 self._tracer.last_device_figures(), warm_activation_bytes)
 
     def detach(self) -> None:
         """Lets go of the chunks, the placer and the tracer (the engine closes)."""

@@ -14,7 +14,7 @@ they use, and the room's hooks over the model's forward are the only place they 
   went to the host.
 - The first iteration, once block 0 is measured (probe.py) and before any other block runs: the
   chunks' budget is lowered (placer.leave_room_in_warm_up) so that they, what torch holds already
-  and WARM_UP_MARGIN times what the measured forward's choices foresee for the activations fit the
+  and budget.WARM_UP_MARGIN times what the measured forward's choices foresee for the activations fit the
   device budget.
 - After each iteration (the optimizer's step): the plan is made once from the first iteration's
   measurements.
@@ -33,14 +33,12 @@ import torch
 
 from ..._env import logger
 from ..._units import format_bytes
+from . import budget
 from .blocks import Blocks, find_blocks, require_blocks
 from .calls import CheckpointCalls, verify_mechanism
 from .host_buffers import HostBuffers
 from .offload import ActivationOffload
 from .planner import ActivationPlanner
-
-WARM_UP_MARGIN = 1.5  # the first iteration's activations beyond the plan's figure (gradients, the loss, the head)
-
 
 class ActivationRoom:
     """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
@@ -121,7 +119,7 @@ class ActivationRoom:
             self._apply_torch_cap()
 
     def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:  # see [Note: the root forward]
-        foreseen = int(self.planner.warm_device_bytes(activation_bytes, input_bytes) * WARM_UP_MARGIN)
+        foreseen = budget.foreseen_warm_up_bytes(self.planner.warm_device_bytes(activation_bytes, input_bytes))
         held = torch.cuda.memory_reserved(self._device.torch_device)
         floor = self._chunk_floor
         self.warm_up = {"block0_activation_bytes": activation_bytes, "block0_input_bytes": input_bytes,
@@ -130,7 +128,7 @@ class ActivationRoom:
                     "holds %s", format_bytes(foreseen), format_bytes(activation_bytes), format_bytes(input_bytes),
                     format_bytes(held))
         capacity = self._device.capacity_bytes()
-        if self._device.total_bytes() > capacity and held + foreseen > capacity - floor:
+        if budget.warm_up_refused(held + foreseen, capacity, self._device.total_bytes(), floor):
             raise RuntimeError(self.planner.warm_up_refusal(held + foreseen, capacity - floor))
         self.warm_up["chunk_budget_bytes"] = self._leave_room(held + foreseen) if self._leave_room else None
         self._apply_torch_cap()

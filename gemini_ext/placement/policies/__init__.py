@@ -5,10 +5,11 @@ A new policy is a new file here, registered with `@register` and imported below.
 
 from .base import (HOST_RESERVE_BYTES, NON_MODEL_HEADROOM, NON_MODEL_HEADROOM_MIN, POLICY_CLASSES, HostPlan,
                    Measurements, Placement, PlacementPolicy, SetPlacement, budget_decision, host_reserve_bytes,
-                   make_policy, measured_chunk_budget, register)
+                   make_policy, measured_chunk_budget, register, warm_up_chunk_budget)
 from .auto import AutoPolicy
 from .static import ConstPolicy, StaticPolicy
 
 __all__ = ["HOST_RESERVE_BYTES", "NON_MODEL_HEADROOM", "NON_MODEL_HEADROOM_MIN", "POLICY_CLASSES", "AutoPolicy",
            "ConstPolicy", "HostPlan", "Measurements", "Placement", "PlacementPolicy", "SetPlacement", "StaticPolicy",
-           "budget_decision", "host_reserve_bytes", "make_policy", "measured_chunk_budget", "register"]
+           "budget_decision", "host_reserve_bytes", "make_policy", "measured_chunk_budget", "register",
+           "warm_up_chunk_budget"]

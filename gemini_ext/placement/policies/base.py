@@ -216,6 +216,14 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
                    "activation checkpointing or smaller chunks."]
 
 
+def warm_up_chunk_budget(capacity_bytes: int, set_shard_bytes, other_bytes: int) -> int:
+    """The chunks' budget in the iteration before the first decision, where `other_bytes` of torch's
+    are foreseen (the activations' warm-up, planned by gemini_ext/_engine/activations/budget.py):
+    what they leave of the capacity, never below three of the largest chunk sets (one computing, one
+    fetched, one reduced)."""
+    return max(3 * max(set_shard_bytes, default=0), capacity_bytes - other_bytes)
+
+
 def budget_decision(m: Measurements, budget: int, current: Placement) -> dict:
     """What a decision from measurements records (stats()["placement"]["decision"])."""
     return {"device_capacity_bytes": m.device_capacity_bytes, "non_model_peak_bytes": m.non_model_peak_bytes,

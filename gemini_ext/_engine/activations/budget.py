@@ -1,0 +1,85 @@
+"""The activations' budget as arithmetic over figures: what the first forward foresees, the room the
+chunks leave and the plan over it. The planner (planner.py) calls these with what it measured;
+gx.estimate calls the same functions with what it predicts, so a change here changes both. The
+decision itself is the core's (core/activation_plan.h); see [Note: the room, and the budget kept]
+(planner.py) for why the room is what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..._native import _C
+from .offload import LOOKAHEAD
+
+WARM_UP_MARGIN = 1.5  # the first iteration's activations beyond the plan's figure (gradients, the loss, the head)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    """What a plan may choose per block under the config, and what the measured forward runs."""
+    keep: bool  # only where the engine decides the checkpointing (activation_checkpointing="auto")
+    recompute: bool  # plain recompute, unless every checkpointed block's input goes to the host
+    warm_choice: str  # the measured forward's choice for every block: the least device memory allowed
+
+    @classmethod
+    def of(cls, checkpointing: str, offload: str) -> "Allowed":
+        return cls(keep=checkpointing == "auto", recompute=offload != "on",
+                   warm_choice="offload" if offload != "off" else "recompute")
+
+
+def warm_choices(num_blocks: int, warm_choice: str, input_bytes: int, host_room_bytes: int) -> list[str]:
+    """The measured forward's choices, every block taken as block 0: the inputs the host has room for
+    offloaded (host_room_bytes -1: no limit known), the others kept on the device (recomputed)."""
+    offloaded = num_blocks if warm_choice == "offload" else 0
+    if offloaded and host_room_bytes >= 0 and input_bytes > 0:
+        offloaded = min(num_blocks, host_room_bytes // input_bytes)
+    return ["offload"] * offloaded + ["recompute"] * (num_blocks - offloaded)
+
+
+def warm_device_bytes(num_blocks: int, warm_choice: str, activation_bytes: int, input_bytes: int,
+                      host_room_bytes: int) -> int:
+    """What the measured forward's choices need on the device, every block taken as block 0."""
+    choices = warm_choices(num_blocks, warm_choice, input_bytes, host_room_bytes)
+    return device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * num_blocks, choices)
+
+
+def device_bytes(blocks: list, choices: list[str]) -> int:
+    """The device peak of `blocks` ((activation bytes, input bytes, forward s, backward s) each) run
+    with `choices`: the core's figure, the plan's own."""
+    return _C.activation_device_bytes(blocks, choices, LOOKAHEAD)
+
+
+def foreseen_warm_up_bytes(warm_bytes: int) -> int:
+    """What the first iteration is given room for beside the chunks, from the plan's figure."""
+    return int(warm_bytes * WARM_UP_MARGIN)
+
+
+def warm_up_refused(need_bytes: int, capacity_bytes: int, total_bytes: int, chunk_floor_bytes: int) -> bool:
+    """Whether the first iteration cannot keep a gpu_memory_limit: `need_bytes` (torch's memory so far
+    and the foreseen activations) beyond what three chunk sets leave of it."""
+    return total_bytes > capacity_bytes and need_bytes > capacity_bytes - chunk_floor_bytes
+
+
+def chunk_need_bytes(device_budget_bytes: int | None, capacity_bytes: int, chunk_bytes: int) -> int:
+    """The device bytes the chunks may take: the placement's budget (None or 0: the whole capacity), or
+    every chunk's bytes where fewer."""
+    return min(device_budget_bytes or capacity_bytes, chunk_bytes)
+
+
+def room_bytes(capacity_bytes: int, chunk_need: int, figures: dict, warm_activation_bytes: int) -> int:
+    """Device bytes the activations may take, from the first iteration's `figures` (the tracer's
+    non_model_peak_bytes, non_model_reserved_bytes, device_other_bytes) and what its measured forward's
+    choices needed (see [Note: the room, and the budget kept])."""
+    other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
+    # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
+    held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
+    free = capacity_bytes - chunk_need - figures["device_other_bytes"]
+    return int(free / held) - other_non_model
+
+
+def plan(blocks: list, room: int, link_bytes_per_s: float, allowed: Allowed, host_room_bytes: int) -> dict:
+    """The core's per-block plan (keep, recompute, offload) of `blocks` ((activation bytes, input bytes,
+    forward s, backward s) each) within `room` device bytes."""
+    return _C.plan_activations(blocks, max(0, room), link_bytes_per_s, LOOKAHEAD, allow_keep=allowed.keep,
+                               allow_recompute=allowed.recompute, host_room_bytes=host_room_bytes)
