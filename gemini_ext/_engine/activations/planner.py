@@ -120,7 +120,7 @@ class ActivationPlanner:
 
     def room_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
-        return budget.room_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
+        return budget.room_bytes(self._device.capacity_bytes(), self._device.total_bytes(), self.chunk_need_bytes(),
                                  self._tracer.last_device_figures(), warm_activation_bytes)
 
     def detach(self) -> None:

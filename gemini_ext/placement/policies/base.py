@@ -204,7 +204,7 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
     capacity = m.device_capacity_bytes
     non_model = max(m.non_model_peak_bytes, m.non_model_reserved_bytes)
     headroom = max(NON_MODEL_HEADROOM_MIN, int(non_model * NON_MODEL_HEADROOM)) if m.device_kind == "cuda" else 0
-    other = m.device_other_bytes if capacity >= m.device_total_bytes else 0  # a gpu_memory_limit excludes it
+    other = counted_device_other_bytes(capacity, m.device_total_bytes, m.device_other_bytes)
     budget = int(capacity - non_model - headroom - other)
     floor = 3 * max(m.set_shard_bytes)
     if budget >= floor:
@@ -214,6 +214,13 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
                    f"{format_bytes(other)} held outside torch), leaving less than three chunks "
                    f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, use "
                    "activation checkpointing or smaller chunks."]
+
+
+def counted_device_other_bytes(capacity_bytes: int, total_bytes: int, other_bytes: int) -> int:
+    """What the device holds outside torch and the chunks (the CUDA context, libraries), as far as it
+    counts against the capacity: on the whole device; a gpu_memory_limit bounds torch and the chunks
+    alone (see [Note: safety margins])."""
+    return other_bytes if capacity_bytes >= total_bytes else 0
 
 
 def warm_up_chunk_budget(capacity_bytes: int, set_shard_bytes, other_bytes: int) -> int:
