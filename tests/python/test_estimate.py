@@ -315,5 +315,5 @@ def test_the_planners_first_iteration_sets_the_chunk_budget_as_the_engine_measur
     assert mid["plan"]["evicted_param_bytes"] == 0 and mid["plan"]["optim_sets_on_device"] == 8, mid["plan"]
     assert mid["activation_plan"]["fits"] and mid["warm_up"]["refused"] is False, mid["activation_plan"]
     low = gx.estimate(llama, gx.GeminiConfig(gpu_memory_limit="24GiB", **planned), tokens_per_step=32 * 2048, **h100)
-    assert low["plan"]["chunk_budget_bytes"] < 13.2 * 2**30 and low["plan"]["evicted_param_bytes"] > 8 * 2**30, \
+    assert low["plan"]["chunk_budget_bytes"] < 13.2 * 2**30 and low["plan"]["evicted_param_bytes"] > 7 * 2**30, \
         low["plan"]
