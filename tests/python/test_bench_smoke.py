@@ -333,9 +333,10 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     """bench/hf_map.py --smoke --state 8-byte: a tiny Llama with the engine's activation plan through
     bench/hf_train.py on sim; the row carries gx.estimate's prediction made before it ran and its
     bound's parts, the GPU-alone row is listed as skipped on sim, and the table gives the error;
-    --reestimate makes that estimate again from what the row recorded."""
+    --reestimate makes that estimate again from what the row recorded. Run as a user runs it: the
+    `smoke` preset of the one entry point, `python -m bench`."""
     pytest.importorskip("transformers")
-    out = run_python("bench/hf_map.py", "--smoke", "--state", "8-byte", "--out", str(tmp_path / "map"))
+    out = run_python("-m", "bench", "smoke", "--state", "8-byte", "--out", str(tmp_path / "map"))
     assert out.returncode == 0, out.stderr
     alone, row = json.loads((tmp_path / "map.json").read_text())
     assert alone["name"] == "gpu-alone" and alone["skipped"]
@@ -350,6 +351,30 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     _, now = json.loads((tmp_path / "now.json").read_text())
     assert now["estimate_now"]["step_s"] == pytest.approx(row["estimate"]["step_s"], rel=1e-9), now["estimate_now"]
     assert "estimate now s (error)" in (tmp_path / "now.md").read_text()
+
+
+def test_every_preset_names_a_runner_and_options_it_takes(capsys):
+    """`python -m bench`'s presets (bench/presets.py): each runs a runner that exists with options
+    that runner's parser lists, and `show` prints the command a preset runs."""
+    import contextlib
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import presets
+    from bench.__main__ import main as bench
+    options = {}
+    for runner, (script, _) in presets.RUNNERS.items():
+        spec = importlib.util.spec_from_file_location(f"bench_{runner}", os.path.join(REPO, "bench", script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with contextlib.suppress(SystemExit):
+            module.main(["--help"])
+        options[runner] = {w.strip(",[]") for w in capsys.readouterr().out.split() if w.startswith(("--", "[--"))}
+    for name, preset in presets.PRESETS.items():
+        given = {a for a in preset.args if a.startswith("--")}
+        assert given <= options[preset.runner], f"{name}: {sorted(given - options[preset.runner])} unknown"
+    assert bench(["show", "llama7b-map"]) == 0
+    assert capsys.readouterr().out.startswith("python3 bench/hf_map.py --models llama-7b")
+    assert bench(["no-such-preset"]) == 2
 
 
 def test_hf_map_bound_is_the_longest_of_gpu_cpu_and_link():

@@ -1,0 +1,73 @@
+"""The benchmarks' one entry point (registry: bench/presets.py).
+
+    python -m bench list                  # the presets, what each reproduces
+    python -m bench show NAME             # the command a preset runs
+    python -m bench NAME [ARGS...]        # runs it; ARGS go to its runner (--out /tmp/x, --timeout 200)
+    python -m bench systems               # the systems and models the runners know
+    python -m bench run RUNNER [ARGS...]  # a runner with arguments of your own (its --help lists them)
+
+Every runner starts each system in a fresh process and writes markdown and JSON rows beside --out.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import presets  # noqa: E402
+
+REPO = os.path.dirname(HERE)
+
+
+def _run(script_args: list[str]) -> int:
+    return subprocess.call([sys.executable, *script_args], cwd=REPO)
+
+
+def _systems() -> str:
+    import hf_models
+    import offload
+    lines = ["transformers' causal LMs (hf_models, hf_map: --systems):"]
+    lines += [f"  {name:30s} {hf_models.LABELS.get(name, '')}" for name in hf_models.SYSTEMS]
+    from hf_train import MODELS
+    lines += ["  models (--models): " + ", ".join(sorted(MODELS)), "the project's GPT (offload: --only):"]
+    lines += [f"  {name}" for name in offload.systems(None)]
+    from gemini_ext.models import GPT_PRESETS
+    lines += ["  models (--preset): " + ", ".join(GPT_PRESETS)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    what, rest = argv[0], argv[1:]
+    if what == "list":
+        for name, p in presets.PRESETS.items():
+            print(f"{name:32s} {p.reproduces}")
+        return 0
+    if what == "systems":
+        print(_systems())
+        return 0
+    if what == "show":
+        if not rest or rest[0] not in presets.PRESETS:
+            print(f"python -m bench show: name one of {list(presets.PRESETS)}", file=sys.stderr)
+            return 2
+        print("python3 " + " ".join(presets.PRESETS[rest[0]].command()))
+        return 0
+    if what == "run":
+        if not rest or rest[0] not in presets.RUNNERS:
+            print(f"python -m bench run: name one of the runners {list(presets.RUNNERS)}", file=sys.stderr)
+            return 2
+        return _run([f"bench/{presets.RUNNERS[rest[0]][0]}", *rest[1:]])
+    if what not in presets.PRESETS:
+        print(f"python -m bench: no preset {what!r}; `python -m bench list` names them", file=sys.stderr)
+        return 2
+    return _run([*presets.PRESETS[what].command(), *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
