@@ -136,4 +136,6 @@ class ActivationPlanner:
                 "planned_device_bytes": self.plan["device_bytes"], "added_seconds": self.plan["added_seconds"],
                 "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"],
                 "host_bytes": self.plan["host_bytes"], "host_room_bytes": self.plan["host_room_bytes"],
-                "measured_tokens": self._probe.tokens}
+                "measured_tokens": self._probe.tokens,
+                # per block (activation bytes, input bytes, forward s, backward s), as the plan took them
+                "measured_blocks": [list(b) for b in self.measured]}
