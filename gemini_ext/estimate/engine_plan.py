@@ -30,8 +30,13 @@ from ..placement.policies import Measurements, make_policy, warm_up_chunk_budget
 from . import target
 
 SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on it
-RECORDED_FIGURES = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",
-                    "block0_activation_bytes", "block0_input_bytes", "host_room_bytes", "link_bytes_per_s")
+RECORDED_FIGURES = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",  # the tracer's
+                    "block0_activation_bytes", "block0_input_bytes",  # the first block's measurement
+                    "blocks", "host_room_bytes", "link_bytes_per_s",  # the planner's measured blocks and room
+                    # what the placement weighed (its decision records them)
+                    "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s", "h2d_bytes_per_s",
+                    "link_optimizer_elements_per_s")
+PASS_FIGURES = RECORDED_FIGURES[-5:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +144,9 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
             "chunk_budget_bytes": min(current, warm_up_chunk_budget(machine.capacity_bytes, m.set_shard_bytes, need))}
 
 
-def first_iteration_figures(m: Measurements, placement, acts: Activations) -> tuple[dict, int]:
-    """(the tracer's figures of the first iteration, its blocks' activation bytes): the blocks run
-    with the least device memory the plan allows, or as the config fixes them."""
+def first_iteration_figures(m: Measurements, placement, acts: Activations) -> dict:
+    """The tracer's figures of the first iteration: the blocks run with the least device memory the
+    plan allows (their inputs offloaded where the host has room), or as the config fixes them."""
     if acts.fixed_choice is not None:
         warm = budget.device_bytes(acts.blocks, [acts.fixed_choice] * len(acts.blocks))
     else:
@@ -153,18 +158,19 @@ def first_iteration_figures(m: Measurements, placement, acts: Activations) -> tu
                "non_model_reserved_bytes": int(acts.recorded.get("non_model_reserved_bytes",
                                                                  peak * target.ACTIVATION_RESERVE_RATIO)),
                "device_other_bytes": int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))}
-    return figures, warm
+    return figures
 
 
-def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figures: dict, warm_bytes: int,
-                    offload: bool) -> dict:
+def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figures: dict, offload: bool) -> dict:
     """The planner's plan after the first iteration, over the room the chosen placement leaves."""
+    blocks = [tuple(b) for b in acts.recorded.get("blocks", acts.blocks)]
+    warm_bytes = budget.measured_forward_bytes(blocks, acts.allowed.warm_choice)
     need = budget.chunk_need_bytes(chosen.device_budget_bytes, m.device_capacity_bytes,
                                    chunk_bytes(m, chosen, on_device_only=False))
     room = budget.room_bytes(m.device_capacity_bytes, m.device_total_bytes, need, figures, warm_bytes)
     link = float(acts.recorded.get("link_bytes_per_s", target.H2D_BYTES_PER_S)) if offload else 0.0
     host_room = host_room_bytes(m, chosen, acts, born)
-    return {**budget.plan(acts.blocks, room, link, acts.allowed, host_room), "room_bytes": room,
+    return {**budget.plan(blocks, room, link, acts.allowed, host_room), "room_bytes": room,
             "link_bytes_per_s": link, "host_room_bytes": host_room}
 
 
@@ -181,17 +187,18 @@ def plan(config, layout, machine: Machine, releasable_bytes: int, acts: Activati
     if acts is not None and acts.fixed_choice is None:
         warm = warm_up(m0, initial, acts, machine)
         initial = dataclasses.replace(initial, device_budget_bytes=warm["chunk_budget_bytes"])
-    figures, warm_bytes = first_iteration_figures(m0, initial, acts) if acts is not None else (
-        {"non_model_peak_bytes": fixed_peak_bytes,
-         "non_model_reserved_bytes": int(fixed_peak_bytes * target.ACTIVATION_RESERVE_RATIO),
-         "device_other_bytes": target.DEVICE_OTHER_BYTES}, 0)
-    measured = Measurements(**base, **figures, **passes, h2d_bytes_per_s=target.H2D_BYTES_PER_S,
-                            link_optimizer_elements_per_s=target.LINK_ELEMENTS_PER_S,
+    figures = first_iteration_figures(m0, initial, acts) if acts is not None else {
+        "non_model_peak_bytes": fixed_peak_bytes,
+        "non_model_reserved_bytes": int(fixed_peak_bytes * target.ACTIVATION_RESERVE_RATIO),
+        "device_other_bytes": target.DEVICE_OTHER_BYTES}
+    rates = {"h2d_bytes_per_s": target.H2D_BYTES_PER_S, "link_optimizer_elements_per_s": target.LINK_ELEMENTS_PER_S,
+             **passes, **{k: v for k, v in (acts.recorded if acts else {}).items() if k in PASS_FIGURES}}
+    measured = Measurements(**base, **figures, **rates,
                             optimizer_steps_during_backward=config.optimizer_step_in_backward)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
     activations = None
     if acts is not None and acts.fixed_choice is None:
-        activations = activation_plan(measured, chosen, initial.params_born_on_device, acts, figures, warm_bytes,
+        activations = activation_plan(measured, chosen, initial.params_born_on_device, acts, figures,
                                       config.activation_offload != "off")
     return {"measured": measured, "initial": initial, "chosen": chosen, "warm_up": warm, "first_figures": figures,
             "activation_plan": activations}

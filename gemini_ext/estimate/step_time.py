@@ -94,5 +94,6 @@ def memory(m, initial, chosen, activation_bytes: int, offloaded_host_bytes: int)
     host = host_chunk_bytes(m, chosen, initial.params_born_on_device) + offloaded_host_bytes
     return {"device_bytes": device, "host_bytes": host,
             "fits": {"device": device <= m.device_capacity_bytes, "device_capacity_bytes": m.device_capacity_bytes,
+                     "device_total_bytes": m.device_total_bytes,
                      "host": None if m.host_available_bytes is None else host <= m.host_available_bytes,
                      "host_available_bytes": m.host_available_bytes}}

@@ -216,7 +216,8 @@ def test_the_command_line_speaks_in_flags_says_what_does_not_fit_and_prints_its_
                 "--host-bytes", "64GiB", "--device-name", "H100", "--search-range-m", "0.5",
                 "--min-chunk-size-m", "0.25", "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
-    assert e["fits"] == {"device": True, "device_capacity_bytes": 80 * 10**9, "host": True,
+    assert e["fits"] == {"device": True, "device_capacity_bytes": 80 * 10**9, "device_total_bytes": 80 * 10**9,
+                         "host": True,
                          "host_available_bytes": 64 * 2**30}
     assert e["plan"]["chunk_size"] <= 2**19 and e["rates"]["cpu_optimizer_source"] == "measured here"
     # the chunk search's warning as the command prints it: the flag, and no knob it lacks

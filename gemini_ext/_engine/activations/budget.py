@@ -51,6 +51,12 @@ def device_bytes(blocks: list, choices: list[str]) -> int:
     return _C.activation_device_bytes(blocks, choices, LOOKAHEAD)
 
 
+def measured_forward_bytes(blocks: list, warm_choice: str) -> int:
+    """What the room counts the measured forward's blocks as having needed: every block as measured,
+    run with the warm choice (the plan's least)."""
+    return device_bytes(blocks, [warm_choice] * len(blocks))
+
+
 def foreseen_warm_up_bytes(warm_bytes: int) -> int:
     """What the first iteration is given room for beside the chunks, from the plan's figure."""
     return int(warm_bytes * WARM_UP_MARGIN)

@@ -82,8 +82,7 @@ class ActivationPlanner:
             return
         self._blocks.probe = None
         self.measured = measured = self._probe.blocks()  # see [Note: what is measured] (probe.py)
-        warm = [self._allowed.warm_choice] * len(measured)
-        warm_bytes = budget.device_bytes(measured, warm)
+        warm_bytes = budget.measured_forward_bytes(measured, self._allowed.warm_choice)
         room = self.room_bytes(warm_bytes)
         link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
         host_room = self.host_room_bytes()
