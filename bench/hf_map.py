@@ -107,6 +107,46 @@ def reestimate(rows: list[dict], args) -> list[dict]:
     return rows
 
 
+def record_of(row: dict, args) -> dict | None:
+    """An engine row as tests/python/test_estimate_records.py holds the estimate to it: what the
+    estimate is made from (the model's config, the tokens, the config, the machine), what the engine
+    measured where the estimate predicts (the figures gx.estimate(recorded=...) takes), what it
+    decided, and its step time. None for a row that did not train."""
+    from hf_train import MODELS
+
+    est, engine = row.get("estimate") or {}, row.get("engine") or {}
+    if "step_s_median" not in row or "rates" not in est:
+        return None
+    placement = engine.get("placement") or {}
+    decision = placement.get("decision") or {}
+    acts = engine.get("activations") or {}
+    plan, warm = acts.get("plan") or {}, acts.get("warm_up") or {}
+    figures = {k: decision[k] for k in ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",
+                                        "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s",
+                                        "h2d_bytes_per_s", "link_optimizer_elements_per_s") if k in decision}
+    figures.update({f"block0_{k}": warm[f"block0_{k}"] for k in ("activation_bytes", "input_bytes")
+                    if f"block0_{k}" in warm})
+    figures.update({k: plan[k] for k in ("host_room_bytes", "link_bytes_per_s") if k in plan})
+    if "measured_blocks" in plan:
+        figures["blocks"] = plan["measured_blocks"]
+    cls, fields = MODELS[row["model"]]
+    return {
+        "model": row["model"], "model_config": [cls, fields], "batch": row["batch"], "seq": row["seq"],
+        "config": {"gpu_memory_limit": row["budget"], "max_norm": args.max_norm, **STATE_FIELDS[args.state]},
+        "loss_chunk_tokens": args.loss_chunk_tokens,
+        "machine": {"device_bytes": est["fits"].get("device_total_bytes"), "device_name": est.get("device_name"),
+                    "host_bytes": est["fits"]["host_available_bytes"],
+                    "cpu_optimizer_elements_per_s": est["rates"]["cpu_optimizer_elements_per_s"],
+                    "gpu_flops_per_s": est["rates"]["gpu_flops_per_s"]},
+        "recorded": figures,
+        "decided": {"chunk_budget_bytes": decision.get("chunk_budget_bytes"),
+                    "optim_sets_on_device": placement.get("optim_chunks_on_device"),
+                    "activation_plan": {c: plan.get(c) for c in ("keep", "recompute", "offload")},
+                    "warm_up_chunk_budget_bytes": warm.get("chunk_budget_bytes")},
+        "step_s": row["step_s_median"],
+    }
+
+
 def bound(row: dict, gpu_alone_s: float | None) -> dict:
     """The row's overlap bound: the longest of the GPU alone, the CPU's Adam over the host-held
     optimizer state and the copies of the busier direction, at the rates the engine probed (where
@@ -165,6 +205,9 @@ def table(rows: list[dict], peak_tflops: float) -> str:
 
 
 def write(rows: list[dict], args) -> str:
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump([r for r in (record_of(row, args) for row in rows) if r is not None], f, indent=1)
     return hf_models.save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, "
                           f"{args.state} optimizer state, MFU against {args.peak_tflops:.0f} TFLOP/s\n\n" +
                           table(rows, args.peak_tflops), rows, args.out)
@@ -193,6 +236,9 @@ def parse_args(argv):
     p.add_argument("--reestimate", nargs="+", metavar="JSON", default=None,
                    help="no runs: the rows of these maps' JSON with every estimate made again by this tree "
                         "(--state, --max-norm and --loss-chunk-tokens as the runs had them)")
+    p.add_argument("--record", default=None, metavar="JSON",
+                   help="also write the engine rows as records the estimate's test holds it to "
+                        "(tests/python/test_estimate_records.py)")
     p.add_argument("--device-name", default="H100",
                    help="--reestimate: the device whose peak the rows' estimates name, where they do not")
     args = p.parse_args(argv)
