@@ -5,6 +5,8 @@
   a checkpoint's inputs where the offload sees them.
 - offload.py, host_buffers.py: checkpointed blocks' inputs to host memory and back.
 - probe.py, planner.py: the first forward measured; the per-block plan within the room the chunks leave.
+- budget.py: the arithmetic of that room and of the first iteration's warm-up, which gx.estimate
+  calls too.
 """
 
 from .blocks import find_blocks, require_blocks
