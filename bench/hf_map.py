@@ -124,6 +124,8 @@ def record_of(row: dict, args) -> dict | None:
     figures = {k: decision[k] for k in ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",
                                         "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s",
                                         "h2d_bytes_per_s", "link_optimizer_elements_per_s") if k in decision}
+    if "optimizer_window" in decision:
+        figures["optimizer_steps_during_backward"] = decision["optimizer_window"] == "backward"
     figures.update({f"block0_{k}": warm[f"block0_{k}"] for k in ("activation_bytes", "input_bytes")
                     if f"block0_{k}" in warm})
     figures.update({k: plan[k] for k in ("host_room_bytes", "link_bytes_per_s") if k in plan})

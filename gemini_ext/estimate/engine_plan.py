@@ -35,8 +35,8 @@ RECORDED_FIGURES = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_
                     "blocks", "host_room_bytes", "link_bytes_per_s",  # the planner's measured blocks and room
                     # what the placement weighed (its decision records them)
                     "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s", "h2d_bytes_per_s",
-                    "link_optimizer_elements_per_s")
-PASS_FIGURES = RECORDED_FIGURES[-5:]
+                    "link_optimizer_elements_per_s", "optimizer_steps_during_backward")
+PASS_FIGURES = RECORDED_FIGURES[-6:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +193,8 @@ def plan(config, layout, machine: Machine, releasable_bytes: int, acts: Activati
         "device_other_bytes": target.DEVICE_OTHER_BYTES}
     rates = {"h2d_bytes_per_s": target.H2D_BYTES_PER_S, "link_optimizer_elements_per_s": target.LINK_ELEMENTS_PER_S,
              **passes, **{k: v for k, v in (acts.recorded if acts else {}).items() if k in PASS_FIGURES}}
-    measured = Measurements(**base, **figures, **rates,
-                            optimizer_steps_during_backward=config.optimizer_step_in_backward)
+    rates.setdefault("optimizer_steps_during_backward", config.optimizer_step_in_backward)
+    measured = Measurements(**base, **figures, **rates)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
     activations = None
     if acts is not None and acts.fixed_choice is None:
