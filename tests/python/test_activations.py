@@ -473,3 +473,25 @@ def test_the_engine_goes_when_its_block_ends_without_the_garbage_collector(field
         assert chunks() is None
     finally:
         gc.enable()
+
+
+def test_the_room_counts_the_memory_outside_torch_as_the_placement_does():
+    """The room the chunks leave (activations/budget.py) and the placement's chunk budget
+    (policies.measured_chunk_budget) count the device's memory outside torch alike: on the whole
+    device it is taken off, under a gpu_memory_limit (which bounds torch and the chunks alone) it
+    is not. 40 GiB of an 80 GiB device, 1.5 GiB outside torch, a 4 GiB peak that was the measured
+    forward's own, nothing reserved beyond it, 20 GiB of chunks: 20 GiB of room; the whole device:
+    60 - 1.5 GiB."""
+    from gemini_ext._engine.activations import budget
+    from gemini_ext.placement.policies import Measurements, measured_chunk_budget
+    gib = 2**30
+    figures = {"non_model_peak_bytes": 4 * gib, "non_model_reserved_bytes": 4 * gib,
+               "device_other_bytes": 3 * gib // 2}
+    assert budget.room_bytes(40 * gib, 80 * gib, 20 * gib, figures, 4 * gib) == 20 * gib
+    assert budget.room_bytes(80 * gib, 80 * gib, 20 * gib, figures, 4 * gib) == 60 * gib - 3 * gib // 2
+    for capacity, outside in ((40 * gib, 0), (80 * gib, 3 * gib // 2)):
+        m = Measurements(device_kind="cuda", allocator_mode="default", device_capacity_bytes=capacity,
+                         set_shard_bytes=(gib,), trainable=(True,), set_bytes_per_element=14, compute_itemsize=2,
+                         sharded=False, world_size=1, device_total_bytes=80 * gib, **figures)
+        chunk_budget, _ = measured_chunk_budget(m, "auto")
+        assert chunk_budget == capacity - 4 * gib - gib // 4 - outside  # peak, 1/16 of it as headroom, outside
