@@ -5,8 +5,9 @@ recompute them with the input offloaded (unless offload is "off").
 
 [Note: the room, and the budget kept]
 - The room is what the chunks leave: the device capacity less the chunks' need (the placement's
-  device budget, or every chunk's bytes where fewer), less what the device holds besides (torch's
-  context), shrunk by how much more than its peak torch's allocator held in the first iteration,
+  device budget, or every chunk's bytes where fewer), less what the device holds besides (the
+  CUDA context, on the whole device only: a gpu_memory_limit bounds torch and the chunks alone, as
+  the placement counts it), shrunk by how much more than its peak torch's allocator held in the first iteration,
   less the non-model peak of that iteration without its activations (the plan's own figure for
   the measured forward's choices, the least it allows). Chunks come first: activations take
   what they do not use.
