@@ -196,6 +196,31 @@ class GeminiEngine:
         self.internal.check_open("synchronize")
         self.internal.runtime.synchronize()
 
+    # --- phases: the device given up between training phases --------------------------------
+    def offload_states(self, include=None, non_blocking: bool = False) -> dict:
+        """Moves what the engine holds on the device (parameter, gradient and optimizer chunks, the
+        pools' free blocks) to the host, so another phase (generation by an inference engine) has
+        the device; `include`: DeepSpeed's state names ("optim_states", "hp_params", "lp_grads",
+        "lp_params"; None: all). Training needs reload_states() first
+        (see [Note: offloading the states], _engine/phases.py). `non_blocking` is accepted for
+        DeepSpeed's signature: the move is complete on return. Returns what moved."""
+        self.internal.check_open("offload_states")
+        return self.internal.phases.offload(include)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Brings back what offload_states() moved; training continues bit-identically."""
+        self.internal.check_open("reload_states")
+        self.internal.phases.reload()
+
+    @contextlib.contextmanager
+    def states_offloaded(self, include=None):
+        """`with engine.states_offloaded(): ...` offloads for the block and reloads after it."""
+        self.offload_states(include)
+        try:
+            yield self
+        finally:
+            self.reload_states()
+
     # --- for gemini_ext's own modules -------------------------------------------------------
     @property
     def closed(self) -> bool:

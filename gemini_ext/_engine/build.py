@@ -35,6 +35,7 @@ from .loss_scale_boundary import LossScaleBoundary
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
 from .param_access import ParamAccess
+from .phases import StatePhases
 from .parts import EngineParts
 from .process_groups import DataParallelGroups, resolve_process_group
 from .sharded_state import ShardedState
@@ -152,12 +153,20 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.hooks = HookSet(runtime, model, layout.params,
                           loss_scale=parts.loss_scale,
                           on_backward_start=on_backward_start,
-                          on_forward_start=lambda: parts.access.absorb_writes())
+                          on_forward_start=lambda: _forward_starts(parts))
     parts.access = ParamAccess(parts, model)
     parts.sharded_state = ShardedState(parts, model)
     # see [Note: what MFU counts] (throughput.py)
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
+    parts.phases = StatePhases(runtime, parts.chunks, parts.device, parts.groups.ranks_on_host())
     _plan_activations(parts, model)
+
+
+def _forward_starts(parts: EngineParts) -> None:
+    """Before the model's forward fetches anything: refused while the states are offloaded, and
+    parameters written outside the hooks reach their chunks."""
+    parts.phases.check_resident("the model's forward")
+    parts.access.absorb_writes()
 
 
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ class EngineParts:
         self.loss_scale = None  # fp16: where the scale enters backward (loss_scale_boundary.py)
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
         self.activations = None  # activations.ActivationRoom, as the config asks
+        self.phases = None  # phases.StatePhases: the states offloaded between training phases, and back
 
     def check_open(self, what: str) -> None:
         if self.closed:

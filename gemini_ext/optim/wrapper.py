@@ -203,6 +203,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # steps still running). The placer calls the manager again only when it re-places.
         parts = self._parts
         parts.check_open("optimizer.step")
+        parts.phases.check_resident("optimizer.step()")
         parts.check_no_stray_grads()
         if parts.loss_scale is not None:
             parts.loss_scale.check_step()  # a backward left unscaled gradients (fp16)

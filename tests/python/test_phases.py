@@ -1,0 +1,97 @@
+"""engine.offload_states() / reload_states(): the engine gives the device up between training
+phases (generation by another inference engine) and takes it back, bit-identically
+(see [Note: offloading the states], gemini_ext/_engine/phases.py)."""
+
+import pytest
+import torch
+
+import gemini_ext as gx
+from conftest import DEVICES
+from gemini_ext.models import GPT, GPT_PRESETS
+
+
+def _train(device: str, steps: int, between=None) -> tuple[list, list]:
+    """`steps` AdamW steps of the tiny GPT under `auto`; `between(engine, step)` after each."""
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"])
+    cfg = gx.GeminiConfig(device=device, placement_policy="auto", search_range_m=1, min_chunk_size_m=0.01,
+                          max_norm=1.0)
+    batches = torch.Generator().manual_seed(1)
+    losses = []
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        compute = engine.compute_device
+        for step in range(steps):
+            x = torch.randint(0, 100, (2, 16), generator=batches).to(compute)
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if between is not None:
+                between(engine, step)
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_after_a_round_trip_is_bit_identical_and_the_device_is_left_empty(device):
+    seen = {}
+
+    def round_trip(engine, step):
+        if step not in (1, 3):
+            return
+        placements = [p["optim_on_host"] for p in engine.internal.runtime.set_placements()]
+        moved = engine.offload_states()
+        seen.setdefault("device_bytes", []).append(engine.stats()["tier_bytes"]["device"]["current"])
+        seen.setdefault("moved", []).append(moved["optimizer_sets_moved"])
+        if device == "cuda":
+            seen.setdefault("torch_reserved", []).append(torch.cuda.memory_reserved())
+        engine.reload_states()
+        assert [p["optim_on_host"] for p in engine.internal.runtime.set_placements()] == placements
+
+    plain_params, plain_losses = _train(device, 5)
+    params, losses = _train(device, 5, round_trip)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert seen["device_bytes"] == [0, 0], seen  # no chunk is left on the device
+    assert all(n >= 1 for n in seen["moved"]), seen  # the tiny model's optimizer state was on the device
+
+
+def test_the_context_manager_and_the_mistakes_each_name_the_fix():
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"])
+    with gx.enable(model, gx.GeminiConfig(device="sim", placement_policy="auto")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        x = torch.randint(0, 100, (2, 16))
+        model(x).float().mean().backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"call engine.offload_states\(\) first"):
+            engine.reload_states()
+        with engine.states_offloaded():
+            assert engine.stats()["tier_bytes"]["device"]["current"] == 0
+            with pytest.raises(RuntimeError, match=r"call engine.reload_states\(\) first"):
+                engine.offload_states()
+            with pytest.raises(RuntimeError, match=r"forward.*offloaded.*reload_states\(\)"):
+                model(x)
+            with pytest.raises(RuntimeError, match=r"optimizer.step\(\).*offloaded.*reload_states\(\)"):
+                opt.step()
+        model(x).float().mean().backward()  # trains again once reloaded
+        opt.step()
+        with pytest.raises(ValueError, match=r"unknown states \['kv_cache'\]"):
+            engine.offload_states(include=["kv_cache"])
+        moved = engine.offload_states(include=["lp_params"])  # the parameters only: the state stays
+        assert moved["optimizer_sets_moved"] == 0
+        engine.reload_states()
+
+
+def test_an_offload_the_host_cannot_hold_is_refused_before_anything_moves(monkeypatch):
+    from gemini_ext.placement import host_memory
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"])
+    with gx.enable(model, gx.GeminiConfig(device="sim", placement_policy="auto")) as engine:
+        before = engine.stats()["tier_bytes"]["device"]["current"]
+        monkeypatch.setattr(host_memory, "host_available_bytes", lambda ranks_on_host=1: 1024)
+        with pytest.raises(MemoryError, match=r"has 1.00 KiB available for it: .* short\. Free host memory"):
+            engine.offload_states()
+        assert engine.stats()["tier_bytes"]["device"]["current"] == before > 0
+        model(torch.randint(0, 100, (2, 16))).float().mean().backward()  # still resident: trains
