@@ -221,6 +221,17 @@ class GeminiEngine:
         finally:
             self.reload_states()
 
+    def named_parameters_for_inference(self, dtype: torch.dtype = torch.bfloat16, device=None):
+        """Yields (name, tensor) for every parameter, whole and current, in the model's own names (a
+        shared parameter once), chunk by chunk: for a colocated inference engine to load after each
+        update (vLLM's `load_weights`). Each tensor is a copy in `dtype` on `device` (default: the
+        compute device); at most one chunk's gathered copy lives beside what the caller keeps.
+        Collective when sharded: every rank iterates to the end. Between optimizer steps."""
+        self.internal.check_open("named_parameters_for_inference")
+        self.internal.phases.check_resident("engine.named_parameters_for_inference()")
+        target = self.compute_device if device is None else torch.device(device)
+        return self.internal.access.stream(dtype, target)
+
     # --- for gemini_ext's own modules -------------------------------------------------------
     @property
     def closed(self) -> bool:

@@ -135,6 +135,27 @@ class ParamAccess:
             return
         self._gm.write("param", i, torch.where(kept, master, value))
 
+    # --- weights out -------------------------------------------------------------------------
+    def stream(self, dtype: torch.dtype, device: torch.device):
+        """(name, value) of every managed parameter, whole, in chunk order: each a copy in `dtype` on
+        `device`, read from its 16-bit chunk (gathered when sharded: collective), the read cache
+        released at each chunk's end, so at most one chunk's gathered copy lives beside what the
+        caller keeps. Between steps only."""
+        if self._gm.in_backward:
+            raise RuntimeError("engine.named_parameters_for_inference(): called during backward; use it between "
+                               "iterations (after optimizer.step()).")
+        self.absorb_writes()
+        last_chunk = None
+        try:
+            with torch.no_grad():
+                for i, (chunk, _) in enumerate(self._layout.slots):
+                    if last_chunk is not None and chunk != last_chunk:
+                        self._gm.release_read_cache()
+                    last_chunk = chunk
+                    yield self._layout.names[i], self._gm.read_to("param", i, device, dtype)
+        finally:
+            self._gm.release_read_cache()
+
     # --- gathered ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, params=None, writable: bool = False):

@@ -95,3 +95,31 @@ def test_an_offload_the_host_cannot_hold_is_refused_before_anything_moves(monkey
             engine.offload_states()
         assert engine.stats()["tier_bytes"]["device"]["current"] == before > 0
         model(torch.randint(0, 100, (2, 16))).float().mean().backward()  # still resident: trains
+
+
+def test_the_weights_stream_out_whole_in_the_models_names():
+    """named_parameters_for_inference: transformers' Llama after two steps on sim yields every
+    parameter once, under the name its state dict has, equal to the trained value in the asked
+    dtype; refused while the states are offloaded."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=32))
+    names = [n for n, _ in model.named_parameters()]
+    with gx.enable(model, gx.GeminiConfig(device="sim", placement_policy="auto", search_range_m=1,
+                                          min_chunk_size_m=0.01)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+        for _ in range(2):
+            x = torch.randint(0, 128, (2, 16))
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        streamed = dict(engine.named_parameters_for_inference(dtype=torch.bfloat16))
+        full = engine.state_dict()
+        assert sorted(streamed) == sorted(names)  # every parameter once, in the model's names
+        for name, value in streamed.items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, full[name].to(torch.bfloat16)), name
+        with engine.states_offloaded():
+            with pytest.raises(RuntimeError, match=r"offloaded.*reload_states\(\)"):
+                engine.named_parameters_for_inference()
