@@ -95,6 +95,11 @@ def _checked_args(args, who: str):
                              "activation checkpointing (the reentrant form runs backward outside autograd's "
                              "graph). Pass use_reentrant=False or leave it out.")
         replaced[CHECKPOINTING[1]] = {**kwargs, "use_reentrant": False}
+    if getattr(args, "steps_per_generation", None) is not None and \
+            getattr(args, "generation_batch_size", None) is not None:
+        # TRL's GRPOConfig derives one from the other in __post_init__, which replace() runs again and
+        # which refuses both given: the derived one is derived again, to the same value
+        replaced["generation_batch_size"] = None
     return dataclasses.replace(args, **replaced)
 
 

@@ -316,3 +316,50 @@ def test_the_precision_comes_from_the_training_arguments(tmp_path):
                       gemini_config=gx.GeminiConfig(device="sim"))
     assert t.engine.config.precision == "bf16" and next(t.model.parameters()).dtype == torch.bfloat16
     t.close()
+
+
+def test_the_mixin_over_trls_grpo_trainer_generates_and_trains_as_grpo_trainer(tmp_path):
+    """TRL's GRPOTrainer (online RL: the policy generates, a rule scores, the step follows) with
+    GeminiTrainerMixin first in the bases against GRPOTrainer itself on the same tiny Llama: the
+    same rewards and losses step for step, gradient norms within 1e-5, two optimizer steps under
+    the engine. The reward: the share of even tokens in a completion."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(128)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="1")
+    prompts = datasets.Dataset.from_dict({"prompt": [" ".join(str(2 + (i * 7 + j) % 100) for j in range(6))
+                                                     for i in range(16)]})
+
+    def even_share(completions, **kwargs):
+        return [sum(int(t) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
+
+    def policy():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=64, pad_token_id=0, eos_token_id=1))
+
+    def grpo_args(out):
+        return trl.GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4,
+                              max_completion_length=8, max_steps=2, learning_rate=1e-2, logging_steps=1, use_cpu=True,
+                              bf16=False, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+
+    class GeminiGRPOTrainer(GeminiTrainerMixin, trl.GRPOTrainer):
+        pass
+
+    plain = trl.GRPOTrainer(model=policy(), reward_funcs=even_share, args=grpo_args(tmp_path / "plain"),
+                            train_dataset=prompts, processing_class=tokenizer)
+    plain.train()
+    ours = GeminiGRPOTrainer(model=policy(), reward_funcs=even_share, args=grpo_args(tmp_path / "gx"),
+                             train_dataset=prompts, processing_class=tokenizer,
+                             gemini_config=gx.GeminiConfig(device="sim", placement_policy="auto"))
+    ours.train()
+    logs = [[(h["reward"], h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
+            for t in (plain, ours)]
+    assert [r[:2] for r in logs[1]] == [r[:2] for r in logs[0]] and len(logs[0]) == 2, logs
+    assert [r[2] for r in logs[1]] == pytest.approx([r[2] for r in logs[0]], rel=1e-5) and logs[0][1][2] > 0, logs
+    assert ours.engine.stats()["optimizer_steps"] == 2
+    ours.close()
