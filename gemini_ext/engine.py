@@ -359,6 +359,7 @@ class GeminiEngine:
         parts.throughput.remove()
         if parts.activations is not None:
             parts.activations.remove()
+        parts.phases.detach()
         parts.hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         parts.closed = True
         guards.engine_closed(self)

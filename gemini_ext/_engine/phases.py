@@ -96,6 +96,10 @@ class StatePhases:
         for k in moved:
             self._runtime.set_optim_on_host(k, False)
 
+    def detach(self) -> None:
+        """Lets go of the manager and the chunks (the engine closes)."""
+        self._runtime = self._chunks = None
+
     def _check_host_room(self) -> None:
         leaving = self._chunks.tier_bytes("device")["current"]
         room = host_memory.host_available_bytes(self._ranks_on_host)

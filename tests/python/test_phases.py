@@ -123,3 +123,15 @@ def test_the_weights_stream_out_whole_in_the_models_names():
         with engine.states_offloaded():
             with pytest.raises(RuntimeError, match=r"offloaded.*reload_states\(\)"):
                 engine.named_parameters_for_inference()
+
+
+def test_closing_while_offloaded_gives_the_model_its_trained_values():
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["tiny"])
+    with gx.enable(model, gx.GeminiConfig(device="sim", placement_policy="auto")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        model(torch.randint(0, 100, (2, 16))).float().mean().backward()
+        opt.step()
+        full = engine.state_dict()
+        engine.offload_states()
+    assert all(torch.equal(p.detach().float(), full[name]) for name, p in model.named_parameters())
