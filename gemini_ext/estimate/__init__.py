@@ -9,8 +9,8 @@ up (step_time.py, see [Note: the step-time model]).
 """
 
 from .api import estimate
-from .shape import LOGIT_BYTES_PER_VOCAB, Shape, activation_bytes, logits_bytes, model_shape
+from .shape import LOGIT_BYTES_PER_VOCAB, Shape, logits_bytes, model_shape
 from .target import HOST_DISPATCH_S_PER_TENSOR_PASS
 
-__all__ = ["HOST_DISPATCH_S_PER_TENSOR_PASS", "LOGIT_BYTES_PER_VOCAB", "Shape", "activation_bytes", "estimate",
+__all__ = ["HOST_DISPATCH_S_PER_TENSOR_PASS", "LOGIT_BYTES_PER_VOCAB", "Shape", "estimate",
            "logits_bytes", "model_shape"]

@@ -158,7 +158,7 @@ def _summary(config, decided: dict, parts: dict, step: float, memory: dict, stea
     elements, on_host = engine_plan.device_state_elements(m, chosen)
     host_elements = sum(n for n, h in zip(elements, on_host) if h)
     budget_bytes = chosen.device_budget_bytes or m.device_capacity_bytes
-    displaced = max(0, engine_plan.chunk_bytes(m, chosen, on_device_only=True) - budget_bytes)
+    displaced = engine_plan.displaced_param_bytes(m, chosen)
     pcie = 2 * host_elements * m.compute_itemsize + 2 * displaced  # host sets' parameters up, gradients down
     model_flops = 6 * facts["n_trainable"] + 2 * (facts["n_total"] - facts["n_trainable"])
     plan = decided["activation_plan"]

@@ -102,6 +102,12 @@ def chunk_bytes(m: Measurements, placement, on_device_only: bool) -> int:
     return sum(m.set_shard_bytes) + state * m.set_bytes_per_element
 
 
+def displaced_param_bytes(m: Measurements, placement) -> int:
+    """Parameter bytes the chunks' budget cannot hold beside the device-held state: evicted and fetched again."""
+    budget_bytes = placement.device_budget_bytes or m.device_capacity_bytes
+    return max(0, chunk_bytes(m, placement, on_device_only=True) - budget_bytes)
+
+
 def host_chunk_bytes(m: Measurements, placement, params_born_on_device: bool) -> int:
     """The host's share of the chunks: the host-held optimizer sides and the parameters' host copies
     (only the host sets' where the parameters are born on the device, decided at enable()), and frozen

@@ -82,16 +82,6 @@ def logits_bytes(shape: Shape, tokens: int, loss_chunk_tokens: int = 0) -> float
     return logit_tokens * shape.vocab * LOGIT_BYTES_PER_VOCAB
 
 
-def activation_bytes(shape: Shape, checkpointing: bool, tokens: int, loss_chunk_tokens: int = 0) -> int:
-    """The activations' peak with every block kept (no checkpointing) or every block recomputed and
-    kept on the device: the blocks' inputs and the larger of the logits and one block's activations."""
-    logits = int(logits_bytes(shape, tokens, loss_chunk_tokens))
-    if not checkpointing:
-        return tokens * shape.layers * shape.block_activation_bytes_per_token() + logits
-    return tokens * shape.layers * shape.input_bytes_per_token() + \
-        max(logits, tokens * shape.block_activation_bytes_per_token())
-
-
 def probed_blocks(shape: Shape, tokens: int, forward_seconds: float) -> list[tuple]:
     """What the engine's probe would measure per block: (activation bytes, input bytes, forward s,
     backward s), the blocks alike, the forward's time in equal parts."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..placement.optimizer_lanes import lanes_wait_seconds
 from ..placement.optimizer_split import predicted_exposed_optimizer_seconds
 from . import target
-from .engine_plan import chunk_bytes, device_state_elements, host_chunk_bytes
+from .engine_plan import chunk_bytes, device_state_elements, displaced_param_bytes, host_chunk_bytes
 
 DEVICE_OPTIMIZER_BYTES_PER_ELEMENT = {("fp32", True): 28, ("fp32", False): 28, ("bf16", True): 20, ("bf16", False): 14}
 
@@ -75,8 +75,7 @@ def step_parts(config, m, chosen, gpu_s: float, forward_s: float, cpu_rate: floa
     elements, on_host = device_state_elements(m, chosen)
     host_elements = sum(n for n, h in zip(elements, on_host) if h)
     device_elements = sum(n for n, h, t in zip(elements, on_host, m.trainable) if t and not h)
-    budget = chosen.device_budget_bytes or m.device_capacity_bytes
-    displaced = max(0, chunk_bytes(m, chosen, on_device_only=True) - budget)
+    displaced = displaced_param_bytes(m, chosen)
     backward_s = gpu_s - forward_s
     tail = 0.0 if m.optimizer_steps_during_backward else max(
         0.0, host_elements * m.compute_itemsize / target.H2D_BYTES_PER_S - backward_s)
