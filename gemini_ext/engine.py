@@ -34,7 +34,7 @@ import torch
 
 from . import allocator, checkpoint
 from ._native import _C
-from ._engine import guards, registry, restore
+from ._engine import generation, guards, registry, restore
 from ._engine.build import build_parts
 from ._engine.sharded_state import options_are_sharded
 from ._units import format_bytes
@@ -221,6 +221,30 @@ class GeminiEngine:
         finally:
             self.reload_states()
 
+    @contextlib.contextmanager
+    def generating(self, kv_cache_bytes: int | None = None, *, batch_size: int | None = None,
+                   max_length: int | None = None):
+        """`with engine.generating(batch_size=8, max_length=1024): model.generate(...)`: the model in
+        eval mode for the block, and the device room its KV cache needs taken from the chunks'
+        budget (see [Note: room for the KV cache], _engine/generation.py). The room is
+        `kv_cache_bytes`, or what the model's config gives for `batch_size` sequences of `max_length`
+        tokens (prompt included) in the compute dtype. Yields the room and the chunks' budget."""
+        self.internal.check_open("generating")
+        if kv_cache_bytes is None:
+            if batch_size is None or max_length is None:
+                raise ValueError("engine.generating(): pass kv_cache_bytes=, or batch_size= and max_length= (the "
+                                 "sequences generated at once and their longest length, prompt included).")
+            config = getattr(self.model, "config", None)
+            kv_cache_bytes = generation.kv_cache_bytes(config, batch_size, max_length,
+                                                       self.internal.compute_dtype.itemsize)
+        was_training = self.model.training
+        with self.internal.generation.held(int(kv_cache_bytes)) as room:
+            self.model.eval()
+            try:
+                yield room
+            finally:
+                self.model.train(was_training)
+
     def named_parameters_for_inference(self, dtype: torch.dtype = torch.bfloat16, device=None):
         """Yields (name, tensor) for every parameter, whole and current, in the model's own names (a
         shared parameter once), chunk by chunk: for a colocated inference engine to load after each
@@ -360,6 +384,7 @@ class GeminiEngine:
         if parts.activations is not None:
             parts.activations.remove()
         parts.phases.detach()
+        parts.generation.detach()
         parts.hooks.gm = None  # the manager (and every chunk) goes with the engine's references below
         parts.closed = True
         guards.engine_closed(self)

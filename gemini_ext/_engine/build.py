@@ -35,6 +35,7 @@ from .loss_scale_boundary import LossScaleBoundary
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
 from .param_access import ParamAccess
+from .generation import GenerationRoom
 from .phases import StatePhases
 from .parts import EngineParts
 from .process_groups import DataParallelGroups, resolve_process_group
@@ -160,6 +161,7 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
     parts.phases = StatePhases(runtime, parts.chunks, parts.device, parts.groups.ranks_on_host())
     _plan_activations(parts, model)
+    parts.generation = GenerationRoom(runtime, layout, parts.phases, parts.activations, parts.groups.ranks_on_host())
 
 
 def _forward_starts(parts: EngineParts) -> None:

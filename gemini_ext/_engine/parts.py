@@ -32,6 +32,7 @@ class EngineParts:
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
         self.activations = None  # activations.ActivationRoom, as the config asks
         self.phases = None  # phases.StatePhases: the states offloaded between training phases, and back
+        self.generation = None  # generation.GenerationRoom: the KV cache's room inside engine.generating()
 
     def check_open(self, what: str) -> None:
         if self.closed:

@@ -204,6 +204,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         parts = self._parts
         parts.check_open("optimizer.step")
         parts.phases.check_resident("optimizer.step()")
+        parts.generation.check_outside("optimizer.step()")
         parts.check_no_stray_grads()
         if parts.loss_scale is not None:
             parts.loss_scale.check_step()  # a backward left unscaled gradients (fp16)

@@ -2,10 +2,13 @@
 under torch.no_grad() in eval mode, token for token as the same model alone, and trains on after
 it (the access trace re-recorded for each shape, the placement kept)."""
 
+import contextlib
+
 import pytest
 import torch
 
 import gemini_ext as gx
+from conftest import DEVICES
 
 
 def test_greedy_generation_under_the_engine_is_the_models_own_and_training_goes_on():
@@ -38,3 +41,88 @@ def test_greedy_generation_under_the_engine_is_the_models_own_and_training_goes_
             logits_after = model(input_ids=alone).logits
     assert generated.shape == (2, 20)
     assert not torch.equal(logits_before, logits_after)  # the updates reached what generation computes with
+
+
+def _llama(transformers):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, pad_token_id=0))
+
+
+def _generate_and_train(device: str, steps: int, room=None) -> tuple:
+    """`steps` of: greedy generation (inside engine.generating(kv_cache_bytes=room(engine)) where
+    `room` is given), then a training step on the generated tokens. Returns the generations, the
+    final parameters and what each generating() block saw."""
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
+    prompts = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    cfg = gx.GeminiConfig(device=device, placement_policy="auto", precision="fp32",
+                          chunk_config_dict={"chunk_size": 40000})
+    generations, seen = [], []
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+        x = prompts.to(engine.compute_device)
+        for _ in range(steps):
+            block = engine.generating(kv_cache_bytes=room(engine)) if room is not None else contextlib.nullcontext()
+            placements = [p["optim_on_host"] for p in engine.internal.runtime.set_placements()]
+            budget = engine.internal.runtime.device_budget
+            with block as held:
+                if held is not None:
+                    seen.append(dict(held, training=model.training, budget_inside=engine.internal.runtime.device_budget,
+                                     device_chunk_bytes=engine.stats()["tier_bytes"]["device"]["current"]))
+                else:
+                    model.eval()
+                with torch.no_grad():
+                    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+            model.train()
+            assert engine.internal.runtime.device_budget == budget  # given back after the block
+            assert [p["optim_on_host"] for p in engine.internal.runtime.set_placements()] == placements
+            generations.append(out.cpu())
+            model(input_ids=out, labels=out).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return generations, [p.detach().cpu().clone() for p in model.parameters()], seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generating_keeps_the_kv_caches_room_and_training_after_it_is_bit_identical(device):
+    """engine.generating(): the chunks' budget less the room inside the block, the optimizer sides
+    that do not fit beside the parameters moved to the host and back, eval mode, and the same tokens
+    and trained values as without the block (see [Note: room for the KV cache])."""
+    def room(engine):  # leaves the parameter chunks and one and a half sets' optimizer sides (12 B an element)
+        params = sum(engine.internal.layout.shard_bytes)
+        return engine.internal.runtime.device_budget - params - 40000 * 18
+
+    plain_out, plain_params, _ = _generate_and_train(device, 3)
+    out, params, seen = _generate_and_train(device, 3, room)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain_out))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert [s["training"] for s in seen] == [False] * 3
+    assert all(s["budget_inside"] == s["chunk_budget_bytes"] for s in seen), seen
+    assert all(1 <= s["optimizer_sets_moved"] < 5 for s in seen[1:]), seen  # after the first step: one set stays
+    assert all(s["device_chunk_bytes"] <= s["chunk_budget_bytes"] for s in seen), seen
+
+
+def test_generating_refuses_a_room_that_leaves_too_little_and_a_step_inside():
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
+    cfg = gx.GeminiConfig(device="sim", placement_policy="auto", chunk_config_dict={"chunk_size": 40000})
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+        budget = engine.internal.runtime.device_budget
+        with pytest.raises(gx.OutOfMemoryError, match=r"kept for the KV cache.*Generate fewer or shorter sequences"):
+            with engine.generating(kv_cache_bytes=budget):
+                pass
+        with pytest.raises(ValueError, match=r"pass kv_cache_bytes=, or batch_size= and max_length="):
+            with engine.generating(batch_size=8):
+                pass
+        with engine.generating(batch_size=2, max_length=20) as held:
+            # keys and values x 4 layers x 2 kv heads x 16 head dims x 2 sequences x 20 tokens x 2 B (bf16)
+            assert held["room_bytes"] == 2 * 4 * 2 * 16 * 2 * 20 * 2
+            with pytest.raises(RuntimeError, match=r"already inside a generating\(\) block"):
+                with engine.generating(kv_cache_bytes=0):
+                    pass
+            with pytest.raises(RuntimeError, match=r"optimizer.step\(\): inside engine.generating\(\)"):
+                opt.step()
+        assert engine.internal.runtime.device_budget == budget

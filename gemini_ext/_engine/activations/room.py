@@ -140,6 +140,18 @@ class ActivationRoom:
         self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes())
         torch.cuda.set_per_process_memory_fraction(self.torch_cap_bytes / total, self._device.torch_device)
 
+    def widen_torch_cap(self, extra_bytes: int) -> None:
+        """Raises torch's cap by `extra_bytes` the chunks gave up (a generation's KV cache,
+        see [Note: room for the KV cache]); restore_torch_cap() sets it back."""
+        if self.torch_cap_bytes is not None:
+            total = self._device.total_bytes()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, (self.torch_cap_bytes + extra_bytes) / total),
+                                                       self._device.torch_device)
+
+    def restore_torch_cap(self) -> None:
+        if self.torch_cap_bytes is not None:
+            self._apply_torch_cap()
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)

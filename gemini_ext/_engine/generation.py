@@ -1,0 +1,133 @@
+"""GenerationRoom: the device room a generation's KV cache needs, taken from the chunks for the
+length of `engine.generating()`, and given back after it.
+
+[Note: room for the KV cache]
+- During training the chunks' device budget is the placement's; what torch allocates beside the
+  chunks (activations) was measured in the first iteration and left free. A generation allocates
+  something training never did: the KV cache, growing by one token per layer per step. Left
+  unaccounted it would take the device from under the chunks' budget (past gpu_memory_limit).
+- `engine.generating(kv_cache_bytes=...)` (or batch_size and max_length, from which the model's
+  config gives the bytes: keys and values for every layer, every key-value head) lowers the chunks'
+  budget by that much for the block; parameter chunks beyond the lowered budget are evicted to
+  their host copies and stream back with prefetch as each forward reaches them, and those that fit
+  stay resident for the whole generation.
+- The optimizer side (gradients, masters, moments) of a chunk set kept on the device computes
+  nothing while generating. Where the parameter chunks and the optimizer sides on the device do not
+  both fit the lowered budget, sets' optimizer sides move to the host, the last sets first, until
+  they do or none is left; they come back when the block ends. The bytes are the same: training
+  after the block is bit-identical.
+- A budget that, less the KV cache, cannot hold the three chunk sets a forward computes with and
+  prefetches (the same floor as the first iteration's warm-up) is refused before anything moves,
+  naming the figures and the fixes.
+- Where torch's allocator is capped at what the chunks leave (activations planned under a
+  limit), the cap rises by the room for the block and is set again after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .._native import _C
+from .._units import format_bytes
+from ..placement import host_memory
+from ..placement.costs import layout_figures
+
+CHUNK_SETS_FLOOR = 3  # sets a forward computes with and prefetches: the warm-up's floor (build.py)
+
+
+def kv_cache_bytes(config, batch_size: int, max_length: int, itemsize: int) -> int:
+    """Bytes of a transformers decoder's KV cache holding `max_length` tokens of `batch_size`
+    sequences: keys and values for every layer and key-value head, `itemsize` bytes each."""
+    need = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    missing = [f for f in need if not isinstance(getattr(config, f, None), int)]
+    if missing:
+        raise ValueError(f"engine.generating(batch_size=..., max_length=...): the model's config lacks {missing}, "
+                         "which size the KV cache; pass kv_cache_bytes= instead (the bytes the cache will take).")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * batch_size * max_length * itemsize
+
+
+class GenerationRoom:
+    """Lowers the chunks' device budget for a generation (see [Note: room for the KV cache])."""
+
+    def __init__(self, runtime, layout, phases, activations, ranks_on_host: int):
+        self._runtime, self._layout, self._phases, self._activations = runtime, layout, phases, activations
+        self._ranks_on_host = ranks_on_host
+        self.active = None  # (optimizer sides moved to the host, the budget before) inside the block
+
+    def detach(self) -> None:
+        """Lets go of the manager (the engine closes)."""
+        self._runtime = self._activations = None
+
+    def check_outside(self, what: str) -> None:
+        if self.active is not None:
+            raise RuntimeError(f"{what}: inside engine.generating(), where sets' optimizer state may have moved to "
+                               "the host for the KV cache's room; step after the block ends.")
+
+    @contextlib.contextmanager
+    def held(self, room_bytes: int):
+        self._phases.check_resident("engine.generating()")
+        if self.active is not None:
+            raise RuntimeError("engine.generating(): already inside a generating() block; one block holds one "
+                               "KV cache's room (pass the largest batch_size and max_length it generates).")
+        moved, before = self._enter(room_bytes)
+        self.active = (moved, before)
+        try:
+            yield {"room_bytes": room_bytes, "chunk_budget_bytes": self._runtime.device_budget,
+                   "optimizer_sets_moved": len(moved)}
+        finally:
+            self.active = None
+            self._runtime.set_device_budget(before)
+            for k in moved:
+                self._runtime.set_optim_on_host(k, False)
+            if self._activations is not None:
+                self._activations.restore_torch_cap()
+
+    def _enter(self, room_bytes: int) -> tuple:
+        if room_bytes < 0:
+            raise ValueError(f"engine.generating(): kv_cache_bytes must be at least 0, got {room_bytes}.")
+        self._runtime.synchronize()  # host steps still running finish before their sets move
+        before = self._runtime.device_budget
+        figures = layout_figures(self._layout)
+        shard_bytes = figures["set_shard_bytes"]
+        floor = sum(sorted(shard_bytes)[-CHUNK_SETS_FLOOR:])  # the largest sets a forward may hold at once
+        left = before - room_bytes
+        if left < floor:
+            raise _C.OutOfMemoryError(
+                f"engine.generating(): the chunks' device budget is {format_bytes(before)}; less the "
+                f"{format_bytes(room_bytes)} kept for the KV cache it leaves {format_bytes(max(0, left))}, under the "
+                f"{format_bytes(floor)} the largest {CHUNK_SETS_FLOOR} chunk sets a forward computes with and "
+                "prefetches need. Generate fewer or shorter sequences at a time (batch_size, max_length), raise "
+                "gpu_memory_limit, or use smaller chunks (chunk_config_dict / min_chunk_size_m).")
+        moved = self._move_optimizer_sides(left, shard_bytes, figures)
+        self._runtime.set_device_budget(left)  # parameter chunks beyond it go to their host copies
+        if self._activations is not None:
+            self._activations.widen_torch_cap(room_bytes)
+        return moved, before
+
+    def _move_optimizer_sides(self, left: int, shard_bytes, figures) -> list:
+        """The last sets' optimizer sides to the host until the parameter chunks and the optimizer
+        sides still on the device fit `left` (or none is left on the device)."""
+        per_element, itemsize = figures["set_bytes_per_element"], figures["compute_itemsize"]
+        on_device = [k for k, place in enumerate(self._runtime.set_placements())
+                     if place["trainable"] and not place["optim_on_host"]]
+        optimizer_bytes = {k: shard_bytes[k] // itemsize * per_element for k in on_device}
+        params = sum(shard_bytes)
+        held = sum(optimizer_bytes.values())
+        moved = []
+        for k in reversed(on_device):
+            if params + held <= left:
+                break
+            moved.append(k)
+            held -= optimizer_bytes[k]
+        leaving = sum(optimizer_bytes[k] for k in moved)
+        room = host_memory.host_available_bytes(self._ranks_on_host)
+        if room is not None and leaving > room:
+            raise MemoryError(f"engine.generating(): {format_bytes(leaving)} of optimizer state would move to the "
+                              f"host to make the KV cache's room, which has {format_bytes(room)} available for it. "
+                              "Free host memory, or generate fewer or shorter sequences at a time.")
+        for k in moved:
+            self._runtime.set_optim_on_host(k, True)
+        return moved
