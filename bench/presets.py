@@ -14,6 +14,7 @@ RUNNERS = {  # name -> (script under bench/, what it compares)
     "offload": ("offload.py", "the project's GPT: gemini_ext's policies, FSDP2, DeepSpeed, ColossalAI, plain"),
     "large_models": ("large_models.py", "the project's GPT at 6.7B-25.8B on one GPU, with the estimate per row"),
     "trainer_workers": ("trainer_workers.py", "transformers' Trainer with DataLoader workers: host memory"),
+    "rl_phases": ("rl_phases.py", "a GRPO-shaped loop: generation, training, the weight stream, offload and reload"),
     "cpu_adam": ("cpu_adam.py", "the CPU Adam kernel against torch and the host's memory bandwidth"),
 }
 
@@ -70,6 +71,10 @@ PRESETS = {
     "trainer-7b-workers": Preset(
         "trainer_workers", ("--preset", "7b", "--budget", "40GiB", "--workers", "2", "--steps", "8"),
         "BENCHMARKS.md, 'DataLoader workers beside a 7B model'"),
+    "llama7b-rl-phases-40g": Preset(
+        "rl_phases", ("--model", "llama-7b", "--budget", "40GiB", "--iterations", "2"),
+        "BENCHMARKS.md, 'Reinforcement learning's phases': generate 8 x 256 tokens, train 8 x 1024, the weight "
+        "stream, offload and reload at 40 GiB"),
     "cpu-adam": Preset("cpu_adam", ("--params-m", "200", "--repeats", "4"),
                        "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth"),
     "smoke": Preset("hf_map", ("--smoke",), "a tiny Llama on sim: the map's row format anywhere (tests)"),
