@@ -76,20 +76,19 @@ def link_rates(dev: torch.device) -> dict:
     """H2D and D2H bytes per second of a pinned 1 GiB copy (median of 3); sim: None."""
     if dev.type != "cuda":
         return {"h2d": None, "d2h": None}
-    host = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(GIB, dtype=torch.uint8, device=dev)
+    buffers = {"host": torch.empty(GIB, dtype=torch.uint8, pin_memory=True),
+               "device": torch.empty(GIB, dtype=torch.uint8, device=dev)}
     rates = {}
-    for name, copy in (("h2d", lambda: device.copy_(host, non_blocking=True)),
-                       ("d2h", lambda: host.copy_(device, non_blocking=True))):
+    for name, (dst, src) in (("h2d", ("device", "host")), ("d2h", ("host", "device"))):
         times = []
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            copy()
+            buffers[dst].copy_(buffers[src], non_blocking=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         rates[name] = GIB / statistics.median(times)
-    del host, device
+    buffers.clear()
     torch.cuda.empty_cache()
     return rates
 
