@@ -75,6 +75,10 @@ PRESETS = {
         "rl_phases", ("--model", "llama-7b", "--budget", "40GiB", "--iterations", "2"),
         "BENCHMARKS.md, 'Reinforcement learning's phases': generate 8 x 256 tokens, train 8 x 1024, the weight "
         "stream, offload and reload at 40 GiB"),
+    "llama7b-rl-phases-40g-8byte": Preset(
+        "rl_phases", ("--model", "llama-7b", "--budget", "40GiB", "--iterations", "2", "--state", "8-byte"),
+        "BENCHMARKS.md, 'Reinforcement learning's phases': the same with the 8-byte state, whose every state "
+        "the host can hold"),
     "cpu-adam": Preset("cpu_adam", ("--params-m", "200", "--repeats", "4"),
                        "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth"),
     "smoke": Preset("hf_map", ("--smoke",), "a tiny Llama on sim: the map's row format anywhere (tests)"),

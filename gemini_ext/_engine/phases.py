@@ -70,7 +70,7 @@ class StatePhases:
         if self.phase is Phase.OFFLOADED:
             self._move("offload")  # raises
         self._runtime.synchronize()
-        self._check_host_room()
+        self._check_host_room(kinds)
         self._move("offload")
         moved = []
         if set(kinds) & set(OPTIMIZER_SIDE):
@@ -100,8 +100,21 @@ class StatePhases:
         """Lets go of the manager and the chunks (the engine closes)."""
         self._runtime = self._chunks = None
 
-    def _check_host_room(self) -> None:
-        leaving = self._chunks.tier_bytes("device")["current"]
+    def _new_host_bytes(self, kinds) -> int:
+        """Bytes the host must newly hold: the chunks of the asked kinds on the device without a host
+        copy (a parameter chunk whose home is the host evicts to the copy it has)."""
+        params, optimizer = "lp_params" in kinds, bool(set(kinds) & set(OPTIMIZER_SIDE))
+        need = 0
+        for chunk_id in range(self._chunks.num_chunks):
+            info = self._chunks.chunk_info(chunk_id)
+            tiers = info["shard_tiers"]
+            if "device" not in tiers or "host" in tiers or not (params if info["group"] == "param" else optimizer):
+                continue
+            need += info["shard_numel"] * getattr(torch, info["dtype"]).itemsize
+        return need
+
+    def _check_host_room(self, kinds) -> None:
+        leaving = self._new_host_bytes(kinds)
         room = host_memory.host_available_bytes(self._ranks_on_host)
         if room is not None and leaving > room:
             raise MemoryError(f"engine.offload_states(): {format_bytes(leaving)} of the engine's device memory would "

@@ -89,6 +89,9 @@ def test_an_offload_the_host_cannot_hold_is_refused_before_anything_moves(monkey
     torch.manual_seed(0)
     model = GPT(GPT_PRESETS["tiny"])
     with gx.enable(model, gx.GeminiConfig(device="sim", placement_policy="auto")) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-3)
+        model(torch.randint(0, 100, (2, 16))).float().mean().backward()
+        opt.step()  # the optimizer side now lives on the device only: leaving, it needs host memory
         before = engine.stats()["tier_bytes"]["device"]["current"]
         monkeypatch.setattr(host_memory, "host_available_bytes", lambda ranks_on_host=1: 1024)
         with pytest.raises(MemoryError, match=r"has 1.00 KiB available for it: .* short\. Free host memory"):
