@@ -312,6 +312,24 @@ def test_trainer_workers_bench_trains_with_loader_workers(tmp_path, capsys):
     assert r["group_pss_last"] > 0 and "| tiny |" in capsys.readouterr().out
 
 
+def test_rl_phases_bench_times_each_phase_of_the_loop(capsys):
+    """bench/rl_phases.py on sim: a tiny Llama generates inside engine.generating(), trains, streams
+    its weights (every parameter in bf16), offloads (no chunk left on the device) and reloads."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("rl_phases", os.path.join(REPO, "bench", "rl_phases.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--model", "tiny-llama", "--device", "sim", "--budget", "2GiB", "--iterations", "2",
+                       "--prompt", "16", "--new", "4"])
+    params = 256 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64  # tiny-llama's, untied head
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["stream"]["bytes"] == 2 * params and r["generate_room"]["room_bytes"] > 0
+        assert r["offloaded"]["after"]["engine_device_bytes"] == 0 < r["offloaded"]["before"]["engine_device_bytes"]
+        assert math.isfinite(r["loss"]) and r["generate_s"] > 0
+    assert "| 1 |" in capsys.readouterr().out
+
+
 def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
     """bench/hf_models.py --smoke: a tiny transformers Mixtral through bench/hf_train.py with and
     without the step in backward, each in its own torchrun process; the peers are listed as
