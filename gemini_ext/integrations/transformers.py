@@ -210,6 +210,19 @@ class GeminiTrainerMixin:
         with self.engine.no_sync() if hold and not last else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        """TRL's generation through transformers (GRPOTrainer's `model.generate()`) inside
+        engine.generating(): the room of a KV cache for these prompts and `max_completion_length`
+        new tokens kept from the chunks (see [Note: room for the KV cache], _engine/generation.py)."""
+        parent = getattr(super(), "_generate_single_turn", None)
+        if parent is None:
+            raise AttributeError(f"{type(self).__name__} has no _generate_single_turn (not a TRL trainer).")
+        if getattr(self, "use_vllm", False):  # vLLM generates outside the engine
+            return parent(prompt_ids, *args, **kwargs)
+        longest = max((len(p) for p in prompt_ids), default=0) + int(getattr(self, "max_completion_length", 0) or 0)
+        with self.engine.generating(batch_size=len(prompt_ids), max_length=longest):
+            return parent(prompt_ids, *args, **kwargs)
+
     # --- saving and resuming ----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir if output_dir is not None else self.args.output_dir

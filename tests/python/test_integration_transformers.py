@@ -356,7 +356,16 @@ def test_the_mixin_over_trls_grpo_trainer_generates_and_trains_as_grpo_trainer(t
     ours = GeminiGRPOTrainer(model=policy(), reward_funcs=even_share, args=grpo_args(tmp_path / "gx"),
                              train_dataset=prompts, processing_class=tokenizer,
                              gemini_config=gx.GeminiConfig(device="sim", placement_policy="auto"))
+    rooms = []
+    generating = ours.engine.generating
+
+    def spy(*args, **kwargs):  # the mixin generates inside engine.generating(), the KV cache's room kept
+        rooms.append(kwargs)
+        return generating(*args, **kwargs)
+
+    ours.engine.generating = spy
     ours.train()
+    assert rooms and all(r["batch_size"] == 4 and 6 + 8 <= r["max_length"] for r in rooms), rooms
     logs = [[(h["reward"], h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
             for t in (plain, ours)]
     assert [r[:2] for r in logs[1]] == [r[:2] for r in logs[0]] and len(logs[0]) == 2, logs
