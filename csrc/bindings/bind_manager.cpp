@@ -77,6 +77,9 @@ void def_setup_and_hooks(py::class_<GeminiManager>& cls) {
       .def("set_no_sync", &GeminiManager::set_no_sync, nogil())
       .def_property_readonly("no_sync", &GeminiManager::no_sync)
       .def_property_readonly("in_backward", &GeminiManager::in_backward)
+      .def("begin_generation_trace", &GeminiManager::begin_generation_trace, nogil())
+      .def("end_generation_pass", &GeminiManager::end_generation_pass, nogil())
+      .def("end_generation_trace", &GeminiManager::end_generation_trace, nogil())
       .def("end_iteration", [](GeminiManager& g) {
         torch_layer::IterationEnd end;
         {

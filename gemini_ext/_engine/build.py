@@ -168,6 +168,7 @@ def _forward_starts(parts: EngineParts) -> None:
     """Before the model's forward fetches anything: refused while the states are offloaded, and
     parameters written outside the hooks reach their chunks."""
     parts.phases.check_resident("the model's forward")
+    parts.generation.forward_starts()
     parts.access.absorb_writes()
 
 

@@ -19,6 +19,9 @@ length of `engine.generating()`, and given back after it.
 - A budget that, less the KV cache, cannot hold the three chunk sets a forward computes with and
   prefetches (the same floor as the first iteration's warm-up) is refused before anything moves,
   naming the figures and the fixes.
+- Each forward pass inside the block is an iteration of an access trace of its own (the manager
+  sets training's aside and takes it back at the end): from the second pass on, prefetch and
+  eviction follow one pass's order, where training's trace would have them expect the backward.
 - Where torch's allocator is capped at what the chunks leave (activations planned under a
   limit), the cap rises by the room for the block and is set again after it.
 """
@@ -61,6 +64,11 @@ class GenerationRoom:
         """Lets go of the manager (the engine closes)."""
         self._runtime = self._activations = None
 
+    def forward_starts(self) -> None:
+        """The model's forward starts: inside the block, the last pass's trace is closed."""
+        if self.active is not None:
+            self._runtime.end_generation_pass()
+
     def check_outside(self, what: str) -> None:
         if self.active is not None:
             raise RuntimeError(f"{what}: inside engine.generating(), where sets' optimizer state may have moved to "
@@ -74,11 +82,13 @@ class GenerationRoom:
                                "KV cache's room (pass the largest batch_size and max_length it generates).")
         moved, before = self._enter(room_bytes)
         self.active = (moved, before)
+        self._runtime.begin_generation_trace()
         try:
             yield {"room_bytes": room_bytes, "chunk_budget_bytes": self._runtime.device_budget,
                    "optimizer_sets_moved": len(moved)}
         finally:
             self.active = None
+            self._runtime.end_generation_trace()
             self._runtime.set_device_budget(before)
             for k in moved:
                 self._runtime.set_optim_on_host(k, False)

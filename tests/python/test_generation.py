@@ -43,10 +43,10 @@ def test_greedy_generation_under_the_engine_is_the_models_own_and_training_goes_
     assert not torch.equal(logits_before, logits_after)  # the updates reached what generation computes with
 
 
-def _llama(transformers):
+def _llama(transformers, layers: int = 4):
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, max_position_embeddings=64, pad_token_id=0))
 
 
@@ -126,3 +126,35 @@ def test_generating_refuses_a_room_that_leaves_too_little_and_a_step_inside():
             with pytest.raises(RuntimeError, match=r"optimizer.step\(\): inside engine.generating\(\)"):
                 opt.step()
         assert engine.internal.runtime.device_budget == budget
+
+
+def test_generation_keeps_its_own_access_trace_and_trainings_is_not_rerecorded():
+    """Inside engine.generating() each forward pass is an iteration of a trace of its own: the
+    training trace keeps its length and is never re-recorded around the blocks, and with half the
+    parameters in the budget fewer chunks are fetched on demand than one per chunk per pass."""
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers, layers=8)
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    y = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    cfg = gx.GeminiConfig(device="sim", placement_policy="auto", precision="fp32",
+                          chunk_config_dict={"chunk_size": 40000})
+    traces, fetches = [], []
+    with gx.enable(model, cfg) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+        runtime = engine.internal.runtime
+        for step in range(4):
+            if step >= 2:
+                params = sum(engine.internal.layout.shard_bytes)
+                before = engine.stats()["counters"]["fetches"]
+                with engine.generating(kv_cache_bytes=runtime.device_budget - params // 2):
+                    with torch.no_grad():
+                        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+                fetches.append(engine.stats()["counters"]["fetches"] - before)
+            model(input_ids=y, labels=y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = runtime.trace_info()
+            traces.append((len(t["recorded"]), t["rerecordings"]))
+        chunks = engine.stats()["num_param_chunks"]
+    assert traces == [traces[0]] * 4 and traces[0][1] == 0, traces
+    assert all(0 < f < 8 * chunks for f in fetches), fetches  # 8 passes

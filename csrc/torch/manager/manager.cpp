@@ -4,6 +4,7 @@
 #include "torch/manager/manager.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/errors.h"
 #include "core/memory_pressure.h"
@@ -143,6 +144,26 @@ IterationEnd GeminiManager::end_iteration() {
   out.device_bytes_peak = timeline_.last_iteration_peak_bytes();
   out.trace_rerecordings = trace_.rerecordings();
   return out;
+}
+
+void GeminiManager::begin_generation_trace() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  GX_INTERNAL_ASSERT(!generating_, "begin_generation_trace while generating");
+  std::swap(trace_, set_aside_trace_);  // residency_ reads trace_: it now follows generation's
+  generating_ = true;
+}
+
+void GeminiManager::end_generation_pass() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  if (generating_ && trace_.position() > 0) trace_.end_iteration();
+}
+
+void GeminiManager::end_generation_trace() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  if (!generating_) return;
+  if (trace_.position() > 0) trace_.end_iteration();
+  std::swap(trace_, set_aside_trace_);
+  generating_ = false;
 }
 
 void GeminiManager::apply_placement() {

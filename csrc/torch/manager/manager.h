@@ -177,6 +177,12 @@ class GeminiManager {
   // The iteration boundary (the optimizer step): closes the access trace (re-recorded if the
   // order changed) and reports the iteration's figures.
   IterationEnd end_iteration();
+  // Generation (engine.generating()): forward-only passes keep an access trace of their own, each
+  // pass an iteration, so that prefetch and eviction follow one pass's order and not training's;
+  // training's trace is set aside untouched and comes back at the end.
+  void begin_generation_trace();
+  void end_generation_pass();  // a pass ends (the next one starts): closes its iteration
+  void end_generation_trace();
   std::tuple<std::vector<ChunkId>, int64_t, int64_t, bool> trace_info();  // recorded, iterations, rerecordings, usable
   std::vector<TimelineEvent> timeline();
   EngineCounters counters();
@@ -300,6 +306,8 @@ class GeminiManager {
   std::vector<const c10::StorageImpl*> watched_storages_;  // what each watched parameter viewed
   std::unique_ptr<ParamStorages> storages_;
   AccessTrace trace_;
+  AccessTrace set_aside_trace_;  // training's while generating, generation's otherwise
+  bool generating_ = false;
   Communicator* replicas_ = nullptr;
   ChunkId whole_cache_id_ = -1;  // whole_slot_locked's last gathered chunk
   at::Tensor whole_cache_;       // on the compute device, in the chunk's dtype
