@@ -152,6 +152,8 @@ void def_gradients_and_values(py::class_<GeminiManager>& cls) {
              return g.read_to(k, param, target, scalar_type);
            },
            py::arg("kind"), py::arg("param"), py::arg("device"), py::arg("dtype"))
+      .def("read_compute_param_to", &GeminiManager::read_compute_param_to, py::arg("param"), py::arg("device"),
+           py::arg("dtype"), nogil())
       .def("read_local",
            [](GeminiManager& g, const std::string& kind, int param) { return g.read_local(kind_of(kind), param); },
            nogil())

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 
@@ -145,6 +146,10 @@ class ParamAccess:
             raise RuntimeError("engine.named_parameters_for_inference(): called during backward; use it between "
                                "iterations (after optimizer.step()).")
         self.absorb_writes()
+        # In the compute dtype the 16-bit copy is the value (the master rounded as each step
+        # rounds it), read where it is current: on the device when resident, not the host's master.
+        read = self._gm.read_compute_param_to if dtype == self._layout.compute_dtype else functools.partial(
+            self._gm.read_to, "param")
         last_chunk = None
         try:
             with torch.no_grad():
@@ -152,7 +157,7 @@ class ParamAccess:
                     if last_chunk is not None and chunk != last_chunk:
                         self._gm.release_read_cache()
                     last_chunk = chunk
-                    yield self._layout.names[i], self._gm.read_to("param", i, device, dtype)
+                    yield self._layout.names[i], read(i, device, dtype)
         finally:
             self._gm.release_read_cache()
 

@@ -121,8 +121,10 @@ def test_the_weights_stream_out_whole_in_the_models_names():
         streamed = dict(engine.named_parameters_for_inference(dtype=torch.bfloat16))
         full = engine.state_dict()
         assert sorted(streamed) == sorted(names)  # every parameter once, in the model's names
-        for name, value in streamed.items():
+        for name, value in streamed.items():  # bf16, the compute dtype: read from the 16-bit chunks
             assert value.dtype == torch.bfloat16 and torch.equal(value, full[name].to(torch.bfloat16)), name
+        for name, value in engine.named_parameters_for_inference(dtype=torch.float32):  # the fp32 masters
+            assert torch.equal(value, full[name]), name
         with engine.states_offloaded():
             with pytest.raises(RuntimeError, match=r"offloaded.*reload_states\(\)"):
                 engine.named_parameters_for_inference()

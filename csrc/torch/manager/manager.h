@@ -224,6 +224,9 @@ class GeminiManager {
   // The same value as a new tensor of `dtype` on `device`, copied there from where the chunk is
   // (close() restores parameters to the GPU without a round trip through pageable host memory).
   at::Tensor read_to(StateKind kind, int param, at::Device device, at::ScalarType dtype);
+  // The parameter's compute-dtype copy (its P chunk, not the fp32 master), from where P is current:
+  // the values the forward computes with, without reading the master from host memory.
+  at::Tensor read_compute_param_to(int param, at::Device device, at::ScalarType dtype);
   // Sharded reads keep the last gathered chunk on the compute device (a chunk's slots are read
   // one after another); readers release it when done so that it holds no device memory.
   void release_read_cache();

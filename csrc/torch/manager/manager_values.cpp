@@ -52,6 +52,15 @@ at::Tensor GeminiManager::read_to(StateKind kind, int param, at::Device device, 
       .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
 }
 
+at::Tensor GeminiManager::read_compute_param_to(int param, at::Device device, at::ScalarType dtype) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  value_handle_locked(StateKind::kParam, param);  // settles the steps and waits for the chunk's copies
+  const ParamSpec& ps = params_[static_cast<size_t>(param)];
+  mgr_.wait(ps.chunk);
+  return value_view_locked(ps.chunk, ps.slot, residency_.where_current(ps.chunk))
+      .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
+}
+
 void GeminiManager::release_read_cache() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   drop_whole_cache_locked();
