@@ -102,6 +102,7 @@ void def_residency(py::class_<GeminiManager>& cls) {
       .def("set_device_budget", &GeminiManager::set_device_budget, nogil())
       .def_property_readonly("device_budget", &GeminiManager::device_budget)
       .def("set_optim_on_host", &GeminiManager::set_optim_on_host, nogil())
+      .def("set_param_home_on_host", &GeminiManager::set_param_home_on_host, nogil())
       .def("set_placements",
            [](GeminiManager& g) {
              std::vector<SetPlacement> placements;

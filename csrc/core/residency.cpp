@@ -204,7 +204,8 @@ void Residency::ensure_on_device(ChunkId id) {
       const Chunk& p = mgr_.chunk(set.spec.param);
       if (set.spec.param_home_on_host && set.spec.param != id && p.shard_tiers().contains(Tier::kDevice) &&
           p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param) &&
-          !mgr_.prefetched(set.spec.param) && !mgr_.gather_in_flight(set.spec.param))
+          !mgr_.prefetched(set.spec.param) && !mgr_.gather_in_flight(set.spec.param) &&
+          !needed_soon(set.spec.param))
         evict(set.spec.param);
       // Sharded, an idle gathered chunk is re-sharded now rather than at its release, so that
       // consecutive modules in one chunk share one all-gather. Every rank sees the same access
@@ -287,6 +288,13 @@ void Residency::prefetch_gathers() {
 
 void Residency::allocate_on_device(ChunkId id) {
   with_room(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
+}
+
+bool Residency::needed_soon(ChunkId id) const {
+  if (!trace_.usable()) return false;
+  const size_t from = trace_.position();
+  const size_t next = trace_.next_use(id, from);
+  return next != AccessTrace::kNever && next - from < kSoonAccesses;
 }
 
 bool Residency::param_kept_on_device(const ChunkSet& set) const {

@@ -96,6 +96,11 @@ class Residency {
  private:
   void prefetch_gathers();
   bool param_kept_on_device(const ChunkSet& set) const;
+  // The recorded order uses `id` again within kSoonAccesses accesses from now (a layer whose
+  // parameters straddle two chunks alternates between them): sending it home now would fetch it
+  // again at once.
+  bool needed_soon(ChunkId id) const;
+  static constexpr size_t kSoonAccesses = 8;
   std::vector<ChunkId> evictable(ChunkId requester) const;
   // Chunks of sets still collecting gradients in this backward: evicted only when evictable()
   // has none (unsharded).

@@ -10,7 +10,10 @@ length of `engine.generating()`, and given back after it.
   config gives the bytes: keys and values for every layer, every key-value head) lowers the chunks'
   budget by that much for the block; parameter chunks beyond the lowered budget are evicted to
   their host copies and stream back with prefetch as each forward reaches them, and those that fit
-  stay resident for the whole generation.
+  stay resident for the whole generation. Where they do not all fit, the sets in order stay while
+  they fit beside two chunks of streaming room, and the others (stepped on the host, so with a host
+  copy) go back to it after each use, as host-home chunks do in training: the budget keeps free
+  room, and prefetch fetches the next chunks while the current ones compute.
 - The optimizer side (gradients, masters, moments) of a chunk set kept on the device computes
   nothing while generating. Where the parameter chunks and the optimizer sides on the device do not
   both fit the lowered budget, sets' optimizer sides move to the host, the last sets first, until
@@ -80,15 +83,17 @@ class GenerationRoom:
         if self.active is not None:
             raise RuntimeError("engine.generating(): already inside a generating() block; one block holds one "
                                "KV cache's room (pass the largest batch_size and max_length it generates).")
-        moved, before = self._enter(room_bytes)
+        moved, streamed, before = self._enter(room_bytes)
         self.active = (moved, before)
         self._runtime.begin_generation_trace()
         try:
             yield {"room_bytes": room_bytes, "chunk_budget_bytes": self._runtime.device_budget,
-                   "optimizer_sets_moved": len(moved)}
+                   "optimizer_sets_moved": len(moved), "parameter_sets_streamed": len(streamed)}
         finally:
             self.active = None
             self._runtime.end_generation_trace()
+            for k in streamed:
+                self._runtime.set_param_home_on_host(k, False)
             self._runtime.set_device_budget(before)
             for k in moved:
                 self._runtime.set_optim_on_host(k, False)
@@ -111,11 +116,28 @@ class GenerationRoom:
                 f"{format_bytes(floor)} the largest {CHUNK_SETS_FLOOR} chunk sets a forward computes with and "
                 "prefetches need. Generate fewer or shorter sequences at a time (batch_size, max_length), raise "
                 "gpu_memory_limit, or use smaller chunks (chunk_config_dict / min_chunk_size_m).")
-        moved = self._move_optimizer_sides(left, shard_bytes, figures)
+        moved, held = self._move_optimizer_sides(left, shard_bytes, figures)
+        streamed = self._stream_beyond(left - held, shard_bytes)
         self._runtime.set_device_budget(left)  # parameter chunks beyond it go to their host copies
         if self._activations is not None:
             self._activations.widen_torch_cap(room_bytes)
-        return moved, before
+        return moved, streamed, before
+
+    def _stream_beyond(self, param_room: int, shard_bytes) -> list:
+        """Where the parameter chunks do not all fit `param_room`: the sets in order stay resident
+        while they fit beside two chunks of streaming room, and the rest (those with a host copy:
+        stepped on the host) go back to it after each use, so that prefetch has room for the next."""
+        if sum(shard_bytes) <= param_room:
+            return []
+        keep = param_room - 2 * max(shard_bytes, default=0)
+        streamed = []
+        for k, place in enumerate(self._runtime.set_placements()):
+            keep -= shard_bytes[k]
+            if keep >= 0 or place["param_home_on_host"] or not (place["trainable"] and place["optim_on_host"]):
+                continue
+            self._runtime.set_param_home_on_host(k, True)
+            streamed.append(k)
+        return streamed
 
     def _move_optimizer_sides(self, left: int, shard_bytes, figures) -> list:
         """The last sets' optimizer sides to the host until the parameter chunks and the optimizer
@@ -140,4 +162,4 @@ class GenerationRoom:
                               "Free host memory, or generate fewer or shorter sequences at a time.")
         for k in moved:
             self._runtime.set_optim_on_host(k, True)
-        return moved
+        return moved, held

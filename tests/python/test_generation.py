@@ -130,8 +130,9 @@ def test_generating_refuses_a_room_that_leaves_too_little_and_a_step_inside():
 
 def test_generation_keeps_its_own_access_trace_and_trainings_is_not_rerecorded():
     """Inside engine.generating() each forward pass is an iteration of a trace of its own: the
-    training trace keeps its length and is never re-recorded around the blocks, and with half the
-    parameters in the budget fewer chunks are fetched on demand than one per chunk per pass."""
+    training trace keeps its length and is never re-recorded around the blocks. With half the
+    parameters in the budget the sets that do not fit stream: from the second block on (the pass's
+    trace recorded) every chunk comes by prefetch, once per pass."""
     transformers = pytest.importorskip("transformers")
     model = _llama(transformers, layers=8)
     x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -145,16 +146,19 @@ def test_generation_keeps_its_own_access_trace_and_trainings_is_not_rerecorded()
         for step in range(4):
             if step >= 2:
                 params = sum(engine.internal.layout.shard_bytes)
-                before = engine.stats()["counters"]["fetches"]
-                with engine.generating(kv_cache_bytes=runtime.device_budget - params // 2):
+                before = engine.stats()["traffic"]
+                with engine.generating(kv_cache_bytes=runtime.device_budget - params // 2) as room:
                     with torch.no_grad():
                         model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
-                fetches.append(engine.stats()["counters"]["fetches"] - before)
+                after = engine.stats()["traffic"]
+                fetches.append({k: after[k] - before[k] for k in ("fetches", "prefetches", "prefetch_wasted")})
+                fetches[-1]["streamed"] = room["parameter_sets_streamed"]
             model(input_ids=y, labels=y).loss.backward()
             opt.step()
             opt.zero_grad()
             t = runtime.trace_info()
             traces.append((len(t["recorded"]), t["rerecordings"]))
-        chunks = engine.stats()["num_param_chunks"]
     assert traces == [traces[0]] * 4 and traces[0][1] == 0, traces
-    assert all(0 < f < 8 * chunks for f in fetches), fetches  # 8 passes
+    last = fetches[-1]
+    assert last["streamed"] >= 3 and last["fetches"] == 0 and last["prefetch_wasted"] == 0, fetches
+    assert 0 < last["prefetches"] <= 8 * last["streamed"], fetches  # 8 passes, each streamed set once

@@ -167,6 +167,10 @@ class GeminiManager {
   // Moves one set's optimizer state (master and states) between the host (CPU kernel) and the
   // device (device kernel), between steps. The policy decides; this carries it out.
   void set_optim_on_host(int set_index, bool on_host);
+  // Whether a set's parameter chunk goes back to its host copy once the access stream moves on
+  // (engine.generating() streams the sets that do not fit). Home on the host needs P's permanent
+  // host copy (a set stepped on the host has one): without it, an InternalError.
+  void set_param_home_on_host(int set_index, bool on_host);
   std::vector<SetPlacement> set_placements();
   // Memory pressure (the process-wide allocator, or a test): evicts chunks no tensor computes
   // on, then gives the device tier's free slots and extents back, until `bytes` were released.

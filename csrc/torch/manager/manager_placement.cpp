@@ -63,6 +63,16 @@ void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
   set.spec.optim_on_host = on_host;
 }
 
+void GeminiManager::set_param_home_on_host(int set_index, bool on_host) {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  check_set(set_index);
+  ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  GX_INTERNAL_ASSERT(!on_host || (set.trainable && set.spec.optim_on_host &&
+                                  mgr_.chunk(set.spec.param).shard_tiers().contains(mgr_.host_tier())),
+                     "set_param_home_on_host: chunk set ", set_index, " has no permanent host copy of its parameters");
+  set.spec.param_home_on_host = on_host;
+}
+
 std::vector<TimelineEvent> GeminiManager::timeline() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   return timeline_.events();
