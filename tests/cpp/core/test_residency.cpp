@@ -234,6 +234,30 @@ TEST(Residency, PrefetchFollowsTheTraceWithinTheBudgetAndIsDeterministic) {
   EXPECT_EQ(run(), it);
 }
 
+TEST(Residency, AHostHomeChunkUsedAgainWithinAFewAccessesStays) {
+  // Forward-only passes (a generation) over host-home sets, where layers 0 and 1 alternate as a
+  // layer whose parameters straddle two chunks does. Without a trace each move to another chunk
+  // sends the idle ones home; once the pass is recorded, a chunk used again within
+  // Residency::kSoonAccesses stays, and each chunk is fetched once a pass.
+  Rig rig(4, 4 * kChunkBytes, /*max_prefetch=*/0);
+  rig.place();
+  for (ChunkSet& set : rig.sets_) set.spec.param_home_on_host = true;
+  auto pass = [&] {
+    for (int layer : {0, 1, 0, 1, 2, 3}) rig.forward(layer);
+    rig.timeline_.note('S', -1, rig.mgr_.tier_bytes(Tier::kDevice).current);
+    rig.trace_.end_iteration();
+  };
+  for (int k = 0; k < 3; ++k) pass();
+  const auto it = rig.iterations();
+  ASSERT_EQ(it.size(), 4u);  // the placement and the first pass, two recorded passes, nothing after
+  EXPECT_EQ(std::count(it[0].begin(), it[0].end(), "F4"), 3) << "no trace: 4 goes home between its uses";
+  // Recorded: 0 and 4 stay through their alternation and go home once the pass leaves them; 8
+  // goes when 12 computes; 12, last in the pass, waits on the device for the next one.
+  const Trace steady{"F0", "F4", "E0", "E4", "F8", "E8"};
+  EXPECT_EQ(it[1], steady);
+  EXPECT_EQ(it[2], steady);
+}
+
 TEST(Residency, WhatComputesOrIsPinnedIsNeverEvicted) {
   Rig rig(3, 2 * kChunkBytes, 0);
   rig.fetch_for_compute(0);  // in compute
