@@ -296,8 +296,9 @@ def test_chunks_homed_on_the_host_are_fetched_about_once_per_pass():
         fetches = stats["counters"]["fetches"] + stats["traffic"]["prefetches"]  # synchronous + ahead
         assert stats["traffic"]["prefetch_hits"] > 0, "after the warm-up step, fetches come ahead of use"
     # forward and backward each walk the chunks once; the tied embedding/head chunk and chunks
-    # shared by neighbouring modules may come back once more
-    assert 2 * steps * n <= fetches <= steps * (2 * n + 2)
+    # shared by neighbouring modules may come back once more; a chunk the walk uses again within
+    # 8 accesses (at the turn from forward to backward) stays instead of going home in between
+    assert steps * (2 * n - 8) <= fetches <= steps * (2 * n + 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
