@@ -11,7 +11,10 @@ iteration measures and places); then each iteration:
 
   generate   --batch prompts of --prompt random tokens, --new tokens each sampled with the KV
              cache inside `engine.generating(batch_size, max_length)` (eval, no_grad)
-  train      one step on the --batch x (--prompt + --new) sequences (labels = inputs)
+  train      one step on the --batch x (--prompt + --new) sequences (labels = inputs): what the
+             caller waits for; then `settle`, engine.synchronize(): the host's optimizer steps
+             still running after step() returned (overlap_optimizer), so that no phase after it
+             waits for them inside its own time
   stream     engine.named_parameters_for_inference(bf16): every parameter whole, each dropped
              once seen (what a colocated inference engine would copy into its own weights)
   offload    engine.offload_states(): the device's chunks, the optimizer sides and the pools' free
@@ -21,6 +24,8 @@ iteration measures and places); then each iteration:
   reload     engine.reload_states(): the optimizer sides back; the parameter chunks come back with
              the next forward, whose extra time over the iteration's train step is printed beside it
 
+Generation also counts torch's allocator retries (a cudaFree of cached blocks and a retry, each
+a device synchronisation, when an allocation meets the cap) and its device allocations.
 Beside each move the link's time for its bytes at the H2D / D2H rates measured here (a pinned 1 GiB
 copy). Device memory: torch's allocated and reserved bytes and the engine's chunk bytes on the
 device; host: this process's resident set (VmRSS, its peak VmHWM reset before the stream).
@@ -141,6 +146,18 @@ def build(args):
     return model, engine, opt
 
 
+def allocator_counts(dev) -> dict:
+    """torch's allocator retries and device allocations/frees so far (cuda), else {}."""
+    if dev.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(dev)
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
+def counts_since(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in before}
+
+
 def train_step(model, opt, seqs) -> float:
     loss = model(input_ids=seqs, labels=seqs).loss
     loss.backward()
@@ -174,15 +191,18 @@ def iteration(model, engine, opt, args, step: int, clock: Clock, rates: dict) ->
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(dev)
     row = {"iteration": step}
     with engine.generating(batch_size=args.batch, max_length=args.prompt + args.new) as room:
+        counts = allocator_counts(dev)
         seqs, row["generate_s"] = clock(lambda: model.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new, min_new_tokens=args.new,
             do_sample=True, top_k=0, use_cache=True))
+        row["generate_allocator"] = counts_since(counts, allocator_counts(dev))
         row["generate_room"] = dict(room)
         row["generate_device"] = device_figures(engine, dev)
     if dev.type == "cuda":
         row["generate_torch_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
     model.train()
     row["loss"], row["train_s"] = clock(lambda: train_step(model, opt, seqs))
+    _, row["settle_s"] = clock(engine.synchronize)
     row["stream"], row["stream_s"] = clock(lambda: stream(engine, dev))
     before = device_figures(engine, dev)
     try:
@@ -195,6 +215,7 @@ def iteration(model, engine, opt, args, step: int, clock: Clock, rates: dict) ->
     _, row["reload_s"] = clock(engine.reload_states)
     row["reloaded_device"] = device_figures(engine, dev)
     _, row["train_after_reload_s"] = clock(lambda: train_step(model, opt, seqs))
+    _, row["settle_after_reload_s"] = clock(engine.synchronize)
     if rates["h2d"]:
         row["offload_link_s"] = before["engine_device_bytes"] / rates["d2h"]
         row["reload_link_s"] = (row["reloaded_device"]["engine_device_bytes"]) / rates["h2d"]
@@ -209,14 +230,17 @@ def table(rows: list[dict], rates: dict) -> str:
     def ratio(a, b):
         return f"{a / b:.2f}x" if b else "-"
 
-    lines = ["| it | generate s (tok/s) | train s | stream s (link x) | stream dev/host peak GiB | offload s "
-             "(link x) | after offload: engine / torch alloc GiB | reload s (link x) | next step s (extra) |",
+    lines = ["| it | generate s (tok/s, alloc retries) | train s + settle s | stream s (link x) | stream dev/host "
+             "peak GiB | offload s (link x) | after offload: engine / torch alloc GiB | reload s (link x) | "
+             "next step s (extra) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok_s = r["tokens"] / r["generate_s"]
         after = r["offloaded"]["after"]
         lines.append(
-            f"| {r['iteration']} | {r['generate_s']:.1f} ({tok_s:.0f}) | {r['train_s']:.2f} | {r['stream_s']:.2f} "
+            f"| {r['iteration']} | {r['generate_s']:.1f} ({tok_s:.0f}, "
+            f"{r['generate_allocator'].get('num_alloc_retries', '-')}) | {r['train_s']:.2f} + {r['settle_s']:.2f} | "
+            f"{r['stream_s']:.2f} "
             f"({ratio(r['stream_s'], r.get('stream_link_s'))}) | {gib(r['stream'].get('device_peak_beyond_bytes'))}"
             f" / {gib(r['stream']['host_peak_beyond_bytes'])} | {r['offload_s']:.2f} "
             f"({ratio(r['offload_s'], r.get('offload_link_s'))}) | {gib(after['engine_device_bytes'])} / "
@@ -235,7 +259,7 @@ def main(argv=None) -> list[dict]:
     clock = Clock(dev)
     rates = link_rates(dev)
     first = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt + args.new)).to(dev)
-    _, first_s = clock(lambda: train_step(model, opt, first))
+    _, first_s = clock(lambda: (train_step(model, opt, first), engine.synchronize()))
     print(f"first training step (measures and places): {first_s:.1f} s", flush=True)
     rows = []
     for step in range(args.iterations):

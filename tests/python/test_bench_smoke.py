@@ -327,6 +327,7 @@ def test_rl_phases_bench_times_each_phase_of_the_loop(capsys):
         assert r["stream"]["bytes"] == 2 * params and r["generate_room"]["room_bytes"] > 0
         assert r["offloaded"]["after"]["engine_device_bytes"] == 0 < r["offloaded"]["before"]["engine_device_bytes"]
         assert math.isfinite(r["loss"]) and r["generate_s"] > 0
+        assert r["settle_s"] >= 0 and r["generate_allocator"] == {}  # torch's allocator counts: cuda only
     assert "| 1 |" in capsys.readouterr().out
 
 
