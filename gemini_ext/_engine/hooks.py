@@ -16,6 +16,15 @@
   (`end_backward`: flushes chunks whose tensors got no gradient) and tells the optimizer that a
   backward began (it may arm speculative CPU steps: optim/wrapper.py). It also refuses what cannot
   work: a backward nested in another (reentrant activation checkpointing) and compiled autograd.
+
+[Note: a backward that raised]
+The autograd engine runs the queued end-of-backward callback only when the backward completes: an
+exception inside it (a hook, a custom Function, an out-of-memory) leaves the manager in its
+backward phase with the pass half done. The next thing that can only happen after that backward
+ended finishes it the way it would have ended: a forward outside any backward, `zero_grad()` or
+`optimizer.step()` (`finish_failed_backward`). The gradients that reached the chunks stay, as the
+`.grad` of a plain model keeps what its failed backward accumulated; host steps started during
+it are judged like any other (undone by `zero_grad()`).
 """
 
 from __future__ import annotations
@@ -93,6 +102,8 @@ class HookSet:
 
     # --- forward ---------------------------------------------------------------------------
     def _pre_forward(self, mid, module, args):
+        if self._graph_task is not None:
+            self.finish_failed_backward()
         self.gm.pre_forward(mid)
         if not torch.is_grad_enabled():
             return None
@@ -145,6 +156,8 @@ class HookSet:
         self.gm.post_accumulate_grad(index, param)
 
     def _forward_started(self, on_forward_start) -> None:
+        if self._graph_task is not None:
+            self.finish_failed_backward()
         self._forward_began = time.perf_counter()
         on_forward_start()
 
@@ -152,10 +165,19 @@ class HookSet:
         """{"forward_seconds", "backward_seconds"} of the last iteration (the MemoryTracer's)."""
         return {"forward_seconds": self.last_forward_seconds, "backward_seconds": self.last_backward_seconds}
 
-    def _end_backward(self):
+    def finish_failed_backward(self) -> bool:
+        """Ends a backward that raised before its end callback ran; True if there was one. Inside a
+        backward (a recomputing forward) it does nothing."""
+        # see [Note: a backward that raised]
+        if self._graph_task is None or torch._C._current_graph_task_id() != -1:
+            return False
+        self._end_backward(failed=True)
+        return True
+
+    def _end_backward(self, failed: bool = False):
         self._graph_task = None
         grads, self._grads_this_backward = self._grads_this_backward, 0
         self.gm.end_backward()
         self.last_backward_seconds = time.perf_counter() - self._backward_began
-        if self._loss_scale is not None:
-            self._loss_scale.end_backward(grads)  # raises where nothing applied the fp16 scale
+        if self._loss_scale is not None:  # raises where nothing applied the fp16 scale
+            self._loss_scale.end_backward(0 if failed else grads)

@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from .._native import _C
+
 
 def reset_parameters(module: torch.nn.Module) -> None:
     """The default initialiser: the module's own reset_parameters()."""
@@ -99,7 +101,7 @@ class MetaMaterializer:
         if tensor.is_meta:
             group = self._group_of_tensor.get(id(tensor))
             if group is None:
-                raise RuntimeError("gemini_ext internal error (this is a bug, please report it): a meta tensor "
+                raise _C.InternalError("gemini_ext internal error (this is a bug, please report it): a meta tensor "
                                    "that no module of the model owns directly.")
             self._materialize(group)
 

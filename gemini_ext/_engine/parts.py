@@ -70,6 +70,7 @@ class EngineParts:
     def zero_grad(self) -> None:
         """Clears every gradient chunk and the clipping noted since the last step (engine.zero_grad,
         optimizer.zero_grad, model.zero_grad)."""
+        self.hooks.finish_failed_backward()
         self.check_no_steps_in_backward("zero_grad()")
         self.runtime.zero_grad()
         self.clipper.reset()
@@ -77,6 +78,7 @@ class EngineParts:
             self.loss_scale.reset()
 
     def end_iteration(self) -> dict:
+        self.hooks.finish_failed_backward()
         report = self.runtime.end_iteration()
         self.tracer.end_iteration(report, self.hooks.last_pass_seconds())
         self.placer.after_iteration(self.runtime, self.tracer, report)

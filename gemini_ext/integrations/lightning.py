@@ -48,6 +48,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from .._native import _C
 from ..config import GeminiConfig
 from ..engine import enable
 from ..optim import GeminiOptimizer
@@ -217,8 +218,9 @@ class GeminiStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if not self._restored:
-            raise RuntimeError("GeminiStrategy: the optimizer's state is restored with the model's from the engine's "
-                               "checkpoint, and the model was not restored first; this is a bug in gemini_ext.")
+            raise _C.InternalError("gemini_ext internal error (this is a bug, please report it): GeminiStrategy "
+                                   "restores the optimizer's state with the model's from the engine's checkpoint, "
+                                   "and the model was not restored first.")
 
     def teardown(self) -> None:
         if self.engine is not None and not self.engine.closed:

@@ -41,8 +41,8 @@ def _gpt(checkpointed: bool, **fields):
     return model
 
 
-def _llama(hf_checkpointing: bool, **enable_kwargs):
-    cfg = transformers.LlamaConfig(vocab_size=128, max_position_embeddings=64, use_cache=False, hidden_size=32,
+def _llama(hf_checkpointing: bool, use_cache=False, **enable_kwargs):
+    cfg = transformers.LlamaConfig(vocab_size=128, max_position_embeddings=64, use_cache=use_cache, hidden_size=32,
                                    intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=2)
     cfg._attn_implementation = "sdpa"
@@ -250,6 +250,16 @@ def test_auto_keeps_every_block_where_the_chunks_leave_room(device):
     # forward of its own, dropped at once), then every block kept
     assert ck["checkpointed_calls"] == 3 and ck["kept_calls"] == 3 * (STEPS - 1), ck
     assert auto[2]["offload"]["offloaded"] == 3, auto[2]["offload"]
+
+
+@pytest.mark.parametrize("checkpointing", ["on", "auto"])
+def test_a_llama_left_at_use_cache_true_trains_as_without_the_engines_checkpointing(checkpointing):
+    # transformers' default: the decoder layers append to a KV cache in training too; the forward
+    # that measures block 0 must not add its keys to the cache the real call uses
+    off = _train(_llama(False, use_cache=True), "sim")
+    planned = _train(_llama(False, use_cache=True), "sim", activation_checkpointing=checkpointing)
+    _same_bits(off, planned)
+    assert planned[2]["checkpointing"]["checkpointed_calls"] >= 3, planned[2]
 
 
 def _room_for(choices):

@@ -191,6 +191,22 @@ def test_ruff_check_passes():
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
+def test_every_error_that_says_it_is_a_bug_is_an_internal_error():
+    """README: an internal error is gx.InternalError (which callers can catch as such), never another
+    exception class that only says so in its message."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            text = " ".join(c.value for c in ast.walk(node.exc)
+                            if isinstance(c, ast.Constant) and isinstance(c.value, str))
+            called = ast.unparse(node.exc.func)
+            if ("internal error" in text or "is a bug" in text) and not called.endswith("InternalError"):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} raises {called}")
+    assert wrong == []
+
+
 def test_every_note_is_cited_where_its_rule_applies():
     """A `[Note: X]` block says a rule once; the code it governs says "see [Note: X]", on one line
     (FSDP2's convention): a note that nothing cites is a rule nobody is pointed to."""

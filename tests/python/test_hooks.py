@@ -324,3 +324,56 @@ def test_a_forward_that_fails_on_its_inputs_says_the_engine_does_not_cast_them(d
             model(torch.randint(0, 4, (8, 16), device=dev))  # token ids into a Linear layer
         notes = "\n".join(getattr(info.value, "__notes__", []))
         assert "integer input(s) in torch.int64" in notes and "x.to(torch.bfloat16)" in notes, notes
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("raised inside backward")
+
+
+def _train_through_a_failed_backward(model, opt, device, after_failure):
+    """Four iterations; the second one's backward raises once block 1's backward is done (block 1
+    and the head have their gradients, block 0 and the embeddings none), and the loop goes on with
+    `after_failure`: "zero_grad" (drop what the failed pass left), "step" (step with it, as torch
+    does), "forward" (the next forward at once, accumulating onto it)."""
+    for step in range(4):
+        fail = step == 1
+        handle = model.blocks[1].register_forward_pre_hook(
+            lambda module, args: (_RaisesInBackward.apply(args[0]),)) if fail else None
+        x, y = batch(model.cfg, step, device)
+        loss = model(x, y)
+        if handle is not None:
+            handle.remove()
+        if not fail:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            continue
+        with pytest.raises(ValueError, match="raised inside backward"):
+            loss.backward()
+        if after_failure == "zero_grad":
+            opt.zero_grad()
+        elif after_failure == "step":
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("after_failure", ["zero_grad", "step", "forward"])
+def test_training_goes_on_after_an_exception_inside_backward_as_in_plain_pytorch(device, after_failure):
+    # see [Note: a backward that raised] (gemini_ext/_engine/hooks.py)
+    model, reference = make_models()
+    reference.to(torch_device(device))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    _train_through_a_failed_backward(reference, ref_opt, torch_device(device), after_failure)
+    with gx.enable(model, config(device)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        _train_through_a_failed_backward(model, opt, engine.compute_device, after_failure)
+        assert engine.stats()["counters"]["backward_passes"] == 4, "the failed pass was ended, the later ones ran"
+    diff = max_relative_difference(model, reference)
+    assert max(diff.values()) < 1e-5, diff

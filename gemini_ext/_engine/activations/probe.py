@@ -12,13 +12,21 @@
   with the random state forked so the real call draws the same numbers; its output is dropped at
   once, so those activations live only as long as a recompute's would. The real call then runs
   checkpointed like the others.
+- That forward gets its own copies of the arguments that are neither tensors nor plain values: a
+  block may change an object it is given (transformers' decoder layers append their keys and
+  values to the KV cache when the model is left at `use_cache=True`), and the real call must find
+  it as the model left it. Tensors inside such an object stay shared: only the object is new.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..._native import _C
 
 BACKWARD_PER_FORWARD = 2.0
 
@@ -62,8 +70,9 @@ class BlockProbe:
         devices = [self._device.index or 0] if self._cuda else []
         with torch.random.fork_rng(devices=devices, device_type="cuda"), \
                 torch.autograd.graph.saved_tensors_hooks(lambda t: _count(seen, held, t), _never_unpacked):
-            out = fn(*args, **kwargs)
-        del out
+            own_args, own_kwargs = _own_copies(args, kwargs)
+            out = fn(*own_args, **own_kwargs)
+        del out, own_args, own_kwargs
         held.clear()
         return sum(seen.values())
 
@@ -95,6 +104,50 @@ class BlockProbe:
         return out
 
 
+_PLAIN = (torch.Tensor, int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _own_copies(args, kwargs):
+    """(args, kwargs) with every argument that is neither a tensor nor a plain value deep-copied,
+    the tensors it refers to shared (see [Note: what is measured])."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if all(isinstance(leaf, _PLAIN) for leaf in leaves):
+        return args, kwargs
+    memo: dict = {}
+    for leaf in leaves:
+        _share_tensors(leaf, memo, set(), depth=8)
+    return tree_unflatten([leaf if isinstance(leaf, _PLAIN) else _copy_or_share(leaf, memo) for leaf in leaves], spec)
+
+
+def _copy_or_share(obj, memo: dict):
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception:  # not copyable (a handle, a generator): the measuring forward gets it as it is
+        return obj
+
+
+def _share_tensors(obj, memo: dict, visited: set, depth: int) -> None:
+    """Enters every tensor reachable from `obj` (containers and attributes, `depth` levels down) in
+    deepcopy's memo as itself, so that a copy of `obj` refers to the same tensors."""
+    if isinstance(obj, torch.Tensor):
+        memo[id(obj)] = obj
+        return
+    if depth == 0 or isinstance(obj, _PLAIN) or id(obj) in visited:
+        return
+    visited.add(id(obj))
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+        for name in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, name):
+                children.append(getattr(obj, name))
+    for child in children:
+        _share_tensors(child, memo, visited, depth - 1)
+
+
 def _count(seen: dict, held: list, tensor: torch.Tensor) -> None:
     """Notes the bytes `tensor` holds: per storage, the largest tensor saved over it (held until the
     forward ends, so that no storage is freed and its address reused while counting). Parameters
@@ -110,5 +163,5 @@ def _count(seen: dict, held: list, tensor: torch.Tensor) -> None:
 
 
 def _never_unpacked(packed):
-    raise RuntimeError("gemini_ext internal error (this is a bug, please report it): the forward that measures "
+    raise _C.InternalError("gemini_ext internal error (this is a bug, please report it): the forward that measures "
                        "block 0's activations was run backward.")

@@ -120,7 +120,7 @@ class Rig {
     }
   }
   // The iteration's end, then each host set's CPU step handed to the pipeline (it writes P's
-  // host copy; settling refreshes the device cache), then zero_grad.
+  // host copy; settling refreshes the device cache) and finished, then zero_grad.
   void step() {
     timeline_.note('S', -1, mgr_.tier_bytes(Tier::kDevice).current);
     trace_.end_iteration();
@@ -134,6 +134,10 @@ class Rig {
           },
           nullptr, int64_t(s));
     }
+    // The steps' compute parts end here, before the next forward: what prefetch may fetch depends
+    // on which sets' steps finished (a pending set's P is not prefetched), so letting the executor
+    // thread race the next forward would make the traces depend on the machine's load.
+    pipeline_.drain();
     for (ChunkSet& set : sets_) {
       set.has_grad[0] = 0;
       if (set.grad_place == GradPlace::kNone) continue;
