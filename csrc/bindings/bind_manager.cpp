@@ -124,6 +124,27 @@ void def_residency(py::class_<GeminiManager>& cls) {
       .def("stop_reclaiming", &GeminiManager::stop_reclaiming);
 }
 
+// A read without the GIL; the first one served from below an in-place guess warns (once per engine).
+template <typename Fn>
+auto note_read(GeminiManager& g, Fn&& read) {
+  decltype(read()) value;
+  bool note = false;
+  {
+    py::gil_scoped_release release;
+    value = read();
+    note = g.take_read_before_guess_note();
+  }
+  if (note && PyErr_WarnEx(PyExc_UserWarning,
+                           "gemini_ext: parameters or optimizer state read between backward() and optimizer.step() "
+                           "under host_step_speculation='in_place' are the values before the step recomputed from the "
+                           "host sets' in-place steps, which stay (the step is unchanged by the read): within a few "
+                           "ulps of the exact values. For exact values there, use "
+                           "GeminiConfig(host_step_speculation='spares') or 'off'.",
+                           1) != 0)
+    throw py::error_already_set();
+  return value;
+}
+
 // Gradients and values (fp32 CPU copies, state dicts, checkpoints).
 void def_gradients_and_values(py::class_<GeminiManager>& cls) {
   cls.def("flush_grads", &GeminiManager::flush_grads, nogil())
@@ -144,20 +165,27 @@ void def_gradients_and_values(py::class_<GeminiManager>& cls) {
              g.set_replica_communicator(comm.get());
            },
            py::keep_alive<1, 2>())
-      .def("read", [](GeminiManager& g, const std::string& kind, int param) { return g.read(kind_of(kind), param); },
-           nogil())
+      .def("read",
+           [](GeminiManager& g, const std::string& kind, int param) {
+             const StateKind k = kind_of(kind);
+             return note_read(g, [&] { return g.read(k, param); });
+           })
       .def("read_to",
            [](GeminiManager& g, const std::string& kind, int param, at::Device target, at::ScalarType scalar_type) {
              const StateKind k = kind_of(kind);
-             py::gil_scoped_release release;
-             return g.read_to(k, param, target, scalar_type);
+             return note_read(g, [&] { return g.read_to(k, param, target, scalar_type); });
            },
            py::arg("kind"), py::arg("param"), py::arg("device"), py::arg("dtype"))
-      .def("read_compute_param_to", &GeminiManager::read_compute_param_to, py::arg("param"), py::arg("device"),
-           py::arg("dtype"), nogil())
+      .def("read_compute_param_to",
+           [](GeminiManager& g, int param, at::Device target, at::ScalarType scalar_type) {
+             return note_read(g, [&] { return g.read_compute_param_to(param, target, scalar_type); });
+           },
+           py::arg("param"), py::arg("device"), py::arg("dtype"))
       .def("read_local",
-           [](GeminiManager& g, const std::string& kind, int param) { return g.read_local(kind_of(kind), param); },
-           nogil())
+           [](GeminiManager& g, const std::string& kind, int param) {
+             const StateKind k = kind_of(kind);
+             return note_read(g, [&] { return g.read_local(k, param); });
+           })
       .def("write",
            [](GeminiManager& g, const std::string& kind, int param, const at::Tensor& value) {
              g.write(kind_of(kind), param, value);

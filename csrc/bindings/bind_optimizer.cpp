@@ -213,13 +213,14 @@ void def_manager_guesses(py::module_& m) {
            py::arg("backwards_per_step"), py::arg("last_step_scaled"), nogil())
       .def("guess_counts",
            [](GeminiManager& g) {
-             std::array<int64_t, 6> c{};
+             std::array<int64_t, 7> c{};
              {
                py::gil_scoped_release release;
                c = g.with_optimizer([](HybridOptimizer& o) {
                  const SpeculationPolicy& p = o.speculation_policy();
-                 return std::array<int64_t, 6>{p.steps_taken(),        p.steps_scaled(),      o.guesses_undone(),
-                                               p.backwards_expected(), o.guesses_judged(), o.guesses_corrected()};
+                 return std::array<int64_t, 7>{p.steps_taken(),        p.steps_scaled(),      o.guesses_undone(),
+                                               p.backwards_expected(), o.guesses_judged(), o.guesses_corrected(),
+                                               o.reads_before_guesses()};
                });
              }
              py::dict d;
@@ -229,6 +230,7 @@ void def_manager_guesses(py::module_& m) {
              d["backwards_per_step"] = c[3];
              d["guessed"] = c[4];    // sets stepped in place during backward and judged at step()
              d["corrected"] = c[5];  // of those, corrected (clipping) or undone and redone (hyperparameters)
+             d["reads_before_guesses"] = c[6];  // reads served from values recomputed below a guess
              return d;
            });
 }

@@ -65,6 +65,15 @@ void OptimizerPipeline::settle(int set) {
   on_settled_(set);
 }
 
+void OptimizerPipeline::wait(int set) {
+  auto it = pending_.find(set);
+  if (it == pending_.end() || it->second.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  it->second.done.wait();
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  waits_ += 1;
+}
+
 bool OptimizerPipeline::try_settle(int set) {
   auto it = pending_.find(set);
   if (it == pending_.end()) return true;

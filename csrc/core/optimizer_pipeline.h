@@ -45,6 +45,7 @@ class OptimizerPipeline {
               int64_t priority, StepLane lane = StepLane::kCpu);
   void settle(int set);      // no-op when the set is not pending
   bool try_settle(int set);  // settles a finished step; false while it runs
+  void wait(int set);        // waits for the set's compute part, leaving it pending (no-op when not pending)
   void settle_all();         // in launch order
   void settle_finished();    // the eager steps that finished
   void drain();              // waits for every compute part (nothing is settled)

@@ -383,6 +383,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             "steps_clipped": counts["steps_clipped"],
             "clip_fraction": counts["steps_clipped"] / steps if steps else 0.0,
             "guesses_undone": counts["undone"],
+            "reads_before_guesses": counts["reads_before_guesses"],
             "spare_bytes": self._parts.runtime.spare_bytes(),
         }
 

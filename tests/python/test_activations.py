@@ -262,6 +262,15 @@ def test_a_llama_left_at_use_cache_true_trains_as_without_the_engines_checkpoint
     assert planned[2]["checkpointing"]["checkpointed_calls"] >= 3, planned[2]
 
 
+def test_offload_auto_over_a_model_that_checkpoints_no_block_says_nothing_is_planned():
+    # activation_offload="auto" without the engine's checkpointing plans the blocks the model checkpoints
+    # itself; a model that checkpoints none gets the warning after its first iteration, once
+    with pytest.warns(RuntimeWarning, match="this iteration checkpointed none") as caught:
+        _, _, stats = _train(_gpt(False), "sim", activation_offload="auto")
+    assert sum("checkpointed none" in str(w.message) for w in caught) == 1
+    assert stats["offload"]["offloaded"] == 0 and not stats["plan"]["decided"], stats
+
+
 def _room_for(choices):
     """A room of exactly what `choices` need on the device (the measured blocks' plan figure)."""
     return lambda self, warm: gx._C.activation_device_bytes(self.measured, choices, activation_offload.LOOKAHEAD)

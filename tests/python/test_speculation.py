@@ -12,6 +12,7 @@ tolerance. On `sim` in CI, on cuda on the GPU machine.
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -302,3 +303,47 @@ def test_host_step_speculation_chooses_the_guess_and_is_checked():
                                                "why": "host_step_speculation='off': every host set steps at step()"}
     with pytest.raises(ValueError, match="host_step_speculation: expected one of"):
         gx.GeminiConfig(host_step_speculation="yes")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_read_between_backward_and_step_sees_the_values_before_it_and_changes_nothing(device):
+    """[Note: reading a guessed set]: the model's, the optimizer's and the engine's state dicts read
+    between backward and step() keep the guesses (the run ends with the bits of a run without the
+    reads) and show the values before the step: within the undo's rounding of the exact values that
+    a run without speculation reads there (the same trajectory: no clipping, every guess holds)."""
+    from parity_utils import config
+
+    def run(mode, read):
+        model, _ = make_models()
+        with warnings.catch_warnings(record=True) as caught, \
+                gx.enable(model, config(device, precision="bf16", host_step_speculation=mode)) as engine:
+            warnings.simplefilter("always")
+            opt = engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+            seen = []
+            for k in range(3):
+                x, y = batch(model.cfg, k, engine.compute_device)
+                model(x, y).backward()
+                if read:
+                    moments = {(i, f): v[f].clone() for i, v in opt.state_dict()["state"].items()
+                               for f in ("exp_avg", "exp_avg_sq")}
+                    seen.append(({n: v.float().cpu().clone() for n, v in model.state_dict().items()}, moments,
+                                 engine.state_dict()))
+                opt.step()
+                opt.zero_grad()
+            summary = engine.stats()["speculation"]
+        said = [str(w.message) for w in caught if "host_step_speculation='spares'" in str(w.message)]
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, seen, {**summary, "said": said}
+
+    without, read, exact = run("in_place", False), run("in_place", True), run("off", True)
+    assert all(torch.equal(read[0][n], p) for n, p in without[0].items()), "a read changed the step"
+    assert read[2]["guesses_undone"] == 0 and read[2]["reads_before_guesses"] > 0, read[2]
+    assert without[2]["reads_before_guesses"] == 0 and exact[2]["reads_before_guesses"] == 0
+    assert len(read[2]["said"]) == 1 and not exact[2]["said"], "the first such read says so, once"
+    for k, ((params, moments, state), (ref_params, ref_moments, ref_state)) in enumerate(zip(read[1], exact[1])):
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=f"{k} {name}")
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(state[name], ref, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=f"{k} {name}")
+        for key, ref in ref_moments.items():  # v' - (1 - b2) g^2: a few ulps of v', not of v
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(moments[key], ref, rtol=1e-6, atol=1e-6 * scale, msg=f"{k} {key}")

@@ -234,6 +234,9 @@ class GeminiManager {
   // Sharded reads keep the last gathered chunk on the compute device (a chunk's slots are read
   // one after another); readers release it when done so that it holds no device memory.
   void release_read_cache();
+  // True once: the first time a read was served from values recomputed below an unjudged guess
+  // (see [Note: reading a guessed set]); the bindings warn then.
+  bool take_read_before_guess_note();
   void write(StateKind kind, int param, const at::Tensor& value);
   at::Tensor read_grad(int param);  // fp32 CPU copy of the gradient in its chunk (undefined if none)
   // The part of the value that lies in this rank's shard: (begin, end) element offsets into the
@@ -279,8 +282,11 @@ class GeminiManager {
   // A view of a slot's whole value for the readers: whole_slot_locked sharded, slot_view otherwise.
   at::Tensor value_view_locked(ChunkId id, size_t slot, Tier tier);
   // The chunk and slot holding `kind` of a parameter, with its moves finished and the compute
-  // stream current.
+  // stream current; every pending step settled except the guesses kept for reads.
   TensorHandle value_handle_locked(StateKind kind, int param);
+  // A reader's copy of slot `h` read from `tier`: the values before the guess where an unjudged
+  // guess of its set wrote them (see [Note: reading a guessed set]).
+  at::Tensor before_guess_locked(int param, const TensorHandle& h, Tier tier, at::Tensor copy);
 
   // The optimizer pipeline (manager_optimizer.cpp).
   void settle_locked(int set_index) { pipeline_.settle(set_index); }
@@ -323,6 +329,7 @@ class GeminiManager {
   EngineCounters counters_;
   HookPhase phase_ = HookPhase::kIdle;
   bool no_sync_ = false;
+  bool read_before_guess_noted_ = false;
   bool async_reduce_ = true;
   OwnedMutex mutex_;
   int reclaimer_id_ = -1;  // registration with MemoryPressure

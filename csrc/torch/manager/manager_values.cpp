@@ -33,23 +33,39 @@ TensorHandle GeminiManager::value_handle_locked(StateKind kind, int param) {
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   const ChunkSet& set = sets_[static_cast<size_t>(set_of_chunk(ps.chunk))];
   const ChunkId id = chunk_of_kind(set, kind, param);
-  settle_all_locked();
+  // see [Note: reading a guessed set] (torch/optim/hybrid_optimizer_in_place.cpp)
+  const std::set<int> kept = optimizer_ ? optimizer_->wait_guesses_for_read() : std::set<int>{};
+  for (int s : std::vector<int>(pipeline_.pending_sets().begin(), pipeline_.pending_sets().end()))
+    if (kept.count(s) == 0) settle_locked(s);
   mgr_.wait(id);
   ctx_->sync_compute_stream();
   return TensorHandle{id, ps.slot};
 }
 
+at::Tensor GeminiManager::before_guess_locked(int param, const TensorHandle& h, Tier tier, at::Tensor copy) {
+  // P's device copy is refreshed only once the guess is judged: read there, it is the value before.
+  if (optimizer_ && tier != Tier::kDevice) {
+    const int set = set_of_chunk(params_[static_cast<size_t>(param)].chunk);
+    optimizer_->read_before_guess(set, h.chunk_id, h.slot_index, copy);
+  }
+  return copy;
+}
+
 at::Tensor GeminiManager::read(StateKind kind, int param) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  return cpu_fp32_copy(value_view_locked(h.chunk_id, h.slot_index, residency_.where_current(h.chunk_id)));
+  const Tier tier = residency_.where_current(h.chunk_id);
+  return before_guess_locked(param, h, tier, cpu_fp32_copy(value_view_locked(h.chunk_id, h.slot_index, tier)));
 }
 
 at::Tensor GeminiManager::read_to(StateKind kind, int param, at::Device device, at::ScalarType dtype) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   const TensorHandle h = value_handle_locked(kind, param);
-  return value_view_locked(h.chunk_id, h.slot_index, residency_.where_current(h.chunk_id))
-      .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
+  const Tier tier = residency_.where_current(h.chunk_id);
+  return before_guess_locked(param, h, tier,
+                             value_view_locked(h.chunk_id, h.slot_index, tier)
+                                 .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false,
+                                     /*copy=*/true));
 }
 
 at::Tensor GeminiManager::read_compute_param_to(int param, at::Device device, at::ScalarType dtype) {
@@ -57,8 +73,18 @@ at::Tensor GeminiManager::read_compute_param_to(int param, at::Device device, at
   value_handle_locked(StateKind::kParam, param);  // settles the steps and waits for the chunk's copies
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   mgr_.wait(ps.chunk);
-  return value_view_locked(ps.chunk, ps.slot, residency_.where_current(ps.chunk))
-      .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false, /*copy=*/true);
+  const Tier tier = residency_.where_current(ps.chunk);
+  return before_guess_locked(param, TensorHandle{ps.chunk, ps.slot}, tier,
+                             value_view_locked(ps.chunk, ps.slot, tier)
+                                 .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false,
+                                     /*copy=*/true));
+}
+
+bool GeminiManager::take_read_before_guess_note() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  if (read_before_guess_noted_ || !optimizer_ || optimizer_->reads_before_guesses() == 0) return false;
+  read_before_guess_noted_ = true;
+  return true;
 }
 
 void GeminiManager::release_read_cache() {
@@ -72,8 +98,11 @@ std::tuple<int64_t, int64_t, at::Tensor> GeminiManager::read_local(StateKind kin
   const ChunkId id = h.chunk_id;
   const SlotPart part = slot_part_in_shard(mgr_, h);
   if (part.begin == part.end) return {0, 0, at::empty({0}, at::kFloat)};
-  at::Tensor shard = shard_view(*ctx_, mgr_, id, residency_.where_current(id));
-  return {part.begin, part.end, cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin))};
+  const Tier tier = residency_.where_current(id);
+  at::Tensor shard = shard_view(*ctx_, mgr_, id, tier);
+  at::Tensor copy = cpu_fp32_copy(shard.narrow(0, part.shard_offset, part.end - part.begin));
+  if (!sharded()) copy = before_guess_locked(param, h, tier, copy);  // the whole slot: one rank
+  return {part.begin, part.end, copy};
 }
 
 at::Tensor GeminiManager::value_view_locked(ChunkId id, size_t slot, Tier tier) {

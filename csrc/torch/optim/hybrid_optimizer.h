@@ -151,6 +151,13 @@ class HybridOptimizer {
   void stop_guessing() { guessing_ = false; }
   // zero_grad(): guesses not yet judged are undone (their gradients are dropped).
   void grads_cleared();
+  // Reads between backward and step() (see [Note: reading a guessed set]). The sets whose guess
+  // stays while a read is served: their tasks are waited for, not settled (empty when sharded).
+  std::set<int> wait_guesses_for_read();
+  // `out` holds a copy of `chunk`'s slot `slot` (any dtype and device): where the set's unjudged
+  // guess stepped it, its values before the guess are written into it instead. True if so.
+  bool read_before_guess(int set_index, ChunkId chunk, size_t slot, at::Tensor& out);
+  int64_t reads_before_guesses() const { return reads_before_guesses_; }
   int64_t guesses_undone() const { return undone_total_; }
   int64_t guesses_judged() const { return judged_total_; }
   int64_t guesses_corrected() const { return corrected_total_; }  // or undone and redone at step()
@@ -240,6 +247,7 @@ class HybridOptimizer {
   };
   std::shared_ptr<GuessCounts> guess_counts_ = std::make_shared<GuessCounts>();  // the last armed step's
   int64_t undone_total_ = 0;
+  int64_t reads_before_guesses_ = 0;  // reads served with values recomputed from below a guess
   int64_t judged_total_ = 0;
   int64_t corrected_total_ = 0;
   int64_t confirmed_total_ = 0;

@@ -20,10 +20,12 @@
 // and stepped as the serial step would at step(). A set needed before step() judged it (another
 // backward adds to its gradients, a forward or a read reaches its chunks, zero_grad drops its
 // gradients, a placement change) is undone when settled, and steps at step() like any other.
+// A read is not such a need (see [Note: reading a guessed set]).
 // The 16-bit parameters it wrote stay on the host until the verdict: the device copy of P is
 // refreshed only by the settling of a judged set. fp16 loss scaling keeps the serial path
 // (Python does not arm it), so do rules without a correction (they speculate with spares:
 // hybrid_optimizer_speculation.cpp).
+#include <algorithm>
 #include <chrono>
 
 #include "core/errors.h"
@@ -39,6 +41,7 @@ struct HybridOptimizer::Guess {
     RunViews views;
     int64_t step;  // the count after this update
     int group;
+    int64_t begin;  // the run's first element, as an offset into this rank's shard
   };
   SpeculativeStep lifecycle;
   std::vector<uint8_t> has_grad;      // as launched: verified by step()
@@ -131,7 +134,7 @@ void HybridOptimizer::guess(int set_index) {
     RunViews views = run_views(whole, set, begin, n, step);
     work.push_back(rule_->prepare_host_run(views, nullptr, step, groups[static_cast<size_t>(r.group)], 1.0));
     grads.push_back({views.grad.data_ptr(), to_gx_dtype(views.grad.scalar_type()), n});
-    g->runs.push_back({std::move(views), step, r.group});
+    g->runs.push_back({std::move(views), step, r.group, begin});
     g->host_params += n;
   }
   guesses_[set_index] = g;
@@ -175,6 +178,74 @@ void HybridOptimizer::finish_guess(int set_index, const std::shared_ptr<Guess>& 
       rule_->prepare_host_undo(r.views, r.step, (*g->groups)[static_cast<size_t>(r.group)], 1.0)();
   }
   undone_total_ += 1;
+}
+
+// [Note: reading a guessed set]
+// Parameters or optimizer state read between backward and step() (a state dict, a checkpoint,
+// a parameter's value) must be the values before the step, and the read must not change what
+// step() computes. Undoing the guess in place would serve the first but not the second: the undo
+// inverts the step's rounding only to within a few ulps, and the set is then stepped again from
+// the perturbed values. So the guess stays: its task is waited for, and the read's copy is
+// recomputed from the guessed values by the rule's undo, run on scratch copies of the slot's
+// elements. step() then judges the guess as if nothing had been read, with the same bits as a
+// run without the read. The values served are those before the step to within the undo's
+// rounding (a few ulps; a moment that was zero comes back as zero or within an ulp of the
+// gradient's term); exact reads there need host_step_speculation="spares" or "off". Sharded,
+// a read is a collective over every rank's shard and the guess is undone as before.
+std::set<int> HybridOptimizer::wait_guesses_for_read() {
+  std::set<int> kept;
+  if (mgr_.world_size() > 1) return kept;
+  for (const auto& [s, g] : guesses_) {
+    pipeline_.wait(s);
+    kept.insert(s);
+  }
+  return kept;
+}
+
+bool HybridOptimizer::read_before_guess(int set_index, ChunkId chunk, size_t slot, at::Tensor& out) {
+  auto it = guesses_.find(set_index);
+  if (it == guesses_.end() || mgr_.world_size() > 1) return false;
+  const std::shared_ptr<Guess>& g = it->second;
+  if (g->lifecycle.state() != GuessState::kStepped) return false;  // skipped: nothing was written
+  const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  const bool has_master = set.spec.master >= 0;
+  // Which of the run's views holds `chunk`: -1 the master, -2 the 16-bit copy, k >= 0 state k.
+  int which = 0;
+  if (chunk == (has_master ? set.spec.master : set.spec.param)) {
+    which = -1;
+  } else if (has_master && chunk == set.spec.param) {
+    which = -2;
+  } else {
+    which = -3;
+    for (size_t k = 0; k < set.spec.states.size(); ++k)
+      if (set.spec.states[k].second == chunk) which = static_cast<int>(k);
+    if (which == -3) return false;  // the gradient: the guess did not write it
+  }
+  const TensorSlot& s = mgr_.chunk(chunk).slot(slot);
+  const int64_t first = s.offset_numel;
+  const int64_t last = first + s.numel;
+  at::Tensor flat = out.view({-1});
+  bool any = false;
+  for (const Guess::RunPlan& r : g->runs) {
+    const int64_t a = std::max(first, r.begin);
+    const int64_t b = std::min(last, r.begin + r.views.master.numel());
+    if (a >= b) continue;
+    RunViews scratch = narrow_run(r.views, a - r.begin, b - a);
+    scratch.master = scratch.master.clone();
+    for (at::Tensor& t : scratch.states) t = t.clone();
+    if (scratch.param16.defined()) scratch.param16 = scratch.param16.clone();
+    scratch.random_key = r.views.random_key;
+    scratch.first_index = r.views.first_index + static_cast<uint32_t>(a - r.begin);
+    rule_->prepare_host_undo(scratch, r.step, (*g->groups)[static_cast<size_t>(r.group)], 1.0)();
+    const at::Tensor& value = which == -1   ? scratch.master
+                              : which == -2 ? scratch.param16
+                                            : scratch.states[static_cast<size_t>(which)];
+    if (!value.defined()) continue;
+    flat.narrow(0, a - first, b - a).copy_(value);
+    any = true;
+  }
+  if (any) reads_before_guesses_ += 1;
+  return any;
 }
 
 void HybridOptimizer::settle_guesses() {  // guesses_ holds the unjudged ones only

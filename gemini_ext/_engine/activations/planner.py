@@ -74,10 +74,6 @@ class ActivationPlanner:
     def probe(self) -> BlockProbe:
         return self._probe
 
-    @property
-    def measuring(self) -> bool:
-        return self.plan is None and self._blocks.probe is not None
-
     def after_iteration(self) -> None:
         if self.plan is not None or not self._probe.ran:
             return

@@ -110,7 +110,7 @@ class ActivationRoom:
             if not decided and self.planner.plan is not None:
                 logger.info("activations: plan %s; offload %s", self.planner.stats(),
                             self.offload.stats() if self.offload is not None else None)
-            if self.planner.plan is None and not self.planner.measuring:
+            if self._mode == ("off", "auto") and self.planner.plan is None and not self.planner.probe.ran:
                 self._warn_once("nothing planned", "gemini_ext: activation_offload='auto' with "
                                 "activation_checkpointing='off' plans the blocks the model checkpoints itself, and "
                                 "this iteration checkpointed none. Enable the model's checkpointing (transformers: "
