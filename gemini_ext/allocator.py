@@ -126,6 +126,37 @@ def torch_reserved_bytes(device) -> int:
     return int(torch.cuda.memory_reserved(device))
 
 
+def process_device_bytes(device) -> int | None:
+    """This process's memory on `device` as the driver counts it (NVML's per-process figure: torch's
+    segments, the chunk pools, the CUDA context and the libraries' workspaces); None where the driver
+    does not tell (no NVML, or a process namespace that shows the driver other process ids)."""
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler(device)
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # no NVML library or binding, or a driver that refuses the query
+        return None
+    pid = os.getpid()
+    for p in processes:
+        if p.pid == pid and isinstance(p.usedGpuMemory, int):
+            return int(p.usedGpuMemory)
+    return None
+
+
+def outside_torch_bytes(device, whole_device: bool) -> int:
+    """Device memory that neither torch's allocator nor a chunk pool holds: this process's CUDA
+    context and library workspaces (NVML's per-process figure where the driver tells, else the whole
+    device's use), and on the whole device what other processes hold too, since it is not there to
+    take. Under a gpu_memory_limit it counts against the limit as much as torch and the chunks do."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    if not whole_device:
+        own = process_device_bytes(device)
+        used = own if own is not None else used
+    return max(0, used - torch_reserved_bytes(device) - chunk_slot_bytes())
+
+
 def begin_non_model_window(device) -> None:
     """Starts measuring the peak of torch's allocations (the non-model data) on `device` from
     now, without resetting any peak statistic: torch.cuda.max_memory_allocated() and

@@ -142,7 +142,8 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
     warm = budget.warm_device_bytes(len(acts.blocks), acts.allowed.warm_choice, activation, inputs,
                                     host_room_bytes(m, placement, acts, placement.params_born_on_device))
     held = inputs  # what torch holds then: the batch's embedding, block 0's input
-    need = held + budget.foreseen_warm_up_bytes(warm)
+    outside = int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))  # the CUDA context
+    need = held + outside + budget.foreseen_warm_up_bytes(warm)
     floor = 3 * max(m.set_shard_bytes, default=0)
     refused = budget.warm_up_refused(need, machine.capacity_bytes, machine.total_bytes, floor)
     current = placement.device_budget_bytes or machine.capacity_bytes
@@ -173,7 +174,7 @@ def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figu
     warm_bytes = budget.measured_forward_bytes(blocks, acts.allowed.warm_choice)
     need = budget.chunk_need_bytes(chosen.device_budget_bytes, m.device_capacity_bytes,
                                    chunk_bytes(m, chosen, on_device_only=False))
-    room = budget.room_bytes(m.device_capacity_bytes, m.device_total_bytes, need, figures, warm_bytes)
+    room = budget.room_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
     link = float(acts.recorded.get("link_bytes_per_s", target.H2D_BYTES_PER_S)) if offload else 0.0
     host_room = host_room_bytes(m, chosen, acts, born)
     return {**budget.plan(blocks, room, link, acts.allowed, host_room), "room_bytes": room,

@@ -57,19 +57,18 @@ class MemoryTracer:
         """The iteration's non-model figures on the device, and a new window for the next one:
         torch's allocation peak in the window, what its allocator holds from the device now (its
         cached segments keep the iteration's high-water mark, fragmentation included), and the
-        device memory neither torch's allocator nor any chunk pool holds (the CUDA context,
-        libraries allocating outside torch, other processes). All 0 on sim, where activations live
-        on the host."""
+        device memory neither torch's allocator nor any chunk pool holds (allocator.outside_torch_bytes:
+        the CUDA context, libraries allocating outside torch; other processes on the whole device). All
+        0 on sim, where activations live on the host."""
         if not self._device.is_cuda:
             return {"non_model_peak_bytes": 0, "non_model_reserved_bytes": 0, "device_other_bytes": 0}
         device = self._device.torch_device
         peak = allocator.non_model_peak_bytes(device)
         allocator.begin_non_model_window(device)
         reserved = allocator.torch_reserved_bytes(device)
-        free, total = torch.cuda.mem_get_info(device)
-        chunk_slots = allocator.chunk_slot_bytes()
+        whole = self._device.capacity_bytes() >= self._device.total_bytes()
         return {"non_model_peak_bytes": peak, "non_model_reserved_bytes": reserved,
-                "device_other_bytes": max(0, total - free - reserved - chunk_slots)}
+                "device_other_bytes": allocator.outside_torch_bytes(device, whole_device=whole)}
 
     def last_device_figures(self) -> dict:
         """_device_figures() of the last iteration (zeros before the first ends)."""

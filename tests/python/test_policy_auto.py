@@ -209,14 +209,14 @@ def test_auto_warm_up_keeps_an_eighth_of_the_device_for_activations_on_cuda(devi
 def test_the_measured_budget_leaves_torch_what_it_needed_and_the_memory_outside_it():
     """The safety rule of the chunk budget, on measured figures: torch keeps the larger of its
     peak and its allocator's hold, plus 1/16 of that (at least 256 MiB); on the whole device the
-    memory held outside torch is kept too, under a gpu_memory_limit it is not (the limit leaves
-    the rest of the device); on sim nothing is kept (activations live on the host)."""
+    memory held outside torch is kept too, under a gpu_memory_limit as well (a limit is what a card
+    of that size holds, the CUDA context included); on sim nothing is kept (activations live on the host)."""
     from gemini_ext.placement.policies import measured_chunk_budget
     GiB = 1 << 30
     m = measured(non_model_peak_bytes=10 * GiB, non_model_reserved_bytes=12 * GiB, device_other_bytes=GiB)
     assert measured_chunk_budget(m, "auto") == (100 * GiB - 12 * GiB - 12 * GiB // 16 - GiB, [])
     limited = measured(device_capacity_bytes=24 * GiB, non_model_peak_bytes=10 * GiB, device_other_bytes=GiB)
-    assert measured_chunk_budget(limited, "static")[0] == 24 * GiB - 10 * GiB - 10 * GiB // 16
+    assert measured_chunk_budget(limited, "static")[0] == 24 * GiB - 10 * GiB - 10 * GiB // 16 - GiB
     small = measured(non_model_peak_bytes=GiB)
     assert measured_chunk_budget(small, "auto")[0] == 100 * GiB - GiB - (256 << 20)
     sim = measured(device_kind="sim", device_capacity_bytes=8 * GiB, device_total_bytes=8 * GiB)

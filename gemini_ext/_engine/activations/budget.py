@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from ..._native import _C
-from ...placement.policies import counted_device_other_bytes
 from .offload import LOOKAHEAD
 
 WARM_UP_MARGIN = 1.5  # the first iteration's activations beyond the plan's figure (gradients, the loss, the head)
@@ -74,17 +73,15 @@ def chunk_need_bytes(device_budget_bytes: int | None, capacity_bytes: int, chunk
     return min(device_budget_bytes or capacity_bytes, chunk_bytes)
 
 
-def room_bytes(capacity_bytes: int, total_bytes: int, chunk_need: int, figures: dict,
-               warm_activation_bytes: int) -> int:
+def room_bytes(capacity_bytes: int, chunk_need: int, figures: dict, warm_activation_bytes: int) -> int:
     """Device bytes the activations may take, from the first iteration's `figures` (the tracer's
     non_model_peak_bytes, non_model_reserved_bytes, device_other_bytes) and what its measured forward's
     choices needed (see [Note: the room, and the budget kept]). What the device holds outside torch
-    counts as the placement counts it (policies.counted_device_other_bytes)."""
+    counts against the capacity, as the placement counts it (the Note on safety margins)."""
     other_non_model = max(0, figures["non_model_peak_bytes"] - warm_activation_bytes)
     # torch's allocator holds more than the peak it hands out, as much more as the first iteration showed
     held = max(1.0, figures["non_model_reserved_bytes"] / max(1, figures["non_model_peak_bytes"]))
-    free = capacity_bytes - chunk_need - counted_device_other_bytes(capacity_bytes, total_bytes,
-                                                                      figures["device_other_bytes"])
+    free = capacity_bytes - chunk_need - figures["device_other_bytes"]
     return int(free / held) - other_non_model
 
 

@@ -6,11 +6,11 @@ recompute them with the input offloaded (unless offload is "off").
 [Note: the room, and the budget kept]
 - The room is what the chunks leave: the device capacity less the chunks' need (the placement's
   device budget, or every chunk's bytes where fewer), less what the device holds besides (the
-  CUDA context, on the whole device only: a gpu_memory_limit bounds torch and the chunks alone, as
-  the placement counts it), shrunk by how much more than its peak torch's allocator held in the first iteration,
-  less the non-model peak of that iteration without its activations (the plan's own figure for
-  the measured forward's choices, the least it allows). Chunks come first: activations take
-  what they do not use.
+  CUDA context and the libraries' workspaces, on the whole device and under a gpu_memory_limit
+  alike, as the placement counts it: a limit is what a card of that size holds), shrunk by how
+  much more than its peak torch's allocator held in the first iteration, less the non-model peak
+  of that iteration without its activations (the plan's own figure for the measured forward's
+  choices, the least it allows). Chunks come first: activations take what they do not use.
 - The plan is made once, after the first iteration, and applied from the next forward on. Where
   even the least plan exceeds the room, `refusal` says by how much and what would fit (the tokens
   per step, or the gpu_memory_limit), and on cuda the room raises it at the next forward instead
@@ -65,10 +65,10 @@ class ActivationPlanner:
                f"step has {tokens:,}), " if tokens else "train on fewer tokens per step, ")
         return (f"gemini_ext: block 0 of {self._blocks.num_blocks} measured at the first forward foresees "
                 f"{b(need_bytes)} of activations on the device at their least (its own recomputed, the inputs the "
-                f"host cannot take kept; torch's memory so far included), {b(over)} more than the {b(room_bytes)} "
-                f"the device budget ({b(self._device.capacity_bytes())}) leaves beside three chunk sets. The engine "
-                f"keeps the budget rather than run over it: {fit}raise gpu_memory_limit by at least {b(over)}, or "
-                "free host memory for offloaded inputs.")
+                f"host cannot take kept; torch's memory so far and the memory outside torch included), {b(over)} "
+                f"more than the {b(room_bytes)} the device budget ({b(self._device.capacity_bytes())}) leaves beside "
+                f"three chunk sets. The engine keeps the budget rather than run over it: {fit}raise "
+                f"gpu_memory_limit by at least {b(over)}, or free host memory for offloaded inputs.")
 
     @property
     def probe(self) -> BlockProbe:
@@ -116,7 +116,7 @@ class ActivationPlanner:
 
     def room_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
-        return budget.room_bytes(self._device.capacity_bytes(), self._device.total_bytes(), self.chunk_need_bytes(),
+        return budget.room_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
                                  self._tracer.last_device_figures(), warm_activation_bytes)
 
     def detach(self) -> None:

@@ -13,13 +13,14 @@ they use, and the room's hooks over the model's forward are the only place they 
   and a forward with grad made no checkpoint call the engine can see, it warns once that nothing
   went to the host.
 - The first iteration, once block 0 is measured (probe.py) and before any other block runs: the
-  chunks' budget is lowered (placer.leave_room_in_warm_up) so that they, what torch holds already
-  and budget.WARM_UP_MARGIN times what the measured forward's choices foresee for the activations fit the
-  device budget.
+  chunks' budget is lowered (placer.leave_room_in_warm_up) so that they, what torch holds already,
+  what the device holds outside torch (allocator.outside_torch_bytes) and budget.WARM_UP_MARGIN
+  times what the measured forward's choices foresee for the activations fit the device budget.
 - After each iteration (the optimizer's step): the plan is made once from the first iteration's
   measurements.
 - Where the engine plans activations on cuda under a gpu_memory_limit, torch's caching allocator is
-  capped at what the chunks' budget leaves of the limit (torch.cuda.set_per_process_memory_fraction),
+  capped at what the chunks' budget and the memory outside torch leave of the limit
+  (torch.cuda.set_per_process_memory_fraction),
   from the first block's measurement on and again after every iteration, so chunks plus torch's
   reserved memory stay within the limit: an allocation beyond it is torch's OutOfMemoryError, not a
   device over its budget. close() lifts the cap.
@@ -31,6 +32,7 @@ import warnings
 
 import torch
 
+from ... import allocator
 from ..._env import logger
 from ..._units import format_bytes
 from . import budget
@@ -121,23 +123,29 @@ class ActivationRoom:
     def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:  # see [Note: the root forward]
         foreseen = budget.foreseen_warm_up_bytes(self.planner.warm_device_bytes(activation_bytes, input_bytes))
         held = torch.cuda.memory_reserved(self._device.torch_device)
+        outside = self._outside_torch_bytes()
         floor = self._chunk_floor
         self.warm_up = {"block0_activation_bytes": activation_bytes, "block0_input_bytes": input_bytes,
-                        "foreseen_bytes": foreseen, "torch_reserved_bytes": held, "chunk_floor_bytes": floor}
+                        "foreseen_bytes": foreseen, "torch_reserved_bytes": held, "outside_torch_bytes": outside,
+                        "chunk_floor_bytes": floor}
         logger.info("activations: the first forward foresees %s (block 0: %s of activations, %s of input), torch "
                     "holds %s", format_bytes(foreseen), format_bytes(activation_bytes), format_bytes(input_bytes),
                     format_bytes(held))
         capacity = self._device.capacity_bytes()
-        if budget.warm_up_refused(held + foreseen, capacity, self._device.total_bytes(), floor):
-            raise RuntimeError(self.planner.warm_up_refusal(held + foreseen, capacity - floor))
-        self.warm_up["chunk_budget_bytes"] = self._leave_room(held + foreseen) if self._leave_room else None
+        if budget.warm_up_refused(held + outside + foreseen, capacity, self._device.total_bytes(), floor):
+            raise RuntimeError(self.planner.warm_up_refusal(held + outside + foreseen, capacity - floor))
+        self.warm_up["chunk_budget_bytes"] = self._leave_room(held + outside + foreseen) if self._leave_room else None
         self._apply_torch_cap()
+
+    def _outside_torch_bytes(self) -> int:
+        whole = self._device.capacity_bytes() >= self._device.total_bytes()
+        return allocator.outside_torch_bytes(self._device.torch_device, whole_device=whole)
 
     def _apply_torch_cap(self) -> None:
         total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
         if capacity >= total:
             return  # the whole device: torch meets the chunks at the device's own end
-        self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes())
+        self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes() - self._outside_torch_bytes())
         torch.cuda.set_per_process_memory_fraction(self.torch_cap_bytes / total, self._device.torch_device)
 
     def widen_torch_cap(self, extra_bytes: int) -> None:

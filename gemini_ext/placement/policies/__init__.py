@@ -5,12 +5,12 @@ A new policy is a new file here, registered with `@register` and imported below.
 
 from .base import (HOST_RESERVE_BYTES, NON_MODEL_HEADROOM, NON_MODEL_HEADROOM_MIN, POLICY_CLASSES, HostPlan,
                    Measurements, Placement, PlacementPolicy, SetPlacement, budget_decision,
-                   counted_device_other_bytes, host_reserve_bytes, make_policy, measured_chunk_budget, register,
+                   host_reserve_bytes, make_policy, measured_chunk_budget, register,
                    warm_up_chunk_budget)
 from .auto import AutoPolicy
 from .static import ConstPolicy, StaticPolicy
 
 __all__ = ["HOST_RESERVE_BYTES", "NON_MODEL_HEADROOM", "NON_MODEL_HEADROOM_MIN", "POLICY_CLASSES", "AutoPolicy",
            "ConstPolicy", "HostPlan", "Measurements", "Placement", "PlacementPolicy", "SetPlacement", "StaticPolicy",
-           "budget_decision", "counted_device_other_bytes", "host_reserve_bytes", "make_policy",
+           "budget_decision", "host_reserve_bytes", "make_policy",
            "measured_chunk_budget", "register", "warm_up_chunk_budget"]

@@ -25,8 +25,10 @@ from ..._units import format_bytes
 #      torch's allocator holds from the device at its end (its cached segments keep the
 #      high-water mark, with their fragmentation);
 #  (b) headroom for the next iterations to differ: 1/16 of (a), at least NON_MODEL_HEADROOM_MIN;
-#  (c) on the whole device (no gpu_memory_limit), the device memory neither torch nor a chunk
-#      pool holds, as measured then (the CUDA context, libraries allocating outside torch).
+#  (c) the device memory neither torch nor a chunk pool holds, as measured then (the CUDA context,
+#      libraries allocating outside torch; on the whole device, other processes too): a
+#      gpu_memory_limit is what a card of that size holds, so it bounds the process's whole device
+#      memory (allocator.outside_torch_bytes).
 #  A fixed fraction of the device would keep 8.7 GiB of an H200 idle whatever the model needs.
 # Host, when a policy reads it (auto): MemAvailable (per local rank) plus what enable() gives back
 #  of the model's own host tensors as their values land in chunks, less HOST_RESERVE_BYTES (or
@@ -204,7 +206,7 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
     capacity = m.device_capacity_bytes
     non_model = max(m.non_model_peak_bytes, m.non_model_reserved_bytes)
     headroom = max(NON_MODEL_HEADROOM_MIN, int(non_model * NON_MODEL_HEADROOM)) if m.device_kind == "cuda" else 0
-    other = counted_device_other_bytes(capacity, m.device_total_bytes, m.device_other_bytes)
+    other = m.device_other_bytes
     budget = int(capacity - non_model - headroom - other)
     floor = 3 * max(m.set_shard_bytes)
     if budget >= floor:
@@ -214,13 +216,6 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
                    f"{format_bytes(other)} held outside torch), leaving less than three chunks "
                    f"({format_bytes(floor)}) for chunks; using {format_bytes(floor)}. Lower the batch size, use "
                    "activation checkpointing or smaller chunks."]
-
-
-def counted_device_other_bytes(capacity_bytes: int, total_bytes: int, other_bytes: int) -> int:
-    """What the device holds outside torch and the chunks (the CUDA context, libraries), as far as it
-    counts against the capacity: on the whole device; a gpu_memory_limit bounds torch and the chunks
-    alone (see [Note: safety margins])."""
-    return other_bytes if capacity_bytes >= total_bytes else 0
 
 
 def warm_up_chunk_budget(capacity_bytes: int, set_shard_bytes, other_bytes: int) -> int:
