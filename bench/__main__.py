@@ -66,7 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     if what not in presets.PRESETS:
         print(f"python -m bench: no preset {what!r}; `python -m bench list` names them", file=sys.stderr)
         return 2
+    if presets.PRESETS[what].needs_gpu and not _gpu_here():
+        print(f"python -m bench {what}: this preset measures a GPU, and torch sees none here "
+              "(torch.cuda.is_available() is False). `python -m bench smoke` runs the map's rows on sim; "
+              "`python -m bench list` says what each preset reproduces.", file=sys.stderr)
+        return 2
     return _run([*presets.PRESETS[what].command(), *rest])
+
+
+def _gpu_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

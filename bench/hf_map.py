@@ -192,10 +192,10 @@ def table(rows: list[dict], peak_tflops: float) -> str:
             lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} |" + " |" * (8 + again))
             continue
         step, tokens = r["step_s_median"], r["batch"] * r["seq"]
-        mfu = hf_models.row_mfu(r, tokens, peak_tflops)
+        mfu = hf_models.row_mfu(r, tokens, peak_tflops) if peak_tflops else None
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         b, est = r.get("bound") or {}, r.get("estimate") or {}
-        cells = [f"{step:.3f}", f"{tokens / step:,.0f}", f"{mfu:.1%}",
+        cells = [f"{step:.3f}", f"{tokens / step:,.0f}", "-" if mfu is None else f"{mfu:.1%}",
                  f"{((r.get('peak_torch_device_bytes') or 0) + chunks) / 2**30:.1f} / "
                  f"{((r.get('peak_torch_reserved_bytes') or 0) + chunks) / 2**30:.1f}",
                  f"{(r.get('peak_host_rss_bytes') or 0) / 2**30:.1f}",
@@ -210,9 +210,10 @@ def write(rows: list[dict], args) -> str:
     if args.record:
         with open(args.record, "w") as f:
             json.dump([r for r in (record_of(row, args) for row in rows) if r is not None], f, indent=1)
+    peak = None if args.smoke else args.peak_tflops  # sim has no peak: no MFU
+    mfu = f"MFU against {peak:.0f} TFLOP/s" if peak else "no MFU on sim"
     return hf_models.save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, "
-                          f"{args.state} optimizer state, MFU against {args.peak_tflops:.0f} TFLOP/s\n\n" +
-                          table(rows, args.peak_tflops), rows, args.out)
+                          f"{args.state} optimizer state, {mfu}\n\n" + table(rows, peak), rows, args.out)
 
 
 def parse_args(argv):

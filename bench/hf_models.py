@@ -153,12 +153,12 @@ def table(results: list[dict], peak_tflops: float) -> str:
             lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} | | | | | | | | | |")
             continue
         step = r["step_s_median"]
-        mfu = row_mfu(r, r["tokens_per_step"], peak_tflops)
+        mfu = row_mfu(r, r["tokens_per_step"], peak_tflops) if peak_tflops else None
         chunks = ((r.get("engine") or {}).get("tier_bytes") or {}).get("device", {}).get("peak", 0)
         peak = (r.get("peak_torch_device_bytes") or 0) + chunks
         rss = r.get("peak_host_rss_bytes")
         h2d = ((r.get("engine") or {}).get("traffic") or {}).get("h2d_bytes")  # the engine's, over every step
-        cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", f"{mfu:.1%}",
+        cells = [f"{step:.3f}", f"{r['tokens_per_step'] / step:,.0f}", "-" if mfu is None else f"{mfu:.1%}",
                  f"{fsdp2 / step:.2f}" if fsdp2 else "-", f"{ds / step:.2f}" if ds else "-",
                  f"{peak / 2**30:.1f}" if peak else "-", f"{rss / 2**30:.1f}" if rss else "-",
                  f"{h2d / r['steps'] / 1e9:.1f}" if h2d is not None else "-", clip_fraction(r), auto_choice(r)]
@@ -185,9 +185,10 @@ def save(text: str, results: list[dict], out: str | None) -> str:
 
 def write_tables(results: list[dict], args) -> str:
     """The markdown table of `results` (returned), written with the JSON beside --out."""
+    peak = None if args.smoke else args.peak_tflops  # sim has no peak: no MFU
+    mfu = f"MFU against {peak:.0f} TFLOP/s" if peak else "no MFU on sim"
     return save(f"{args.steps} steps, median after the first two, clipping {args.max_norm or 'off'}, loss scaled by "
-                f"{args.loss_scale:g}, MFU against "
-                f"{args.peak_tflops:.0f} TFLOP/s\n\n" + table(results, args.peak_tflops), results, args.out)
+                f"{args.loss_scale:g}, {mfu}\n\n" + table(results, peak), results, args.out)
 
 
 def main(argv=None) -> list[dict]:

@@ -24,6 +24,7 @@ class Preset:
     runner: str
     args: tuple
     reproduces: str  # the figure, and where it is reported
+    needs_gpu: bool = True  # its figures are a GPU's: refused where torch sees none
 
     def command(self) -> list[str]:
         return [f"bench/{RUNNERS[self.runner][0]}", *self.args]
@@ -80,6 +81,7 @@ PRESETS = {
         "BENCHMARKS.md, 'Reinforcement learning's phases': the same with the 8-byte state, whose every state "
         "the host can hold"),
     "cpu-adam": Preset("cpu_adam", ("--params-m", "200", "--repeats", "4"),
-                       "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth"),
-    "smoke": Preset("hf_map", ("--smoke",), "a tiny Llama on sim: the map's row format anywhere (tests)"),
+                       "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth", needs_gpu=False),
+    "smoke": Preset("hf_map", ("--smoke",), "a tiny Llama on sim: the map's row format anywhere (tests)",
+                    needs_gpu=False),
 }

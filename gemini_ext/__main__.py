@@ -41,7 +41,9 @@ def main(argv=None) -> int:
                      help="activations kept (default: checkpointed per block)")
     est.add_argument("--loss-chunk-tokens", type=int, default=None,
                      help="the loss over this many tokens at a time, checkpointed (default: the preset's, 0)")
-    est.add_argument("--policy", default="auto")
+    est.add_argument("--policy", default="auto", choices=["static", "auto", "const"])
+    est.add_argument("--const-gpu-budget", default=None,
+                     help="GeminiConfig.const_gpu_budget: the chunks' device budget under --policy const, e.g. 8GiB")
     est.add_argument("--max-norm", type=float, default=1.0)
     est.add_argument("--step-in-backward", action="store_true",
                      help="GeminiConfig.optimizer_step_in_backward (needs --max-norm 0)")
@@ -97,7 +99,8 @@ ESTIMATE_FLAGS = {"device_bytes": "--device-bytes", "host_bytes": "--host-bytes"
                   "min_chunk_size_m": "--min-chunk-size-m", "gpu_memory_limit": "--gpu-memory-limit",
                   "max_norm": "--max-norm", "optimizer_step_in_backward": "--step-in-backward",
                   "optimizer_state_dtype": "--optimizer-state-dtype", "master_weights": "--no-master-weights",
-                  "placement_policy": "--policy", "seq_len": "--seq-len", "gpu_flops_per_s": "--gpu-flops-per-s",
+                  "placement_policy": "--policy", "const_gpu_budget": "--const-gpu-budget", "seq_len": "--seq-len",
+                  "gpu_flops_per_s": "--gpu-flops-per-s",
                   "activation_bytes_per_token_override": "--hf-config of a model with an embedding and blocks"}
 
 
@@ -158,7 +161,8 @@ def _estimate(args) -> int:
                               optimizer_state_dtype=args.optimizer_state_dtype,
                               master_weights=not args.no_master_weights,
                               optimizer_step_in_backward=args.step_in_backward,
-                              gpu_memory_limit=number(args.gpu_memory_limit), **search)
+                              gpu_memory_limit=number(args.gpu_memory_limit),
+                              const_gpu_budget=number(args.const_gpu_budget), **search)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             e = estimate(model, config, tokens_per_step=args.tokens_per_step, world_size=args.world_size,

@@ -59,3 +59,18 @@ if not logger.handlers:
     _handler.setFormatter(logging.Formatter("[gemini_ext %(levelname)s] %(message)s"))
     logger.addHandler(_handler)
     logger.propagate = False
+
+
+def warn_at_caller(message: str, category: type = UserWarning) -> None:
+    """warnings.warn pointed at the first frame outside gemini_ext and torch: the user's line that
+    led here (an optimizer.step(), a forward), not the library frame that noticed it."""
+    import sys
+    import warnings
+
+    import torch
+
+    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__package__]))
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called this function
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

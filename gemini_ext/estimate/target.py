@@ -81,5 +81,8 @@ def device_figures(gpu_memory_limit, device_bytes, peak_tflops, device_name) -> 
     if peak_tflops is None and name is not None:
         peak_tflops = next((t for key, t in PEAK_16BIT_TFLOPS if key in name), None)
     if peak_tflops is None:
-        raise ValueError(f"gx.estimate: the 16-bit peak of device {name!r} is not in the table; pass peak_tflops=.")
+        known = ", ".join(repr(key) for key, _ in PEAK_16BIT_TFLOPS)
+        which = "no device_name= was given" if name is None else f"device {name!r} is not in the table"
+        raise ValueError(f"gx.estimate: the device's 16-bit peak is needed for the step time, and {which}; pass "
+                         f"device_name= (one of {known}) or peak_tflops= (its dense 16-bit TFLOP/s).")
     return capacity, total, float(peak_tflops), name

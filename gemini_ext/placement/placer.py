@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 from .. import allocator
 from .._native import _C
 from . import host_fit, host_memory, rates
-from .._env import logger
+from .._env import logger, warn_at_caller
 from .costs import layout_figures
 from .policies import Measurements, Placement, SetPlacement, warm_up_chunk_budget
 
@@ -261,7 +260,7 @@ class Placer:
 
     def _report(self, placement: Placement) -> None:
         for message in placement.warnings:
-            warnings.warn(message, stacklevel=5)
+            warn_at_caller(message)
         if placement.decision:
             logger.info("%s placement (decision %d): %s", self.policy.name, placement.decision["decisions"],
                         ", ".join(f"{k} {v}" for k, v in placement.decision.items() if k != "decisions"))

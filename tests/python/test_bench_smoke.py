@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from conftest import REPO, run_python
 
@@ -346,6 +347,7 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
         assert r["engine"]["placement"]["policy"] == "auto"
     assert all(r.get("skipped") for r in rows if r["name"] not in trained)
     assert "optimizer chunks" in (tmp_path / "hf.md").read_text()
+    assert "no MFU on sim" in (tmp_path / "hf.md").read_text(), "no GPU's peak to measure against on sim"
 
 
 def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
@@ -363,6 +365,7 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     assert row["estimate"]["step_s"] > 0 and row["engine"]["activations"]["plan"]["decided"], row["estimate"]
     assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
     assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()
+    assert "no MFU on sim" in (tmp_path / "map.md").read_text() and " | - | " in (tmp_path / "map.md").read_text()
     # --reestimate: the same tree from the same recorded inputs makes the same estimate, in its own column
     again = run_python("bench/hf_map.py", "--reestimate", str(tmp_path / "map.json"), "--state", "8-byte",
                        "--loss-chunk-tokens", "0", "--out", str(tmp_path / "now"))
@@ -394,6 +397,9 @@ def test_every_preset_names_a_runner_and_options_it_takes(capsys):
     assert bench(["show", "llama7b-map"]) == 0
     assert capsys.readouterr().out.startswith("python3 bench/hf_map.py --models llama-7b")
     assert bench(["no-such-preset"]) == 2
+    if not torch.cuda.is_available():  # a GPU's figures where there is none: refused, not an exit 0 with error rows
+        assert bench(["llama7b-map"]) == 2
+        assert "torch sees none here" in capsys.readouterr().err
 
 
 def test_hf_map_bound_is_the_longest_of_gpu_cpu_and_link():

@@ -199,6 +199,17 @@ def test_the_command_line_speaks_in_flags_says_what_does_not_fit_and_prints_its_
         assert "Traceback" not in err
     assert cli(["estimate", "--preset", "7b", "--tokens-per-step", "64"]) == 2  # a wrong argument
     assert "unknown preset '7b'" in capsys.readouterr().err
+    # each fix a message names is a flag the command has
+    machine = ["--device-bytes", "80GB", "--host-bytes", "64GiB", "--cpu-rate", "4e9"]
+    assert cli(["estimate", "--preset", "small", "--tokens-per-step", "2048", *machine]) == 2
+    err = capsys.readouterr().err
+    assert "no --device-name was given" in err and "--device-name (one of 'H200'" in err and "--peak-tflops" in err
+    assert cli(["estimate", "--preset", "small", "--tokens-per-step", "2048", *machine, "--device-name", "H100",
+                "--policy", "const"]) == 2
+    assert "Pass e.g. --const-gpu-budget '8GiB'" in capsys.readouterr().err
+    assert cli(["estimate", "--preset", "small", "--tokens-per-step", "2048", *machine, "--device-name", "H100",
+                "--policy", "const", "--const-gpu-budget", "8GiB"]) == 0
+    assert capsys.readouterr().out.startswith("plan ")
     # a host too small for what the device cannot take either: the plan, its overage, exit status 1
     assert cli(["estimate", "--preset", "6.7b", "--tokens-per-step", "8192", "--device-bytes", "80GB",
                 "--device-name", "H100", "--host-bytes", "16GiB", "--cpu-rate", "4e9"]) == 1

@@ -209,7 +209,13 @@ class AutoPolicy(PlacementPolicy):
                         else "")
                 why = (f"the parameter chunks ({format_bytes(p_bytes)}){kept} and two chunks in flight do not fit the "
                        f"device budget ({format_bytes(budget)})")
-                fix = "Lower the batch size or use activation checkpointing."
+                if p_bytes + grads_kept + 2 * largest > m.device_capacity_bytes - m.device_other_bytes:
+                    fix = (f"They are more than the whole device budget ({format_bytes(m.device_capacity_bytes)}) "
+                           "even without activations, so a smaller batch would not keep them: raise "
+                           "gpu_memory_limit, or shard them over more data-parallel ranks.")
+                else:
+                    fix = ("The activations take the rest: lower the batch size or sequence length, or let the engine "
+                           "plan them (GeminiConfig(activation_checkpointing='auto', activation_offload='auto')).")
             warnings.append(f"gemini_ext auto placement: {why}; parameter chunks will be evicted and fetched as "
                             f"needed. {fix}")
         rates = {}
