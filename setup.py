@@ -104,13 +104,13 @@ def built_for_text() -> str:
 
 class RecordingBuildExtension(BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)):
     """torch's build helper, plus the record of the torch it built against, written beside the
-    native module (in the source tree for editable builds, in the build tree otherwise). An
-    in-place (editable) build keeps its objects in build/ext-<python>-<cpu|cuda>/, so that a
-    rebuild with ninja recompiles only what changed (setuptools would use a new temporary folder
-    each time)."""
+    native module (in the source tree for editable builds, in the build tree otherwise). A build
+    from a checkout, editable or not, keeps its objects in build/ext-<python>-<cpu|cuda>/, so that
+    the next build with ninja recompiles only what changed: `pip install .` then the scripts'
+    editable install compile once (setuptools would use a new temporary folder each time)."""
 
     def run(self):
-        if self.inplace:
+        if self.inplace or os.path.isdir(os.path.join(ROOT, ".git")):
             self.build_temp = os.path.join(ROOT, "build", f"ext-{sys.implementation.cache_tag}-"
                                                           f"{'cuda' if use_cuda else 'cpu'}")
         super().run()

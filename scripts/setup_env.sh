@@ -26,7 +26,7 @@ has_python_module() {  # module: installed (found, not imported: importing light
 ensure_torch() {
   if ! has_python_module torch; then
     log "torch is not importable: installing torch==2.13.0"
-    "$PYTHON" -m pip install -q "torch==2.13.0"
+    "$PYTHON" -m pip install -q "torch==2.13.0" numpy  # numpy: torch warns at import without it
   fi
 }
 
@@ -70,15 +70,38 @@ package_index_reachable() {  # whether pip can fetch from its configured index (
   return "$rc"
 }
 
+build_action() {  # want_hash stamp_hash stamp_extras wanted_extras importable(1/0) -> keep | extras | build
+  # keep: the build matches the sources and holds the extras asked for; extras: it matches, only the
+  # extra's packages are missing (installed without compiling again); build: anything else.
+  local want="$1" have="$2" had="$3" extras="$4" importable="$5"
+  if [ "$want" != "$have" ] || [ "$importable" != 1 ]; then
+    echo build
+  elif [ -z "$extras" ] || [[ ",$had," == *",$extras,"* ]]; then
+    echo keep
+  else
+    echo extras
+  fi
+}
+
 ensure_extension() {  # [extra]: the editable install of gemini_ext, with that extra's packages
   ensure_build_tools
   local stamp="$REPO/build/.gemini_ext_stamp" want extras="${1:-}" spec="."
   want="$(source_hash)"
   if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
-    # The same sources: keep the extras already installed with them.
-    local had; had="$(sed -n 2p "$stamp")"
-    if [ -z "$extras" ] || [[ ",$had," == *",$extras,"* ]]; then
-      if (cd /tmp && "$PYTHON" -c "import gemini_ext._C, os, sys; sys.exit(0 if os.path.realpath(gemini_ext.__file__).startswith(os.path.realpath('$REPO')) else 1)") 2>/dev/null; then
+    # The same sources: keep the build, and the extras already installed with it.
+    local had importable=0 action
+    had="$(sed -n 2p "$stamp")"
+    (cd /tmp && "$PYTHON" -c "import gemini_ext._C, os, sys; sys.exit(0 if os.path.realpath(gemini_ext.__file__).startswith(os.path.realpath('$REPO')) else 1)") 2>/dev/null && importable=1
+    action="$(build_action "$want" "$(head -n1 "$stamp")" "$had" "$extras" "$importable")"
+    [ "$action" = keep ] && return 0
+    if [ "$action" = extras ]; then
+      # Only the extra is missing: its packages, without building the extension again.
+      if package_index_reachable; then
+        local reqs
+        mapfile -t reqs < <("$PYTHON" "$REPO/scripts/extra_requirements.py" "$extras") || return 1
+        log "installing gemini_ext's [$extras] packages (the build is current)"
+        "$PYTHON" -m pip install -q "${reqs[@]}" || return 1
+        printf '%s\n%s\n' "$want" "${had:+$had,}$extras" > "$stamp"
         return 0
       fi
     fi

@@ -117,7 +117,6 @@ void def_manager_optimizer(py::module_& m) {
                             field("launch_seconds", &StepStats::launch_seconds),
                             field("device_seconds", &StepStats::device_seconds),
                             field("pending_sets", &StepStats::pending_sets),
-                            field("speculated_sets", &StepStats::speculated_sets),
                             field("guessed_sets", &StepStats::guessed_sets),
                             field("corrected_sets", &StepStats::corrected_sets),
                             field("redone_sets", &StepStats::redone_sets),

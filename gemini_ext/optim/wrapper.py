@@ -83,6 +83,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
 
     _planned_cover = None  # the host steps' cover after the current backward, where it differs (placer)
+    _early_form = _last_form = None  # how host steps started during backward: "in_place", "spares", "in_backward"
 
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
         shared_groups = None
@@ -221,6 +222,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 changed, hyper = hyper, self._in_backward_hyper
             self._in_backward_hyper = None
         parts.runtime.optimizer_step(hyper, multiplier)
+        self._last_form, self._early_form = self._early_form, None
         if changed is not None:
             raise RuntimeError(
                 "optimizer.step(): the hyperparameters changed after backward began (now "
@@ -262,6 +264,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """A backward pass began: arm the CPU steps of host sets to start during it where their
         guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
         self._parts.placer.note_backward_start(self._parts.runtime)  # the last step's lanes, before arming
+        self._early_form = None
         cover, why = self._arm_for_backward()
         self._parts.placer.note_host_steps(cover, why, self._planned_cover)
 
@@ -292,6 +295,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         arming = parts.runtime.arm_guess(self._hyper(), not deciding) if in_place else {"supported": False}
         if arming["supported"]:
             if not deciding:
+                self._early_form = "in_place" if arming["armed"] else None
                 return ("every set" if arming["armed"] else "none"), arming["why"]
             if cfg.max_norm == 0:
                 self._planned_cover = "every set"
@@ -313,6 +317,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             room = needed if needed <= max(0, (available + held) // 2 - held) else 0
         # see [Note: speculative CPU steps] (csrc/torch/optim/hybrid_optimizer_speculation.cpp)
         cover = parts.runtime.arm_speculation(self._hyper(), room)
+        self._early_form = "spares" if cover != "none" else None
         return cover, {"every set": "speculation: the host holds every host set's spares",
                        "some sets": "speculation: the host holds some sets' spares; those whose gradients come "
                                     "first start during backward, the others at step()",
@@ -330,6 +335,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 "under engine.no_sync() or set enable_gradient_accumulation=True.")
         self._in_backward_hyper = self._hyper()
         if parts.runtime.arm_in_backward(self._in_backward_hyper):
+            self._early_form = "in_backward"
             return "every set", "optimizer_step_in_backward=True: each host set steps in place once its gradients land"
         return "none", f"{self.opt_class.__name__} steps whole sets: nothing to start early"
 
@@ -363,14 +369,16 @@ class GeminiOptimizer(torch.optim.Optimizer):
         return {**runtime.speculations(), "spare_bytes": runtime.spare_bytes(), "in_place": runtime.guess_counts()}
 
     def speculation_summary(self) -> dict:
-        """For stats()["speculation"]: the last step's in-place guess (whether it held as guessed,
-        how many sets were corrected, redone or left alone, the corrective passes' seconds) and the
+        """For stats()["speculation"]: the last step's host sets whose step started during backward, in
+        its `form` ("in_place", "spares", "in_backward"): how many, whether every one held as guessed,
+        how many were corrected, stepped again or left alone, the corrective passes' seconds; and the
         fraction of steps whose gradients clipping scaled."""
         last = self._parts.runtime.last_step()
         counts = self._parts.runtime.guess_counts()
         steps = counts["steps"]
         return {
             "last_step": {
+                "form": self._last_form if last["guessed_sets"] else None,
                 "guessed_sets": last["guessed_sets"],
                 "held": last["guessed_sets"] > 0 and last["corrected_sets"] + last["redone_sets"]
                 + last["skipped_sets"] == 0,

@@ -186,10 +186,9 @@ class Placer:
                  "link_lane_elements_per_s_in_step": (last["link_params"], last["link_seconds"])}
         figures = {k: self._groups.reduce(n / s if n and s > 0 else 0.0, "min") for k, (n, s) in lanes.items()}
         figures["forward_optimizer_wait_seconds"] = self._groups.reduce(tracer.last_optimizer_wait_seconds(), "max")
-        # Sets whose step ended in the backward: confirmed guesses (spares or in place); a corrected,
-        # redone or skipped in-place guess did its work at step(), in the forward's window.
-        in_backward = last["speculated_sets"] + last["guessed_sets"] - last["corrected_sets"] - last["redone_sets"] \
-            - last["skipped_sets"]
+        # Sets whose step ended in the backward: those started there whose guess held; a corrected,
+        # redone or skipped one did its work at step(), in the forward's window.
+        in_backward = last["guessed_sets"] - last["corrected_sets"] - last["redone_sets"] - last["skipped_sets"]
         figures["host_sets_stepped_in_backward"] = int(self._groups.reduce(in_backward, "min"))
         measured = self._measure(trace_rerecordings=rerecordings, **self._rates(tracer), **figures)
         chosen = self.policy.after_step(measured, self.current)

@@ -1,9 +1,12 @@
 """setup.py decides CUDA at build time; the refusals happen before anything is compiled."""
 
+import os
+import sys
+
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import REPO, run_python
 
 
 def test_bad_gemini_ext_cuda_value_is_refused():
@@ -60,3 +63,32 @@ def test_the_cpp_suite_configures_with_googletests_sources_alone(tmp_path):
                            "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON",
                            f"-DGX_GTEST_SOURCE={source}", "-DGX_WITH_CUDA=OFF"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_scripts_build_again_only_where_the_build_does_not_match():
+    """scripts/setup_env.sh's build_action: a build of the same sources, importable from this checkout,
+    is kept; where only an extra is missing (train.sh built without one, then test.sh asks for `test`),
+    its packages are installed without compiling again; other sources or no importable build: a build."""
+    import subprocess
+
+    def action(*args):
+        script = 'source scripts/setup_env.sh >/dev/null 2>&1; build_action "$@"'
+        return subprocess.run(["bash", "-c", script, "bash", *args], capture_output=True, text=True,
+                              cwd=REPO, env={"PATH": os.environ["PATH"], "PYTHON": sys.executable}).stdout.strip()
+
+    assert action("h1", "h1", "", "", "1") == "keep"
+    assert action("h1", "h1", "test", "test", "1") == "keep"
+    assert action("h1", "h1", "", "test", "1") == "extras"
+    assert action("h1", "h1", "transformers", "test", "1") == "extras"
+    assert action("h2", "h1", "test", "test", "1") == "build"
+    assert action("h1", "h1", "test", "test", "0") == "build"
+
+
+def test_numpy_is_a_dependency():
+    """torch warns at import ("Failed to initialize NumPy") in an environment without numpy: every
+    command would print it in a venv made as the README says."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps), deps

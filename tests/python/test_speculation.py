@@ -297,8 +297,10 @@ def test_host_step_speculation_chooses_the_guess_and_is_checked():
         assert all(torch.equal(results[mode][0][n], v) for n, v in results["in_place"][0].items()), mode
     in_place, spares, off = (results[m][1] for m in ("in_place", "spares", "off"))
     assert in_place["last_step"]["guessed_sets"] > 0 and in_place["spare_bytes"] == 0, in_place
-    assert spares["last_step"]["guessed_sets"] == 0 and spares["spare_bytes"] > 0, spares
-    assert off["last_step"]["guessed_sets"] == 0 and off["spare_bytes"] == 0, off
+    assert in_place["last_step"]["form"] == "in_place", in_place
+    assert spares["last_step"]["guessed_sets"] > 0 and spares["spare_bytes"] > 0, spares
+    assert spares["last_step"]["form"] == "spares" and spares["last_step"]["held"], spares
+    assert off["last_step"]["guessed_sets"] == 0 and off["spare_bytes"] == 0 and off["last_step"]["form"] is None, off
     assert results["off"][2]["host_steps"] == {"during_backward": "none",
                                                "why": "host_step_speculation='off': every host set steps at step()"}
     with pytest.raises(ValueError, match="host_step_speculation: expected one of"):
@@ -347,3 +349,27 @@ def test_a_read_between_backward_and_step_sees_the_values_before_it_and_changes_
         for key, ref in ref_moments.items():  # v' - (1 - b2) g^2: a few ulps of v', not of v
             scale = ref.abs().max().item()
             torch.testing.assert_close(moments[key], ref, rtol=1e-6, atol=1e-6 * scale, msg=f"{k} {key}")
+
+
+@pytest.mark.parametrize("form", ["in_place", "spares", "sgd", "in_backward"])
+def test_the_host_sets_started_during_backward_are_counted_once_whatever_the_form(form):
+    """stats()["speculation"]["last_step"] counts the host sets whose step started during backward in
+    every form (in place, spares, SGD's spares, the step in backward), and that count is the one the
+    placement's `host_steps` speaks of: every host set."""
+    from parity_utils import config
+
+    model, _ = make_models()
+    fields = {"in_place": {}, "spares": {"host_step_speculation": "spares"}, "sgd": {},
+              "in_backward": {"optimizer_step_in_backward": True}}[form]
+    with gx.enable(model, config("sim", **fields)) as engine:
+        opt = engine.optimizer(torch.optim.SGD if form == "sgd" else torch.optim.AdamW, lr=LR)
+        for k in range(3):
+            x, y = batch(model.cfg, k, engine.compute_device)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.stats()
+    last = stats["speculation"]["last_step"]
+    assert stats["placement"]["host_steps"]["during_backward"] == "every set", stats["placement"]["host_steps"]
+    assert last["guessed_sets"] == stats["placement"]["optim_chunks_on_host"] > 0, (last, stats["placement"])
+    assert last["form"] == {"sgd": "spares"}.get(form, form) and last["held"], last

@@ -67,10 +67,10 @@ struct StepStats {
   double launch_seconds = 0.0;  // time step() spent preparing and handing over the host sets
   double device_seconds = 0.0;  // host time to launch (device kernels run asynchronously)
   int64_t pending_sets = 0;     // host sets whose step has not been settled yet
-  int64_t speculated_sets = 0;  // host sets of this step stepped during the backward before it (confirmed guesses)
-  // In-place speculation (hybrid_optimizer_in_place.cpp), this step's host sets stepped during
-  // backward: all of them, those corrected (the multiplier was not 1), those undone and stepped
-  // again (the hyperparameters changed), and those left alone (a non-finite gradient).
+  // This step's host sets whose step started during the backward before it, in whichever form
+  // (in place, into spares, the step in backward): all of them; of those, the in-place ones
+  // corrected (the multiplier was not 1), those stepped again at step() (the hyperparameters
+  // changed, or spares dropped), and those left alone (a non-finite gradient).
   int64_t guessed_sets = 0;
   int64_t corrected_sets = 0;
   int64_t redone_sets = 0;

@@ -227,6 +227,7 @@ void HybridOptimizer::step_in_backward(int set_index) {
                      "it begins)");
   if (mgr.in_flight(set.spec.param)) mgr.wait(set.spec.param);  // a fetch may still read P's host copy
   stepped_in_backward_.insert(set_index);
+  backward_stats_.guessed_sets += 1;  // final: nothing to judge
   step_set(set_index, *armed_, 1.0, backward_stats_, mgr.copy_event(set.spec.grad));
 }
 
@@ -254,10 +255,12 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
       ChunkSet& mutable_set = sets_[static_cast<size_t>(s)];
       for (const auto& [k, step] : spec->new_steps) mutable_set.step[k] = step;
       stats_.host_params += spec->host_params;
-      stats_.speculated_sets += 1;
+      stats_.guessed_sets += 1;
       confirmed.insert(s);
     } else {
       pipeline_.settle(s);  // waits for it; unconfirmed, its results are dropped
+      stats_.guessed_sets += 1;  // started during backward, and stepped again below
+      stats_.redone_sets += 1;
     }
   }
   return confirmed;
