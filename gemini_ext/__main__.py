@@ -30,6 +30,30 @@ def main(argv=None) -> int:
                      help="shards of at most this size, e.g. 5GB, with model.safetensors.index.json (OUT is a "
                           "directory, as transformers' save_pretrained writes it)")
     exp.add_argument("--no-progress", action="store_true")
+    _add_estimate_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from .info import print_info
+
+        print_info()
+    elif args.command == "export":
+        from .export import export
+
+        try:
+            summary = export(args.checkpoint, args.out, args.dtype, args.config, progress=not args.no_progress,
+                             max_shard_size=args.max_shard_size)
+        except (ValueError, TypeError, FileNotFoundError) as exc:  # the caller's input: one line, no traceback
+            print(f"{prog} export: {str(exc).removeprefix('export: ')}", file=sys.stderr)
+            return 2
+        files = f" in {len(summary['files'])} files" if len(summary["files"]) > 1 else ""
+        print(f"wrote {summary['path']}: {summary['tensors']} tensors{files}, {summary['bytes'] / 2**20:.1f} MiB "
+              f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")
+    elif args.command == "estimate":
+        return _estimate(args)
+    return 0
+
+
+def _add_estimate_parser(sub) -> None:
     est = sub.add_parser("estimate", help="the plan, device and host memory and a predicted step time of a model "
                                           "built on meta (gx.estimate), before any memory is touched")
     model = est.add_mutually_exclusive_group(required=True)
@@ -69,26 +93,6 @@ def main(argv=None) -> int:
     est.add_argument("--seq-len", type=int, default=None,
                      help="tokens per sequence: the attention-score work of sequences longer than 1024 (default 1024)")
     est.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        from .info import print_info
-
-        print_info()
-    elif args.command == "export":
-        from .export import export
-
-        try:
-            summary = export(args.checkpoint, args.out, args.dtype, args.config, progress=not args.no_progress,
-                             max_shard_size=args.max_shard_size)
-        except (ValueError, TypeError, FileNotFoundError) as exc:  # the caller's input: one line, no traceback
-            print(f"{prog} export: {str(exc).removeprefix('export: ')}", file=sys.stderr)
-            return 2
-        files = f" in {len(summary['files'])} files" if len(summary["files"]) > 1 else ""
-        print(f"wrote {summary['path']}: {summary['tensors']} tensors{files}, {summary['bytes'] / 2**20:.1f} MiB "
-              f"({args.dtype}); peak anonymous memory {summary['peak_anon_bytes'] / 2**20:.1f} MiB")
-    elif args.command == "estimate":
-        return _estimate(args)
-    return 0
 
 
 # gx.estimate's and GeminiConfig's keywords as the estimate command spells them, for its messages.

@@ -8,7 +8,10 @@ its process state; the engine keeps the parameters, so
   DistributedDataParallel: the engine places, shards and reduces itself);
 - `accelerator.clip_grad_norm_` clips in the gradient chunks (accelerate reads `p.grad`, which is
   None for managed parameters: without this it would report 0 and clip nothing);
-- the optimizer is the engine's (`engine.optimizer(...)`), prepared as any optimizer.
+- the optimizer is the engine's (`engine.optimizer(...)`), prepared as any optimizer; preparing it
+  tells it the Accelerator's `gradient_accumulation_steps`, as the Trainer and Lightning do, so
+  that the host steps start during the last backward of each step from the first step on (not
+  during an earlier one, taken back when the next adds to the gradients).
 Saving: `accelerator.save_state(dir)` stores the optimizer's torch-format state and the
 scheduler, but not the engine's masters as the engine keeps them; `engine.save_checkpoint(dir)`
 (beside it, on every rank) and `engine.load_checkpoint(dir)` after `accelerator.load_state(dir)`
@@ -43,5 +46,13 @@ def prepare(accelerator, engine) -> None:
             return m  # placed, sharded and reduced by the engine
         return original_prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
+    original_prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_optimizer(optimizer, device_placement=None):
+        if getattr(optimizer, "engine", None) is engine:  # this engine's GeminiOptimizer
+            optimizer.expect_backwards_per_step(int(accelerator.gradient_accumulation_steps))
+        return original_prepare_optimizer(optimizer, device_placement=device_placement)
+
     accelerator.prepare_model = prepare_model
+    accelerator.prepare_optimizer = prepare_optimizer
     accelerator.clip_grad_norm_ = clip_grad_norm_in_chunks

@@ -52,6 +52,9 @@ def test_an_accelerate_loop_trains_as_without_gemini_ext(device):
         norms = _loop(accelerator, model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
         assert engine.stats()["optimizer_steps"] == STEPS
         assert engine.stats()["counters"]["evictions"] > 0, "the budget evicts"
+        # told the accumulation when the optimizer was prepared: no host step started in a backward that
+        # the next one adds to (its undo, within ulps, would feed the next forward perturbed parameters)
+        assert engine.stats()["speculation"]["guesses_undone"] == 0, engine.stats()["speculation"]
     assert norms == pytest.approx(plain_norms, rel=1e-4) and min(plain_norms) > 0.05, "clipped, in the chunks"
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
 
