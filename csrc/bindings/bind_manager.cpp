@@ -213,6 +213,7 @@ void def_observing(py::class_<GeminiManager>& cls) {
              d["usable"] = std::get<3>(t);
              return d;
            })
+      .def("trace_diverged", &GeminiManager::trace_diverged, nogil())
       .def("timeline",
            [](GeminiManager& g) {
              std::vector<TimelineEvent> events;

@@ -289,7 +289,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # backward is counted (the policy learns the accumulation) but steps at step(); the later
         # iterations guess where nothing says they will clip, which the placement plans for.
         # (Spare-copy speculation, below, is only dropped by such a move, exactly: it stays armed.)
-        deciding = parts.placer.decides_at_iteration_end()
+        deciding = parts.placer.decides_at_iteration_end(parts.runtime)
         in_place = cfg.host_step_speculation == "in_place"
         # see [Note: in-place speculation] (csrc/torch/optim/hybrid_optimizer_in_place.cpp)
         arming = parts.runtime.arm_guess(self._hyper(), not deciding) if in_place else {"supported": False}

@@ -59,12 +59,14 @@ class Placer:
         self._steps_during_backward = (planned or cover) == "every set"
         self._host_steps = {"during_backward": cover, "why": why}
 
-    def decides_at_iteration_end(self) -> bool:
+    def decides_at_iteration_end(self, runtime=None) -> bool:
         """Whether this iteration's end will decide the placement (the first iteration under a
-        policy that decides from measurements): chunks may move before optimizer.step(), which
-        would undo steps started during the backward."""
-        return (not self._frozen and self.policy.decides_after_iterations(self._device.kind)
-                and not self.current.decision)
+        policy that decides from measurements, or one whose chunk accesses left the recorded order:
+        its trace is re-recorded and the policy decides again, as after_iteration does): chunks may
+        move before optimizer.step(), which would undo steps started during the backward."""
+        if self._frozen or not self.policy.decides_after_iterations(self._device.kind):
+            return False
+        return not self.current.decision or (runtime is not None and runtime.trace_diverged())
 
     def freeze(self) -> None:
         """No later decisions: the optimizer state cannot move (a generically stepped optimizer's

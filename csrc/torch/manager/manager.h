@@ -188,6 +188,7 @@ class GeminiManager {
   void end_generation_pass();  // a pass ends (the next one starts): closes its iteration
   void end_generation_trace();
   std::tuple<std::vector<ChunkId>, int64_t, int64_t, bool> trace_info();  // recorded, iterations, rerecordings, usable
+  bool trace_diverged();  // this iteration left the recorded order: its end re-records it
   std::vector<TimelineEvent> timeline();
   EngineCounters counters();
 

@@ -189,6 +189,11 @@ std::tuple<std::vector<ChunkId>, int64_t, int64_t, bool> GeminiManager::trace_in
   return {trace_.recorded(), trace_.iterations(), trace_.rerecordings(), trace_.usable()};
 }
 
+bool GeminiManager::trace_diverged() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return trace_.diverged();
+}
+
 EngineCounters GeminiManager::counters() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   return counters_locked();
