@@ -13,7 +13,7 @@
 //   grad_arrived    idle       forward    backward   (no change: gradients may arrive without a
 //                                                      hooked module, e.g. existing .grad at enable)
 //   end_backward    idle       idle       idle
-//   end_iteration   idle       idle       backward   (the step after a failed backward keeps it)
+//   end_iteration   idle       idle       backward   (a backward that raised ends first: hooks.py)
 //
 // An illegal event is a bug in the hook wiring and raises InternalError naming both.
 // Modelled on FSDP2's TrainingState.
