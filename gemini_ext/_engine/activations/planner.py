@@ -119,6 +119,10 @@ class ActivationPlanner:
         return budget.room_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
                                  self._tracer.last_device_figures(), warm_activation_bytes)
 
+    def outside_torch_bytes(self) -> int:
+        """The device's memory outside torch and the chunks at the last iteration's end (the tracer's)."""
+        return self._tracer.last_device_figures()["device_other_bytes"]
+
     def detach(self) -> None:
         """Lets go of the chunks, the placer and the tracer (the engine closes)."""
         self._chunks = self._placer = self._tracer = None

@@ -77,6 +77,7 @@ class ActivationRoom:
         if self.planner is not None and self._cap_torch:
             self.planner.probe.on_first_block = self._first_block_measured
         self._warned: set = set()
+        self._outside_bytes = 0  # the device's memory outside torch, last measured (allocator.outside_torch_bytes)
         self._handles = [model.register_forward_pre_hook(self._forward_started),
                          model.register_forward_hook(self._forward_ended, always_call=True)]
         self._calls_at_start = 0
@@ -118,12 +119,14 @@ class ActivationRoom:
                                 "this iteration checkpointed none. Enable the model's checkpointing (transformers: "
                                 "gradient_checkpointing=True) or set activation_checkpointing='auto'.")
         if self._cap_torch and (self.planner is None or self.planner.refusal is None):
+            self._outside_bytes = self.planner.outside_torch_bytes()  # as the tracer measured this iteration
             self._apply_torch_cap()
 
     def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:  # see [Note: the root forward]
         foreseen = budget.foreseen_warm_up_bytes(self.planner.warm_device_bytes(activation_bytes, input_bytes))
         held = torch.cuda.memory_reserved(self._device.torch_device)
-        outside = self._outside_torch_bytes()
+        whole = self._device.capacity_bytes() >= self._device.total_bytes()
+        outside = self._outside_bytes = allocator.outside_torch_bytes(self._device.torch_device, whole_device=whole)
         floor = self._chunk_floor
         self.warm_up = {"block0_activation_bytes": activation_bytes, "block0_input_bytes": input_bytes,
                         "foreseen_bytes": foreseen, "torch_reserved_bytes": held, "outside_torch_bytes": outside,
@@ -137,15 +140,11 @@ class ActivationRoom:
         self.warm_up["chunk_budget_bytes"] = self._leave_room(held + outside + foreseen) if self._leave_room else None
         self._apply_torch_cap()
 
-    def _outside_torch_bytes(self) -> int:
-        whole = self._device.capacity_bytes() >= self._device.total_bytes()
-        return allocator.outside_torch_bytes(self._device.torch_device, whole_device=whole)
-
     def _apply_torch_cap(self) -> None:
         total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
         if capacity >= total:
             return  # the whole device: torch meets the chunks at the device's own end
-        self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes() - self._outside_torch_bytes())
+        self.torch_cap_bytes = max(0, capacity - self.planner.chunk_need_bytes() - self._outside_bytes)
         torch.cuda.set_per_process_memory_fraction(self.torch_cap_bytes / total, self._device.torch_device)
 
     def widen_torch_cap(self, extra_bytes: int) -> None:
