@@ -2,7 +2,11 @@
 
     python -m bench list                  # the presets, what each reproduces
     python -m bench show NAME             # the command a preset runs
-    python -m bench NAME [ARGS...]        # runs it; ARGS go to its runner (--out /tmp/x, --timeout 200)
+    python -m bench NAME [ARGS...]        # runs it and writes bench/records/NAME.json; ARGS go to its runner
+                                          # (--out /tmp/x, --timeout 200; others change the preset: no record;
+                                          # --records DIR: the record goes to DIR instead)
+    python -m bench tables [--check]      # README's and BENCHMARKS' tables from bench/records/ (--check: differ?)
+    python -m bench records               # each record: machine, date, whether the engine changed since
     python -m bench systems               # the systems and models the runners know
     python -m bench run RUNNER [ARGS...]  # a runner with arguments of your own (its --help lists them)
 
@@ -11,9 +15,11 @@ Every runner starts each system in a fresh process and writes markdown and JSON 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -49,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in presets.PRESETS.items():
             print(f"{name:32s} {p.reproduces}")
         return 0
+    if what == "tables":
+        import tables
+        return tables.main(rest)
+    if what == "records":
+        import records
+        return records.main(rest)
     if what == "systems":
         print(_systems())
         return 0
@@ -71,7 +83,49 @@ def main(argv: list[str] | None = None) -> int:
               "(torch.cuda.is_available() is False). `python -m bench smoke` runs the map's rows on sim; "
               "`python -m bench list` says what each preset reproduces.", file=sys.stderr)
         return 2
-    return _run([*presets.PRESETS[what].command(), *rest])
+    return _run_preset(what, rest)
+
+
+# Arguments that leave the preset's figures as they are: where its files go, how long a row may run.
+_RECORD_NEUTRAL = ("--out", "--json-out", "--timeout")
+
+
+def _run_preset(name: str, rest: list[str]) -> int:
+    """Runs the preset and, where its runner's rows can be recorded (presets.RECORDED_BY) and `rest`
+    changes nothing the figures depend on, writes the record of what it measured: to bench/records/
+    for a GPU's preset, or to the folder `--records DIR` names (for any preset; not passed on)."""
+    import records
+
+    preset = presets.PRESETS[name]
+    directory = records.DIRECTORY if preset.needs_gpu else None
+    if "--records" in rest:
+        i = rest.index("--records")
+        if i + 1 >= len(rest):
+            print("python -m bench: --records needs a folder", file=sys.stderr)
+            return 2
+        directory, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    output = presets.RECORDED_BY.get(preset.runner)
+    changes = [a for a in rest if a.startswith("--") and a.split("=")[0] not in _RECORD_NEUTRAL]
+    if output is None or directory is None or changes:
+        if output is not None and changes:
+            print(f"python -m bench {name}: no record ({' '.join(changes)} changes the preset)", file=sys.stderr)
+        return _run([*preset.command(), *rest])
+    if output in rest:
+        at = rest[rest.index(output) + 1]
+    else:
+        at = os.path.join(tempfile.mkdtemp(prefix="gx-bench-"), "run" + (".json" if output == "--json-out" else ""))
+        rest = [*rest, output, at]
+    rc = _run([*preset.command(), *rest])
+    path = at + ".json" if output == "--out" else at
+    if rc != 0 or not os.path.exists(path):
+        print(f"python -m bench {name}: the runner ended with status {rc}; no record written", file=sys.stderr)
+        return rc or 1
+    with open(path) as f:
+        result = json.load(f)
+    record = records.make(name, preset.command(), preset.reproduces, records.rows_of(preset.runner, result),
+                          presets.peak_tflops(preset))
+    print(f"python -m bench {name}: record written to {records.save(record, directory)}")
+    return 0
 
 
 def _gpu_here() -> bool:

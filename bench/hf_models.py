@@ -44,6 +44,8 @@ SYSTEMS = {  # column name -> hf_train.py flags
     "plain": ["--system", "plain"],
     # activations planned by the engine (its checkpointing 'auto', inputs offloaded where the room needs it)
     "gemini-act": ["--system", "gemini", "--checkpointing", "engine-auto", "--activation-offload", "auto"],
+    # over the model's own checkpointing (HF's): the engine offloads the inputs where the room needs it
+    "gemini-hf-act": ["--system", "gemini", "--activation-offload", "auto"],
     "gemini-act-offload": ["--system", "gemini", "--checkpointing", "engine-on", "--activation-offload", "on"],
     "fsdp2-offload-act": ["--system", "fsdp2-offload", "--activation-offload", "on"],  # torch's save_on_cpu
     # DeepSpeed's activation checkpointing with cpu_checkpointing (the layers' inputs in CPU memory)
@@ -56,6 +58,7 @@ LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in 
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
           "gemini-act": "gemini_ext auto, activations planned",
+          "gemini-hf-act": "gemini_ext auto, activations planned over HF's checkpointing",
           "gemini-act-offload": "gemini_ext auto, inputs offloaded",
           "fsdp2-offload-act": "FSDP2 + CPU offload + save_on_cpu",
           "deepspeed-offload-optim-act": "DeepSpeed ZeRO-3, optimizer offloaded, CPU checkpointing",

@@ -19,6 +19,11 @@ RUNNERS = {  # name -> (script under bench/, what it compares)
 }
 
 
+# The runners whose rows a preset's record keeps (bench/records.py), and the option naming their output.
+RECORDED_BY = {"hf_models": "--out", "hf_map": "--out", "rl_phases": "--json-out"}
+PEAK_TFLOPS = 989.0  # the runners' default: the dense bf16 peak of an H100 SXM and of an H200
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     runner: str
@@ -30,39 +35,43 @@ class Preset:
         return [f"bench/{RUNNERS[self.runner][0]}", *self.args]
 
 
-_LLAMA_40 = ("--models", "llama-7b", "--budgets", "40GiB", "--steps", "7", "--timeout", "95")
-_ACT = ("--models", "llama-7b", "--max-norm", "1.0", "--loss-chunk-tokens", "8192", "--steps", "4")
+# LLaMA-7B, 4 x 2048 tokens (HF's gradient checkpointing), at 40 GiB, 24 GiB and the whole device.
+_LLAMA_4K = ("--models", "llama-7b", "--budgets", "40GiB,24GiB,whole", "--steps", "7", "--timeout", "150",
+             "--systems", "gemini")
+# The activations planned by the engine: over HF's checkpointing and over the engine's own.
+_MAP = ("--models", "llama-7b", "--systems", "gemini-hf-act,gemini-act", "--steps", "4")
 PRESETS = {
-    "llama7b-40g-clip-within-norm": Preset(
-        "hf_models", _LLAMA_40 + ("--max-norm", "1.0", "--loss-scale", "0.015625", "--systems", "gemini"),
-        "README: LLaMA-7B, 4 x 2048 tokens, 40 GiB, clipping at 1.0 with the norm within it (BENCHMARKS.md, "
+    "llama7b-gpu-alone": Preset(
+        "hf_models", ("--models", "llama-7b", "--budgets", "whole", "--systems", "gpu-alone", "--steps", "7",
+                      "--timeout", "150"),
+        "README: the GPU alone at 4 x 2048 tokens (forward and backward, parameters resident, no optimizer)"),
+    "llama7b-no-clip": Preset(
+        "hf_models", _LLAMA_4K, "README: LLaMA-7B, 4 x 2048 tokens, without clipping"),
+    "llama7b-clip-within-norm": Preset(
+        "hf_models", _LLAMA_4K + ("--max-norm", "1.0", "--loss-scale", "0.015625"),
+        "README: the same, clipping at 1.0 with the norm within it (the loss scaled by 1/64; BENCHMARKS.md, "
         "'Clipping without the wait')"),
-    "llama7b-40g-clip-every-step": Preset(
-        "hf_models", _LLAMA_40 + ("--max-norm", "1.0", "--systems", "gemini"),
-        "README: the same where every step clips"),
-    "llama7b-40g-no-clip": Preset(
-        "hf_models", _LLAMA_40 + ("--systems", "gemini"), "README: the same without clipping"),
-    "llama7b-40g-no-clip-peers": Preset(
-        "hf_models", ("--models", "llama-7b", "--budgets", "40GiB", "--systems", "gemini,fsdp2-offload,"
-                      "deepspeed-offload-optim", "--timeout", "220"),
-        "README: FSDP2 + CPU offload and DeepSpeed ZeRO-3 (optimizer offloaded) without clipping at 40 GiB "
-        "(BENCHMARKS.md, 'transformers' LLaMA-7B, Mistral-7B and a Mixtral-style MoE side by side')"),
-    "llama7b-24g-clip-peers": Preset(
-        "hf_models", ("--models", "llama-7b", "--budgets", "24GiB", "--max-norm", "1.0", "--systems",
-                      "gemini,fsdp2-offload,deepspeed-offload-optim", "--timeout", "170"),
-        "README: FSDP2 + CPU offload with clipping at 24 GiB, beside gemini_ext and DeepSpeed"),
-    "llama7b-map": Preset(
-        "hf_map", ("--models", "llama-7b", "--budgets", "24GiB,40GiB,whole", "--shapes",
-                   "4x2048,16x2048,32x2048,1x65536", "--steps", "4", "--timeout", "160"),
-        "BENCHMARKS.md, 'The map': every budget and shape, GPU alone and the estimate per row"),
-    "llama7b-map-32k": Preset(
-        "hf_map", ("--models", "llama-7b", "--budgets", "24GiB,40GiB,whole", "--shapes", "16x2048", "--steps", "4",
-                   "--timeout", "130"),
-        "README: LLaMA-7B at 16 x 2048 tokens with activations planned, at 40 GiB and on the whole H100"),
-    "llama7b-64k-one-sequence": Preset(
-        "hf_models", _ACT + ("--budgets", "24GiB", "--batch", "1", "--seq", "65536", "--systems",
-                             "gemini-act,gpu-alone", "--timeout", "170"),
-        "BENCHMARKS.md, 'Activations planned with the chunks': one 65,536-token sequence at 24 GiB"),
+    "llama7b-clip-every-step": Preset(
+        "hf_models", _LLAMA_4K + ("--max-norm", "1.0"), "README: the same where every step clips"),
+    "llama7b-fsdp2-clip": Preset(
+        "hf_models", ("--models", "llama-7b", "--budgets", "40GiB,24GiB", "--max-norm", "1.0", "--steps", "7",
+                      "--systems", "fsdp2-offload", "--timeout", "300"),
+        "README: FSDP2 + CPU offload with clip_grad_norm_ at 1.0, 4 x 2048 tokens, 40 and 24 GiB"),
+    "llama7b-deepspeed-24g-clip": Preset(
+        "hf_models", ("--models", "llama-7b", "--budgets", "24GiB", "--max-norm", "1.0", "--steps", "7",
+                      "--systems", "deepspeed-offload-optim", "--timeout", "420"),
+        "README: DeepSpeed ZeRO-3 with its CPU Adam (optimizer offloaded) and clipping at 1.0, 24 GiB "
+        "(MEASUREMENTS.md says how to install it)"),
+    "llama7b-map-16x2048": Preset(
+        "hf_map", _MAP + ("--shapes", "16x2048", "--budgets", "40GiB,24GiB,whole", "--timeout", "160"),
+        "README and BENCHMARKS.md, 'The map': 16 x 2048 tokens with activations planned, the GPU alone and the "
+        "estimate per row"),
+    "llama7b-map-32x2048": Preset(
+        "hf_map", _MAP + ("--shapes", "32x2048", "--budgets", "40GiB,24GiB,whole", "--timeout", "200"),
+        "README and BENCHMARKS.md, 'The map': 32 x 2048 tokens"),
+    "llama7b-map-65536": Preset(
+        "hf_map", _MAP + ("--shapes", "1x65536", "--budgets", "24GiB,whole", "--timeout", "220"),
+        "README and BENCHMARKS.md, 'The map': one 65,536-token sequence at 24 GiB and on the whole device"),
     "gpt1.3b-24g-peers": Preset(
         "offload", ("--preset", "1.3b", "--budget", "24GiB", "--steps", "6", "--timeout", "200", "--only",
                     "plain,fsdp2-offload,gemini-static,gemini-auto,deepspeed-offload,deepspeed-offload-optim,"
@@ -82,6 +91,15 @@ PRESETS = {
         "the host can hold"),
     "cpu-adam": Preset("cpu_adam", ("--params-m", "200", "--repeats", "4"),
                        "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth", needs_gpu=False),
-    "smoke": Preset("hf_map", ("--smoke",), "a tiny Llama on sim: the map's row format anywhere (tests)",
+    "smoke": Preset("hf_map", ("--smoke", "--state", "8-byte"),
+                    "a tiny Llama on sim with the 8-byte state: the map's rows and their record anywhere (tests)",
                     needs_gpu=False),
 }
+
+
+def peak_tflops(preset: Preset) -> float | None:
+    """The peak its MFU is against: the preset's --peak-tflops, else the runners' default (none on sim)."""
+    if not preset.needs_gpu:
+        return None
+    args = list(preset.args)
+    return float(args[args.index("--peak-tflops") + 1]) if "--peak-tflops" in args else PEAK_TFLOPS

@@ -355,9 +355,10 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     bench/hf_train.py on sim; the row carries gx.estimate's prediction made before it ran and its
     bound's parts, the GPU-alone row is listed as skipped on sim, and the table gives the error;
     --reestimate makes that estimate again from what the row recorded. Run as a user runs it: the
-    `smoke` preset of the one entry point, `python -m bench`."""
+    `smoke` preset of the one entry point, `python -m bench`, which writes the run's record
+    (bench/records.py) where --records says."""
     pytest.importorskip("transformers")
-    out = run_python("-m", "bench", "smoke", "--state", "8-byte", "--out", str(tmp_path / "map"))
+    out = run_python("-m", "bench", "smoke", "--out", str(tmp_path / "map"), "--records", str(tmp_path / "rec"))
     assert out.returncode == 0, out.stderr
     alone, row = json.loads((tmp_path / "map.json").read_text())
     assert alone["name"] == "gpu-alone" and alone["skipped"]
@@ -366,6 +367,17 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
     assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()
     assert "no MFU on sim" in (tmp_path / "map.md").read_text() and " | - | " in (tmp_path / "map.md").read_text()
+    # the record: the machine, the tree, and each row as the tables and the estimate's test read it
+    record = json.loads((tmp_path / "rec" / "smoke.json").read_text())
+    assert record["preset"] == "smoke" and record["runs"] == "bench/hf_map.py --smoke --state 8-byte"
+    assert record["machine"]["gpu"] is None and record["machine"]["host_cores"] == os.cpu_count()
+    assert len(record["tree"]["engine_sha256"]) == 64 and record["peak_tflops"] is None
+    skipped, trained = record["rows"]
+    assert skipped["outcome"] == "skipped" and skipped["why"] == alone["skipped"]
+    assert trained["outcome"] == "trained" and trained["step_s"] == row["step_s_median"] and trained["mfu"] is None
+    assert trained["decided"]["activation_plan"] == {c: row["engine"]["activations"]["plan"][c]
+                                                     for c in ("keep", "recompute", "offload")}
+    assert trained["estimate_record"]["step_s"] == row["step_s_median"], "what test_estimate_records.py reads"
     # --reestimate: the same tree from the same recorded inputs makes the same estimate, in its own column
     again = run_python("bench/hf_map.py", "--reestimate", str(tmp_path / "map.json"), "--state", "8-byte",
                        "--loss-chunk-tokens", "0", "--out", str(tmp_path / "now"))
@@ -394,11 +406,11 @@ def test_every_preset_names_a_runner_and_options_it_takes(capsys):
     for name, preset in presets.PRESETS.items():
         given = {a for a in preset.args if a.startswith("--")}
         assert given <= options[preset.runner], f"{name}: {sorted(given - options[preset.runner])} unknown"
-    assert bench(["show", "llama7b-map"]) == 0
+    assert bench(["show", "llama7b-map-16x2048"]) == 0
     assert capsys.readouterr().out.startswith("python3 bench/hf_map.py --models llama-7b")
     assert bench(["no-such-preset"]) == 2
     if not torch.cuda.is_available():  # a GPU's figures where there is none: refused, not an exit 0 with error rows
-        assert bench(["llama7b-map"]) == 2
+        assert bench(["llama7b-map-16x2048"]) == 2
         assert "torch sees none here" in capsys.readouterr().err
 
 

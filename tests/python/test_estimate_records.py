@@ -1,6 +1,7 @@
-"""gx.estimate against the engine's own runs: the rows of docs/BENCHMARKS.md's map, recorded by
-`bench/hf_map.py --record` on the GPU (bench/records/*.json: what each estimate is made from, what the
-engine measured where the estimate predicts, what it decided and its step time).
+"""gx.estimate against the engine's own runs: the engine rows of the map's presets, recorded on the
+GPU by `python -m bench llama7b-map-...` (bench/records/*.json, each row's `estimate_record`: what the
+estimate is made from, what the engine measured where the estimate predicts, what it decided and
+its step time).
 
 Two claims per row. Given the figures the engine measured (gx.estimate(recorded=...)), the estimate's
 decisions are the engine's exactly: the same code decides (the placement policy, the warm-up budget,
@@ -18,7 +19,8 @@ import gemini_ext as gx
 from conftest import REPO
 
 RECORDS = sorted(glob.glob(os.path.join(REPO, "bench", "records", "*.json")))
-ROWS = [(os.path.basename(path), i, row) for path in RECORDS for i, row in enumerate(json.load(open(path)))]
+ROWS = [(os.path.basename(path), i, row["estimate_record"]) for path in RECORDS
+        for i, row in enumerate(json.load(open(path))["rows"]) if row.get("estimate_record")]
 STEP_TOLERANCE = 0.15  # of the measured step
 BUDGET_TOLERANCE = 0.10  # of the engine's chunk budget, predicted
 SETS_TOLERANCE = 3  # optimizer sets on the device, predicted
