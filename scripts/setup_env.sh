@@ -9,7 +9,11 @@
 #                are the one list of Python packages (tqdm comes with the package itself). With an
 #                extra, the compile and the extra's downloads run side by side (the package with
 #                --no-deps, the requirements scripts/extra_requirements.py reads beside it)
-# Honours PYTHON (default python3) and MAX_JOBS (default: all cores).
+# Honours PYTHON (default python3), MAX_JOBS (default: all cores), GX_PIP_NO_COMPILE=1 (pip
+# installs without byte-compiling every module it installs: for a fresh environment whose
+# interpreters write the bytecode of what they import, scripts/test.sh's CI path) and
+# GX_WARM_IMPORTS (Python run once the extra's packages are in, beside the compile: the imports
+# whose bytecode every later process would otherwise write at once).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -19,6 +23,12 @@ SUDO=""
 
 log() { echo "[setup] $*" >&2; }
 
+pip_install() {  # pip install -q, without byte-compiling under GX_PIP_NO_COMPILE=1
+  local flags=()
+  [ "${GX_PIP_NO_COMPILE:-0}" = 1 ] && flags=(--no-compile)
+  "$PYTHON" -m pip install -q "${flags[@]}" "$@"
+}
+
 has_python_module() {  # module: installed (found, not imported: importing lightning alone takes seconds)
   "$PYTHON" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" 2>/dev/null
 }
@@ -26,7 +36,7 @@ has_python_module() {  # module: installed (found, not imported: importing light
 ensure_torch() {
   if ! has_python_module torch; then
     log "torch is not importable: installing torch==2.13.0"
-    "$PYTHON" -m pip install -q "torch==2.13.0" numpy  # numpy: torch warns at import without it
+    pip_install "torch==2.13.0" numpy  # numpy: torch warns at import without it
   fi
 }
 
@@ -56,7 +66,7 @@ source_hash() {
 }
 
 ensure_build_tools() {  # what `pip install --no-build-isolation` needs from the environment
-  "$PYTHON" - <<'PY' 2>/dev/null || { log "installing setuptools>=64, wheel"; "$PYTHON" -m pip install -q "setuptools>=64" wheel; }
+  "$PYTHON" - <<'PY' 2>/dev/null || { log "installing setuptools>=64, wheel"; pip_install "setuptools>=64" wheel; }
 import setuptools, wheel
 assert int(setuptools.__version__.split(".")[0]) >= 64
 PY
@@ -100,7 +110,7 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
         local reqs
         mapfile -t reqs < <("$PYTHON" "$REPO/scripts/extra_requirements.py" "$extras") || return 1
         log "installing gemini_ext's [$extras] packages (the build is current)"
-        "$PYTHON" -m pip install -q "${reqs[@]}" || return 1
+        pip_install "${reqs[@]}" || return 1
         printf '%s\n%s\n' "$want" "${had:+$had,}$extras" > "$stamp"
         return 0
       fi
@@ -116,12 +126,15 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
     local build_log="$REPO/build/pip-install-gemini_ext.log" build_pid reqs
     mkdir -p "$REPO/build"
     mapfile -t reqs < <("$PYTHON" "$REPO/scripts/extra_requirements.py" "$extras") || return 1
-    (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .) > "$build_log" 2>&1 &
+    (cd "$REPO" && pip_install --no-build-isolation --no-deps -e .) > "$build_log" 2>&1 &
     build_pid=$!
     if package_index_reachable; then
-      if ! "$PYTHON" -m pip install -q "${reqs[@]}"; then
+      if ! pip_install "${reqs[@]}"; then
         kill "$build_pid" 2>/dev/null || true
         return 1
+      fi
+      if [ -n "${GX_WARM_IMPORTS:-}" ]; then
+        "$PYTHON" -c "$GX_WARM_IMPORTS" >/dev/null 2>&1 || log "GX_WARM_IMPORTS failed (the tests import for themselves)"
       fi
     else
       # No package index (a GPU machine without network; probed first, since pip's retries against
@@ -140,7 +153,7 @@ ensure_extension() {  # [extra]: the editable install of gemini_ext, with that e
       return 1
     fi
   else
-    (cd "$REPO" && "$PYTHON" -m pip install -q --no-build-isolation -e "$spec") || return 1
+    (cd "$REPO" && pip_install --no-build-isolation -e "$spec") || return 1
   fi
   mkdir -p "$REPO/build"
   printf '%s\n%s\n' "$want" "$extras" > "$stamp"

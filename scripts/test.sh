@@ -59,6 +59,15 @@ fi
 # The stages share the cores: torch's intra-op threads in each test process would only add
 # context switches (the CPU optimizer kernels size their own thread pool from the hardware).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# pip byte-compiles every module it installs: about 45 s of CPU before the first test, torch's
+# share before the compile can start, for thousands of modules no test imports. Here the
+# interpreters write the bytecode of what they import instead, and one import of what every test
+# process loads runs beside the compile, so that the four pytest processes do not each compile it.
+unset PYTHONDONTWRITEBYTECODE
+export GX_PIP_NO_COMPILE=1
+export GX_WARM_IMPORTS="import torch, torch.distributed.checkpoint, torch._dynamo, numpy, safetensors.torch, pytest
+import transformers, accelerate, peft, lightning, trl
+from transformers import Trainer, TrainingArguments, LlamaForCausalLM, MixtralForCausalLM"
 logs=build/test-logs
 rm -rf "$logs" build/test-tmp
 mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
