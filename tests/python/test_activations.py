@@ -524,3 +524,60 @@ def test_the_room_counts_the_memory_outside_torch_as_the_placement_does():
                          sharded=False, world_size=1, device_total_bytes=80 * gib, **figures)
         chunk_budget, _ = measured_chunk_budget(m, "auto")
         assert chunk_budget == capacity - 4 * gib - gib // 4 - outside  # peak, 1/16 of it as headroom, outside
+
+
+def test_the_losss_backward_is_foreseen_from_the_head_and_the_largest_output():
+    """What the first backward needs beyond the forward's end for the head and the loss: as much as the
+    forward allocated after its last block (the gradients mirror what the head and the loss saved),
+    or, where the output holds no loss (it is computed after the forward), 12 bytes per element of the
+    largest floating output (the fp32 copy, what cross-entropy saves, the gradient)."""
+    from gemini_ext._engine.activations import budget
+    from gemini_ext._engine.activations.room import _largest_floating_output
+    logits = torch.zeros(2, 8, 100, dtype=torch.bfloat16)
+    loss = torch.zeros((), requires_grad=True)
+    out = transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+    assert _largest_floating_output(out) == (1600, True)
+    assert _largest_floating_output((logits, torch.zeros(5, dtype=torch.long))) == (1600, False)
+    assert _largest_floating_output(loss) == (1, True) and _largest_floating_output(torch.zeros(())) == (1, False)
+    assert budget.foreseen_loss_bytes(10_000, 1600, True) == 10_000
+    assert budget.foreseen_loss_bytes(10_000, 1600, False) == 1600 * 12
+    assert budget.foreseen_loss_bytes(30_000, 1600, False) == 30_000
+
+
+@pytest.mark.cuda
+def test_the_first_backward_has_room_for_the_gradient_of_large_logits():
+    """A transformers Llama whose logits (4 x 2048 tokens x 32,000, fp32 in the loss) outweigh its
+    blocks' activations, under a gpu_memory_limit its chunks would otherwise fill: the first forward
+    foresees the loss's backward from what it allocated after its last block, lowers the chunks'
+    budget before the backward, and the first iteration trains within the limit rather than stop in
+    torch's out-of-memory at the engine's cap (the fp32 logits' gradient)."""
+    from gemini_ext import allocator
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2752, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
+                                   use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    limit = 8 * 2**30
+    x = torch.randint(0, 32000, (4, 2048), device="cuda")
+    config = gx.GeminiConfig(device="cuda", gpu_memory_limit=limit, activation_checkpointing="auto",
+                             activation_offload="auto")
+    with gx.enable(model, config) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=1e-4)
+        for step in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            chunk_peak = engine.internal.chunks.tier_bytes("device")["peak"]
+            outside = allocator.outside_torch_bytes(0, whole_device=False)
+            assert torch.cuda.max_memory_reserved() + chunk_peak + outside <= limit, (
+                step, torch.cuda.max_memory_reserved(), chunk_peak, outside)
+        warm = engine.stats()["activations"]["warm_up"]
+    loss = warm["loss"]
+    assert loss["loss_in_output"] and loss["largest_output_elements"] == 4 * 2048 * 32000, loss
+    assert loss["head_bytes"] >= 4 * 2048 * 32000 * 4, "the fp32 logits at least were allocated after the blocks"
+    assert loss["foreseen_bytes"] == loss["head_bytes"], loss

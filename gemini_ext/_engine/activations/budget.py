@@ -61,6 +61,21 @@ def foreseen_warm_up_bytes(warm_bytes: int) -> int:
     return int(warm_bytes * WARM_UP_MARGIN)
 
 
+# Where the loss is computed after the forward, what it allocates then per element of the model's
+# largest floating output (the logits): the fp32 copy transformers' losses make, what cross-entropy
+# saves, and the gradient over them, 4 bytes an element each.
+LOSS_OUTSIDE_FORWARD_BYTES_PER_ELEMENT = 3 * 4
+
+
+def foreseen_loss_bytes(head_bytes: int, largest_output_elements: int, loss_in_output: bool) -> int:
+    """What the first backward allocates beyond the forward's end for the head and the loss: as much as
+    the forward allocated after its last block (the logits, their fp32 copy, what the loss saved: the
+    gradients mirror them), or where the loss is not in the output, what computing it over the largest
+    output takes (LOSS_OUTSIDE_FORWARD_BYTES_PER_ELEMENT), whichever is more."""
+    outside = 0 if loss_in_output else largest_output_elements * LOSS_OUTSIDE_FORWARD_BYTES_PER_ELEMENT
+    return max(head_bytes, outside)
+
+
 def warm_up_refused(need_bytes: int, capacity_bytes: int, total_bytes: int, chunk_floor_bytes: int) -> bool:
     """Whether the first iteration cannot keep a gpu_memory_limit: `need_bytes` (torch's memory so far
     and the foreseen activations) beyond what three chunk sets leave of it."""

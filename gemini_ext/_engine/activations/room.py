@@ -9,6 +9,11 @@ they use, and the room's hooks over the model's forward are the only place they 
   set since, as the Trainer's `gradient_checkpointing_enable()`, is wrapped before it runs); a plan
   that could not fit the budget is raised (planner.py); the offload's saved-tensor hooks are
   entered.
+- After the first iteration's forward, where torch is capped: the head's and the loss's backward is
+  foreseen from what the forward allocated after its last block and from its largest output (the
+  logits; budget.foreseen_loss_bytes), and where torch's cap would not hold it beside what torch
+  holds, the chunks' budget is lowered again before the backward, so that the gradient of large
+  logits is not an out-of-memory the limit made.
 - After it: the offload's hooks are left; where offload is "on" without the engine's checkpointing
   and a forward with grad made no checkpoint call the engine can see, it warns once that nothing
   went to the host.
@@ -62,6 +67,8 @@ class ActivationRoom:
             self.offload = ActivationOffload(HostBuffers(device.context, ranks_on_host), device.torch_device)
         default = "offload" if offload != "off" else "recompute"
         self.blocks = Blocks(found, self.offload, default, wrap_forward=checkpointing != "off")
+        self._last_block = found[1][-1] if found is not None else None
+        self._last_block_hook, self._after_blocks_bytes = None, None  # the first forward's, see _foresee_the_loss
         self.calls = CheckpointCalls(model, self.blocks.route)
         self.calls.wrap()
         self.planner = None
@@ -91,16 +98,18 @@ class ActivationRoom:
             self.offload.enter()
 
     def _forward_ended(self, module, args, output):
-        if self.offload is None:
-            return
-        self.offload.leave()
-        if self._mode == ("off", "on") and torch.is_grad_enabled() and module.training \
-                and self.offload.counts["calls"] == self._calls_at_start:
-            self._warn_once("no calls", "gemini_ext: activation_offload='on', but this forward made no checkpoint call "
-                            "the engine takes part in, so nothing went to the host. The engine offloads the inputs of "
-                            "its own block checkpointing (activation_checkpointing='on' or 'auto') and of the "
-                            "checkpoint function a model carries (transformers' gradient_checkpointing_enable()); a "
-                            "torch.utils.checkpoint call in the model's own code is not seen.")
+        if self.offload is not None:
+            self.offload.leave()
+            if self._mode == ("off", "on") and torch.is_grad_enabled() and module.training \
+                    and self.offload.counts["calls"] == self._calls_at_start:
+                self._warn_once("no calls", "gemini_ext: activation_offload='on', but this forward made no "
+                                "checkpoint call the engine takes part in, so nothing went to the host. The engine "
+                                "offloads the inputs of its own block checkpointing (activation_checkpointing='on' or "
+                                "'auto') and of the checkpoint function a model carries (transformers' "
+                                "gradient_checkpointing_enable()); a torch.utils.checkpoint call in the model's own "
+                                "code is not seen.")
+        if self.warm_up is not None and "loss" not in self.warm_up and torch.is_grad_enabled() and module.training:
+            self._foresee_the_loss(output)
 
     def backward_started(self) -> None:
         if self.offload is not None:
@@ -139,6 +148,41 @@ class ActivationRoom:
             raise RuntimeError(self.planner.warm_up_refusal(held + outside + foreseen, capacity - floor))
         self.warm_up["chunk_budget_bytes"] = self._leave_room(held + outside + foreseen) if self._leave_room else None
         self._apply_torch_cap()
+        if self._last_block is not None:  # what the forward allocates after its blocks: see _foresee_the_loss
+            self._last_block_hook = self._last_block.register_forward_hook(self._last_block_ended)
+
+    def _last_block_ended(self, module, args, output) -> None:
+        self._after_blocks_bytes = torch.cuda.memory_allocated(self._device.torch_device)
+
+    def _foresee_the_loss(self, output) -> None:  # see [Note: the root forward]
+        if self._last_block_hook is not None:
+            self._last_block_hook.remove()
+            self._last_block_hook = None
+        dev = self._device.torch_device
+        head = torch.cuda.memory_allocated(dev) - self._after_blocks_bytes if self._after_blocks_bytes else 0
+        elements, loss_in_output = _largest_floating_output(output)
+        foreseen = budget.foreseen_loss_bytes(max(0, head), elements, loss_in_output)
+        held = torch.cuda.memory_reserved(dev)
+        self.warm_up["loss"] = {"head_bytes": head, "largest_output_elements": elements,
+                                "loss_in_output": loss_in_output, "foreseen_bytes": foreseen,
+                                "torch_reserved_bytes": held}
+        if self.torch_cap_bytes is None or held + foreseen <= self.torch_cap_bytes:
+            return
+        need = held + self._outside_bytes + foreseen
+        capacity = self._device.capacity_bytes()
+        if budget.warm_up_refused(need, capacity, self._device.total_bytes(), self._chunk_floor):
+            room, b = capacity - self._chunk_floor, format_bytes
+            raise RuntimeError(
+                f"gemini_ext: the first forward's largest output ({elements:,} elements) foresees {b(foreseen)} for "
+                f"the loss's backward beside the {b(held)} torch holds and the {b(self._outside_bytes)} outside torch, "
+                f"{b(need - room)} more than the {b(room)} the device budget ({b(capacity)}) leaves beside three chunk "
+                f"sets. The engine keeps the budget rather than run over it: compute the loss over fewer tokens at a "
+                f"time (a smaller batch, or the LM head and loss in pieces), or raise gpu_memory_limit by at least "
+                f"{b(need - room)}.")
+        logger.info("activations: the loss's backward over the output foresees %s beside the %s torch holds: "
+                    "the chunks' budget is lowered", format_bytes(foreseen), format_bytes(held))
+        self.warm_up["chunk_budget_bytes"] = self._leave_room(need) if self._leave_room else None
+        self._apply_torch_cap()
 
     def _apply_torch_cap(self) -> None:
         total, capacity = self._device.total_bytes(), self._device.capacity_bytes()
@@ -168,6 +212,9 @@ class ActivationRoom:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._last_block_hook is not None:
+            self._last_block_hook.remove()
+            self._last_block_hook = None
         self._leave_room = None  # the manager and its chunks go with the engine (close())
         if self.planner is not None:
             self.planner.detach()
@@ -184,3 +231,20 @@ class ActivationRoom:
                 "offload": self.offload.stats() if self.offload is not None else None,
                 "plan": self.planner.stats() if self.planner is not None else None,
                 "torch_cap_bytes": self.torch_cap_bytes, "warm_up": self.warm_up}
+
+
+def _largest_floating_output(output, depth: int = 3) -> tuple[int, bool]:
+    """The element count of the largest floating tensor in a forward's output (a tensor, or one inside
+    a tuple, list or mapping such as transformers' ModelOutput), and whether it holds a loss (a
+    floating scalar that requires grad)."""
+    if isinstance(output, torch.Tensor):
+        floating = output.is_floating_point()
+        return (output.numel() if floating else 0), floating and output.dim() == 0 and output.requires_grad
+    if depth == 0:
+        return 0, False
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    largest, loss = 0, False
+    for item in items:
+        n, has_loss = _largest_floating_output(item, depth - 1)
+        largest, loss = max(largest, n), loss or has_loss
+    return largest, loss
