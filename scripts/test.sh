@@ -23,9 +23,7 @@ cpp_stage() {  # the GoogleTest suites: needs neither torch nor the extension
   # build (csrc/CMakeLists.txt): 48 s of CPU on two cores against 86 s file by file.
   cmake -S csrc -B build/cpp "${generator[@]}" ${src:+-DGX_GTEST_SOURCE="$src"} \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g0 -DNDEBUG" >/dev/null
-  # At a lower priority: the extension's compile, which every test waits for, goes first where both
-  # want a core (the suite itself runs at the normal priority: some of its tests wait on threads).
-  nice -n 10 cmake --build build/cpp -j "$MAX_JOBS"
+  cmake --build build/cpp -j "$MAX_JOBS"
   echo "== C++: run"
   ./build/cpp/gx_core_tests --gtest_brief=1
   if [ -x build/cpp/gx_cuda_tests ]; then
@@ -74,8 +72,7 @@ logs=build/test-logs
 rm -rf "$logs" build/test-tmp
 mkdir -p "$logs" build/test-tmp  # pytest creates --basetemp itself, not its parents
 started=$SECONDS
-# The C++ build fills the core that pip leaves idle while it installs torch and the test extra (at
-# a lower priority: cpp_stage).
+# The C++ build fills the core that pip leaves idle while it installs torch and the test extra.
 (ensure_cpp_toolchain && cpp_stage) > "$logs/cpp.log" 2>&1 &
 cpp_pid=$!
 if ! { ensure_torch && ensure_extension test; }; then  # beside the C++ stage
