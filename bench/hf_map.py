@@ -136,7 +136,8 @@ def record_of(row: dict, args) -> dict | None:
     cls, fields = MODELS[row["model"]]
     return {
         "model": row["model"], "model_config": [cls, fields], "batch": row["batch"], "seq": row["seq"],
-        "config": {"gpu_memory_limit": row["budget"], "max_norm": args.max_norm, **STATE_FIELDS[args.state]},
+        "config": {"gpu_memory_limit": row["budget"], "max_norm": args.max_norm, "activation_checkpointing": "auto",
+                   "activation_offload": "auto", **STATE_FIELDS[args.state]},
         "loss_chunk_tokens": args.loss_chunk_tokens,
         "machine": {"device_bytes": est["fits"].get("device_total_bytes"), "device_name": est.get("device_name"),
                     "host_bytes": est["fits"]["host_available_bytes"],
