@@ -79,7 +79,8 @@ def _estimate(row: dict, recorded: bool) -> dict:
                   **row["machine"])
     if row.get("gpu_alone_s"):  # the GPU's rate on this model: the same forward and backward over its measured time
         alone = gx.estimate(model, gx.GeminiConfig(placement_policy="auto"), **common)
-        common["gpu_flops_per_s"] = alone["step_parts_s"]["gpu"] * alone["rates"]["gpu_flops_per_s"] / row["gpu_alone_s"]
+        flops = alone["step_parts_s"]["gpu"] * alone["rates"]["gpu_flops_per_s"]
+        common["gpu_flops_per_s"] = flops / row["gpu_alone_s"]
     return gx.estimate(model, config, recorded=row["recorded"] if recorded else None, **common)
 
 
