@@ -92,14 +92,17 @@ bench_big=("$smoke::test_scaling_bench_smoke" "$smoke::test_offload_bench_smoke"
 groups=(bench-big bench-rest multiprocess)
 declare -A group_args=(
   [bench-big]="$(printf '%s\n' "${bench_big[@]}")
-tests/python/test_integration_lightning.py"
+tests/python/test_integration_lightning.py
+tests/python/test_hostile.py"
   [bench-rest]="$smoke
 $(printf -- '--deselect=%s\n' "${bench_big[@]}")
-tests/python/test_integration_transformers.py
-tests/python/test_hostile.py"
+tests/python/test_integration_transformers.py"
   [multiprocess]="tests/python/test_distributed.py
 tests/python/test_sim_delays.py
-tests/python/test_example.py"
+tests/python/test_example.py
+tests/python/test_integration_accelerate.py
+tests/python/test_checkpoint.py
+tests/python/test_fork.py"
 )
 declare -A pids=()
 ignore=()
