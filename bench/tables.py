@@ -85,14 +85,21 @@ def _label(budget: str | None) -> str:
 def readme_llama7b(recs: dict) -> str:
     lines = ["| tokens per step | budget | setting | gemini_ext s/step | x GPU alone | device peak GiB | "
              "peers s/step, same machine | command |", "|---|---|---|---|---|---|---|---|"]
-    used = set()
+    used, missing = set(), {}
     for ln in README_LINES:
         r = _find(recs, ln.preset, ln.system, ln.budget, ln.shape)
         alone = _find(recs, *ln.alone, None, ln.shape)
         head = f"| {ln.shape[0]} x {ln.shape[1]} | {_label(ln.budget)} | {ln.setting} |"
         command = f"`python -m bench {ln.preset}`"
-        if r is None:
-            lines.append(f"{head} {NOT_RECORDED} | | | | {command} |")
+        if r is None:  # one line per preset: its budgets and settings, and the command that records them
+            if ln.preset not in missing:
+                missing[ln.preset] = (len(lines), [], [])
+                lines.append(None)
+            _, budgets, settings = missing[ln.preset]
+            budgets += [] if _label(ln.budget) in budgets else [_label(ln.budget)]
+            settings += [] if ln.setting in settings else [ln.setting]
+            lines[missing[ln.preset][0]] = (f"| {ln.shape[0]} x {ln.shape[1]} | {', '.join(budgets)} | "
+                                            f"{'; '.join(settings)} | {NOT_RECORDED} | | | | {command} |")
             continue
         used.add(ln.preset)
         x = f"{r['step_s'] / alone['step_s']:.2f}" if alone and alone.get("outcome") == "trained" and \

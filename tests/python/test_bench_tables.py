@@ -56,7 +56,8 @@ def test_a_records_rows_land_in_the_readme_table_with_their_ratio_to_the_gpu_alo
     assert "**1.60, 20.9% MFU** | 2.00 | 32.0 | FSDP2 + CPU offload 6.40, 5.2% MFU |" in row, row
     over = lines[("24 GiB", "every step clips")]
     assert "25.0 **over the budget**" in over and "failed: timed out after 300 s" in over, over
-    assert "not recorded on this tree" in lines[("40 GiB", "no clipping")]
+    missing = lines[("24 GiB, 40 GiB, whole GPU", "no clipping")]  # a preset without a record: one line, its command
+    assert "not recorded on this tree" in missing and "`python -m bench llama7b-no-clip`" in missing
     assert "`llama7b-fsdp2-clip`" in text.split("earlier engine")[1], "a record of another engine is named"
 
 
