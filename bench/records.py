@@ -70,11 +70,12 @@ def machine() -> dict:
 
     facts = {"host_cores": os.cpu_count(), "host_memory_bytes": _host_memory_bytes(),
              "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import transformers
-        facts["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    import importlib.metadata
+    for package in ("transformers", "deepspeed"):  # the peers' and the models' libraries, where installed
+        try:
+            facts[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         facts.update(gpu=p.name, gpu_memory_bytes=p.total_memory, gpus=torch.cuda.device_count())
