@@ -221,8 +221,33 @@ def benchmarks_map(recs: dict) -> str:
     return "\n".join(lines) + "\n\n" + provenance(recs, used)
 
 
+def benchmarks_rl(recs: dict) -> str:
+    """The RL presets' iterations: generation, the training step and what settles after it, the weight
+    stream, offload and reload, the next step (bench/rl_phases.py's figures)."""
+    names = ["llama7b-rl-phases-40g", "llama7b-rl-phases-40g-8byte"]
+    lines = ["| preset | iteration | generate s (tokens/s, s per token step) | train s + settle s | stream s (x link) "
+             "| offload s | reload s | next step s |", "|---" * 8 + "|"]
+    used = []
+    for name in names:
+        rec = recs.get(name)
+        if rec is None:
+            lines.append(f"| `{name}` | | {NOT_RECORDED} | | | | | |")
+            continue
+        used.append(name)
+        phases = rec["rows"][0].get("phases") or {}
+        new = phases.get("new") or 1
+        for r in phases.get("rows") or []:
+            link = f" ({r['stream_s'] / r['stream_link_s']:.1f}x)" if r.get("stream_link_s") else ""
+            lines.append(f"| `{name}` | {r['iteration']} | {r['generate_s']:.2f} ({r['tokens'] / r['generate_s']:.0f}, "
+                         f"{r['generate_s'] / new:.3f}) | {r['train_s']:.2f} + {r.get('settle_s', 0.0):.2f} | "
+                         f"{r['stream_s']:.2f}{link} | {r['offload_s']:.2f} | {r['reload_s']:.2f} | "
+                         f"{r['train_after_reload_s']:.2f} |")
+    return "\n".join(lines) + "\n\n" + provenance(recs, used)
+
+
 TABLES = {"llama7b": (("README.md",), readme_llama7b), "llama7b-4k": (("docs/BENCHMARKS.md",), benchmarks_4k),
-          "llama7b-map": (("docs/BENCHMARKS.md",), benchmarks_map)}
+          "llama7b-map": (("docs/BENCHMARKS.md",), benchmarks_map),
+          "llama7b-rl": (("docs/BENCHMARKS.md",), benchmarks_rl)}
 BLOCK = re.compile(r"(<!-- table (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 

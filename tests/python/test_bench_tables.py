@@ -69,8 +69,16 @@ def test_a_record_keeps_what_the_map_and_the_estimates_test_read():
     assert row["outcome"] == "trained" and row["tokens_per_step"] == 32768 and row["budget_bytes"] == 24 << 30
     assert row["decided"]["activation_plan"] == {"keep": 0, "recompute": 25, "offload": 7}
     assert row["estimate_record"] == {"step_s": 4.4} and row["within_budget"]
-    rl = records.rows_of("rl_phases", {"model": "llama-7b", "budget": "40GiB", "rows": [{"generate_s": 9.0}]})
-    assert records.row(rl[0], 989.0)["phases"]["rows"] == [{"generate_s": 9.0}]
+    iteration = {"iteration": 0, "tokens": 2048, "generate_s": 25.6, "train_s": 0.99, "settle_s": 0.1,
+                 "stream_s": 3.7, "stream_link_s": 0.25, "offload_s": 0.08, "reload_s": 0.0,
+                 "train_after_reload_s": 1.09}
+    rl = records.rows_of("rl_phases", {"model": "llama-7b", "budget": "40GiB", "new": 256, "rows": [iteration]})
+    assert records.row(rl[0], 989.0)["phases"]["rows"] == [iteration]
+    rec = _record("llama7b-rl-phases-40g", rl)
+    line = tables.benchmarks_rl({"llama7b-rl-phases-40g": rec}).splitlines()[2]
+    # 2,048 tokens in 25.6 s: 80 tokens/s, 0.100 s per token step of 256; the stream 14.8x the link's time
+    assert line == ("| `llama7b-rl-phases-40g` | 0 | 25.60 (80, 0.100) | 0.99 + 0.10 | 3.70 (14.8x) | 0.08 | 0.00 "
+                    "| 1.09 |")
     assert records.row({"name": "gemini", "skipped": "needs a CUDA device"}, None)["outcome"] == "skipped"
 
 
