@@ -53,22 +53,13 @@ def tree(repo: str = REPO) -> dict:
             "engine_sha256": engine_digest(repo)}
 
 
-def _host_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def machine() -> dict:
     """The GPU (name, memory, driver), the host (cores, memory) and the software the figures came from."""
     import torch
 
-    facts = {"host_cores": os.cpu_count(), "host_memory_bytes": _host_memory_bytes(),
+    from gemini_ext.placement.host_memory import mem_total_bytes
+
+    facts = {"host_cores": os.cpu_count(), "host_memory_bytes": mem_total_bytes(),
              "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     import importlib.metadata
     for package in ("transformers", "deepspeed"):  # the peers' and the models' libraries, where installed

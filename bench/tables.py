@@ -141,22 +141,30 @@ def provenance(recs: dict, names: list[str]) -> str:
     return text
 
 
-def benchmarks_4k(recs: dict) -> str:
-    """Every row of the 4 x 2048 presets, engine and peers, with what the engine chose."""
-    names = ["llama7b-gpu-alone", "llama7b-no-clip", "llama7b-clip-within-norm", "llama7b-clip-every-step",
-             "llama7b-fsdp2-clip", "llama7b-deepspeed-24g-clip"]
-    lines = ["| preset | budget | system | step s | tokens/s | MFU | device peak GiB (chunks + torch reserved) | "
-             "host RSS peak GiB | H2D GB/step | steps clipped | auto chose |", "|---" * 11 + "|"]
+def _per_preset(recs: dict, names: list[str], columns: list[str], missing_at: int, lines_of) -> str:
+    """A table over presets: each recorded preset's lines (`lines_of(name, record)`), or for one without a
+    record a line saying so in column `missing_at`; then where the figures come from."""
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     used = []
     for name in names:
         rec = recs.get(name)
         if rec is None:
-            lines.append(f"| `{name}` | | | {NOT_RECORDED} | | | | | | | |")
+            cells = [f"`{name}`"] + [""] * (len(columns) - 1)
+            cells[missing_at] = NOT_RECORDED
+            lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
             continue
         used.append(name)
-        for r in rec["rows"]:
-            lines.append(_detail(name, r))
+        lines += lines_of(name, rec)
     return "\n".join(lines) + "\n\n" + provenance(recs, used)
+
+
+def benchmarks_4k(recs: dict) -> str:
+    """Every row of the 4 x 2048 presets, engine and peers, with what the engine chose."""
+    names = ["llama7b-gpu-alone", "llama7b-no-clip", "llama7b-clip-within-norm", "llama7b-clip-every-step",
+             "llama7b-fsdp2-clip", "llama7b-deepspeed-24g-clip"]
+    columns = ["preset", "budget", "system", "step s", "tokens/s", "MFU", "device peak GiB (chunks + torch reserved)",
+               "host RSS peak GiB", "H2D GB/step", "steps clipped", "auto chose"]
+    return _per_preset(recs, names, columns, 3, lambda name, rec: [_detail(name, r) for r in rec["rows"]])
 
 
 def _detail(name: str, r: dict) -> str:
@@ -193,56 +201,45 @@ def _estimate(predicted: float | None, measured: float) -> str:
 def benchmarks_map(recs: dict) -> str:
     """The activation rows: per shape the GPU alone and each budget, with the estimate made before the row."""
     names = ["llama7b-map-16x2048", "llama7b-map-32x2048", "llama7b-map-65536"]
-    lines = ["| preset | budget | tokens/step | system | step s | MFU | x GPU alone | device peak GiB "
-             "(chunks + torch reserved) | host RSS peak GiB | estimate s (error) | auto chose |", "|---" * 11 + "|"]
-    used = []
-    for name in names:
-        rec = recs.get(name)
-        if rec is None:
-            lines.append(f"| `{name}` | | | | {NOT_RECORDED} | | | | | | |")
-            continue
-        used.append(name)
-        for r in rec["rows"]:
-            alone = _find(recs, name, "gpu-alone", None, (r.get("batch"), r.get("seq")))
-            head = (f"| `{name}` | {_label(r.get('budget')) if r.get('name') != 'gpu-alone' else '-'} | "
-                    f"{r['tokens_per_step']:,} ({r['batch']} x {r['seq']}) | {hf_label(r.get('name', '?'))} |")
-            if r.get("outcome") != "trained":
-                lines.append(f"{head} {_step(r)} | | | | | | |")
-                continue
-            est = (r.get("estimate") or {}).get("step_s")
-            x = r["step_s"] / alone["step_s"] if alone and alone.get("outcome") == "trained" else None
-            rss = r.get("host_rss_peak_bytes")
-            lines.append(
-                f"{head} {r['step_s']:.3f} | {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
-                f"{'-' if x is None else format(x, '.2f')} | {_peak(r)} | "
-                f"{'-' if rss is None else format(rss / GIB, '.1f')} | "
-                f"{_estimate(est, r['step_s'])} | "
-                f"{chose(r)} |")
-    return "\n".join(lines) + "\n\n" + provenance(recs, used)
+    columns = ["preset", "budget", "tokens/step", "system", "step s", "MFU", "x GPU alone",
+               "device peak GiB (chunks + torch reserved)", "host RSS peak GiB", "estimate s (error)", "auto chose"]
+    return _per_preset(recs, names, columns, 4, lambda name, rec: [_map_line(recs, name, r) for r in rec["rows"]])
+
+
+def _map_line(recs: dict, name: str, r: dict) -> str:
+    alone = _find(recs, name, "gpu-alone", None, (r.get("batch"), r.get("seq")))
+    head = (f"| `{name}` | {_label(r.get('budget')) if r.get('name') != 'gpu-alone' else '-'} | "
+            f"{r['tokens_per_step']:,} ({r['batch']} x {r['seq']}) | {hf_label(r.get('name', '?'))} |")
+    if r.get("outcome") != "trained":
+        return f"{head} {_step(r)} | | | | | | |"
+    est = (r.get("estimate") or {}).get("step_s")
+    x = r["step_s"] / alone["step_s"] if alone and alone.get("outcome") == "trained" else None
+    rss = r.get("host_rss_peak_bytes")
+    return (f"{head} {r['step_s']:.3f} | {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | "
+            f"{'-' if x is None else format(x, '.2f')} | {_peak(r)} | "
+            f"{'-' if rss is None else format(rss / GIB, '.1f')} | {_estimate(est, r['step_s'])} | {chose(r)} |")
 
 
 def benchmarks_rl(recs: dict) -> str:
     """The RL presets' iterations: generation, the training step and what settles after it, the weight
     stream, offload and reload, the next step (bench/rl_phases.py's figures)."""
     names = ["llama7b-rl-phases-40g", "llama7b-rl-phases-40g-8byte"]
-    lines = ["| preset | iteration | generate s (tokens/s, s per token step) | train s + settle s | stream s (x link) "
-             "| offload s | reload s | next step s |", "|---" * 8 + "|"]
-    used = []
-    for name in names:
-        rec = recs.get(name)
-        if rec is None:
-            lines.append(f"| `{name}` | | {NOT_RECORDED} | | | | | |")
-            continue
-        used.append(name)
-        phases = rec["rows"][0].get("phases") or {}
-        new = phases.get("new") or 1
-        for r in phases.get("rows") or []:
-            link = f" ({r['stream_s'] / r['stream_link_s']:.1f}x)" if r.get("stream_link_s") else ""
-            lines.append(f"| `{name}` | {r['iteration']} | {r['generate_s']:.2f} ({r['tokens'] / r['generate_s']:.0f}, "
-                         f"{r['generate_s'] / new:.3f}) | {r['train_s']:.2f} + {r.get('settle_s', 0.0):.2f} | "
-                         f"{r['stream_s']:.2f}{link} | {r['offload_s']:.2f} | {r['reload_s']:.2f} | "
-                         f"{r['train_after_reload_s']:.2f} |")
-    return "\n".join(lines) + "\n\n" + provenance(recs, used)
+    columns = ["preset", "iteration", "generate s (tokens/s, s per token step)", "train s + settle s",
+               "stream s (x link)", "offload s", "reload s", "next step s"]
+    return _per_preset(recs, names, columns, 2, _rl_lines)
+
+
+def _rl_lines(name: str, rec: dict) -> list[str]:
+    phases = rec["rows"][0].get("phases") or {}
+    new = phases.get("new") or 1
+    lines = []
+    for r in phases.get("rows") or []:
+        link = f" ({r['stream_s'] / r['stream_link_s']:.1f}x)" if r.get("stream_link_s") else ""
+        lines.append(f"| `{name}` | {r['iteration']} | {r['generate_s']:.2f} ({r['tokens'] / r['generate_s']:.0f}, "
+                     f"{r['generate_s'] / new:.3f}) | {r['train_s']:.2f} + {r.get('settle_s', 0.0):.2f} | "
+                     f"{r['stream_s']:.2f}{link} | {r['offload_s']:.2f} | {r['reload_s']:.2f} | "
+                     f"{r['train_after_reload_s']:.2f} |")
+    return lines
 
 
 TABLES = {"llama7b": (("README.md",), readme_llama7b), "llama7b-4k": (("docs/BENCHMARKS.md",), benchmarks_4k),

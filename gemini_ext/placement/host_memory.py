@@ -39,6 +39,11 @@ def mem_available_bytes() -> int | None:
     return _proc_field_bytes("/proc/meminfo", "MemAvailable:")
 
 
+def mem_total_bytes() -> int | None:
+    """MemTotal of /proc/meminfo in bytes."""
+    return _proc_field_bytes("/proc/meminfo", "MemTotal:")
+
+
 def process_rss_bytes() -> int | None:
     """VmRSS of /proc/self/status in bytes: this process's resident memory, chunks and everything
     else."""

@@ -440,6 +440,22 @@ def test_the_per_block_plan_is_the_cores():
         gx._C.plan_activations([(mib, mib, 0.0, 0.0)], mib, 1e9, in_flight=0)
 
 
+def _step_within_limit(engine, opt, loss_of, limit: int, step: int) -> None:
+    """One training step on cuda; then the chunks' device peak, torch's reserved peak and the memory
+    outside torch of that step together within `limit`."""
+    from gemini_ext import allocator
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    loss_of().backward()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    chunk_peak = engine.internal.chunks.tier_bytes("device")["peak"]
+    outside = allocator.outside_torch_bytes(0, whole_device=False)
+    assert torch.cuda.max_memory_reserved() + chunk_peak + outside <= limit, (
+        step, torch.cuda.max_memory_reserved(), chunk_peak, outside)
+
+
 @pytest.mark.cuda
 def test_the_chunks_and_torchs_reserved_memory_stay_within_the_limit_from_the_first_iteration():
     """auto with activations planned under a gpu_memory_limit that cannot hold every block's
@@ -461,16 +477,7 @@ def test_the_chunks_and_torchs_reserved_memory_stay_within_the_limit_from_the_fi
     with gx.enable(model, config) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-4)
         for step in range(3):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            model(x, x).backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
-            chunk_peak = engine.internal.chunks.tier_bytes("device")["peak"]
-            outside = allocator.outside_torch_bytes(0, whole_device=False)
-            assert torch.cuda.max_memory_reserved() + chunk_peak + outside <= limit, (
-                step, torch.cuda.max_memory_reserved(), chunk_peak, outside)
+            _step_within_limit(engine, opt, lambda: model(x, x), limit, step)
             free, total = torch.cuda.mem_get_info()
             process = allocator.process_device_bytes(0)
             assert (process if process is not None else total - free) <= limit, (step, process, total - free)
@@ -551,7 +558,6 @@ def test_the_first_backward_has_room_for_the_gradient_of_large_logits():
     foresees the loss's backward from what it allocated after its last block, lowers the chunks'
     budget before the backward, and the first iteration trains within the limit rather than stop in
     torch's out-of-memory at the engine's cap (the fp32 logits' gradient)."""
-    from gemini_ext import allocator
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2752, num_hidden_layers=8,
                                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
                                    use_cache=False)
@@ -566,16 +572,7 @@ def test_the_first_backward_has_room_for_the_gradient_of_large_logits():
     with gx.enable(model, config) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=1e-4)
         for step in range(2):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
-            chunk_peak = engine.internal.chunks.tier_bytes("device")["peak"]
-            outside = allocator.outside_torch_bytes(0, whole_device=False)
-            assert torch.cuda.max_memory_reserved() + chunk_peak + outside <= limit, (
-                step, torch.cuda.max_memory_reserved(), chunk_peak, outside)
+            _step_within_limit(engine, opt, lambda: model(input_ids=x, labels=x).loss, limit, step)
         warm = engine.stats()["activations"]["warm_up"]
     loss = warm["loss"]
     assert loss["loss_in_output"] and loss["largest_output_elements"] == 4 * 2048 * 32000, loss
