@@ -32,7 +32,8 @@ from . import target
 SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on it
 RECORDED_FIGURES = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",  # the tracer's
                     "block0_activation_bytes", "block0_input_bytes",  # the first block's measurement
-                    "blocks", "host_room_bytes", "link_bytes_per_s",  # the planner's measured blocks and room
+                    # the planner's measured blocks, its device room and the host's
+                    "blocks", "activation_room_bytes", "host_room_bytes", "link_bytes_per_s",
                     # what the placement weighed (its decision records them)
                     "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s", "h2d_bytes_per_s",
                     "link_optimizer_elements_per_s", "optimizer_steps_during_backward")
@@ -174,7 +175,10 @@ def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figu
     warm_bytes = budget.measured_forward_bytes(blocks, acts.allowed.warm_choice)
     need = budget.chunk_need_bytes(chosen.device_budget_bytes, m.device_capacity_bytes,
                                    chunk_bytes(m, chosen, on_device_only=False))
-    room = budget.room_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
+    # The engine plans at the end of its first iteration, from that iteration's figures; a placement
+    # decided again later (its trace recorded anew) measures others, so a recorded room is the plan's own.
+    room = int(acts.recorded["activation_room_bytes"]) if "activation_room_bytes" in acts.recorded else \
+        budget.room_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
     link = float(acts.recorded.get("link_bytes_per_s", target.H2D_BYTES_PER_S)) if offload else 0.0
     host_room = host_room_bytes(m, chosen, acts, born)
     return {**budget.plan(blocks, room, link, acts.allowed, host_room), "room_bytes": room,

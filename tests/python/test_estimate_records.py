@@ -40,6 +40,9 @@ BLOCKS_TOLERANCE = 3  # blocks per choice (kept, recomputed, offloaded), predict
 def _record(source: str, index: int, given: dict | None) -> dict:
     """The row's estimate record: the map's as recorded, or one made from an hf_models row's record."""
     if given is not None:
+        plan = ((RECORDS[source]["rows"][index].get("engine") or {}).get("activations") or {}).get("plan") or {}
+        if "room_bytes" in plan and "activation_room_bytes" not in given["recorded"]:  # recorded before it was kept
+            given = {**given, "recorded": {**given["recorded"], "activation_room_bytes": plan["room_bytes"]}}
         return given
     import sys
     sys.path.insert(0, os.path.join(REPO, "bench"))
