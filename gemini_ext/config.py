@@ -17,6 +17,8 @@ PLACEMENT_POLICIES = tuple(POLICY_CLASSES)
 ACTIVATION_OFFLOAD_MODES = ("off", "on", "auto")
 ACTIVATION_CHECKPOINTING_MODES = ("off", "on", "auto")
 HOST_STEP_SPECULATION_MODES = ("in_place", "spares", "off")
+HOST_STEPS_MODES = ("serial", "at_step", "spares", "in_place", "in_backward")
+HOST_STEPS_FIELDS = ("host_steps", "overlap_optimizer", "host_step_speculation", "optimizer_step_in_backward")
 DEFAULT_SIM_CAPACITY_BYTES = 4 * 2**30  # the sim device's size when sim_capacity is None
 
 
@@ -71,6 +73,14 @@ class GeminiConfig:
     # (accumulate under engine.no_sync() or enable_gradient_accumulation), hyperparameters changed
     # only after step(). What it refuses raises (docs/USAGE.md).
     optimizer_step_in_backward: bool = False
+    # Extension: when the host-held chunk sets' optimizer steps start, one knob for the three above,
+    # which stay as its aliases (docs/USAGE.md, "When the host steps"): "serial" (at step(), settled
+    # before it returns: overlap_optimizer=False), "at_step" (at step(), finishing during the next
+    # forward: host_step_speculation="off"), "spares", "in_place" (during backward where the guess
+    # can hold: host_step_speculation=...), "in_backward" (optimizer_step_in_backward=True). None:
+    # read from the aliases, "in_place" by default. After construction every one of the four says
+    # the same; an alias set to something else than host_steps is refused.
+    host_steps: str | None = None
     # Extension (not in the original), changes the numerics: "bf16" keeps Adam's moments (m, v) in
     # bf16 with stochastic rounding, 12 instead of 16 bytes per trainable parameter under bf16
     # (the fp32 master stays). Adam / AdamW only. With master_weights=False and precision="bf16"
@@ -108,6 +118,30 @@ class GeminiConfig:
                 "8-byte state (precision='bf16' with optimizer_state_dtype='bf16': bf16 parameters and moments "
                 "rounded stochastically); set those two, or master_weights=True.")
 
+    def _resolve_host_steps(self) -> None:
+        """host_steps and its three aliases made to say the same, or a ValueError naming the two
+        settings that disagree. An alias at its default says nothing."""
+        said = []  # (the setting as written, the mode it means)
+        if self.host_steps is not None:
+            said.append((f"host_steps={self.host_steps!r}", self.host_steps))
+        if not self.overlap_optimizer:
+            said.append(("overlap_optimizer=False", "serial"))
+        if self.optimizer_step_in_backward:
+            said.append(("optimizer_step_in_backward=True", "in_backward"))
+        if self.host_step_speculation != "in_place":
+            mode = "at_step" if self.host_step_speculation == "off" else self.host_step_speculation
+            said.append((f"host_step_speculation={self.host_step_speculation!r}", mode))
+        for setting, mode in said[1:]:
+            if mode != said[0][1]:
+                raise ValueError(f"host_steps: {said[0][0]} and {setting} ask for different times to step the host's "
+                                 f"chunk sets ({said[0][1]!r} and {mode!r}); set host_steps alone (one of "
+                                 f"{', '.join(map(repr, HOST_STEPS_MODES))}).")
+        mode = said[0][1] if said else "in_place"
+        object.__setattr__(self, "host_steps", mode)
+        object.__setattr__(self, "overlap_optimizer", mode != "serial")
+        object.__setattr__(self, "optimizer_step_in_backward", mode == "in_backward")
+        object.__setattr__(self, "host_step_speculation", {"at_step": "off", "spares": "spares"}.get(mode, "in_place"))
+
     def __post_init__(self):
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer_state_dtype", self.optimizer_state_dtype, OPTIMIZER_STATE_DTYPES)
@@ -116,6 +150,8 @@ class GeminiConfig:
         _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_MODES)
         _choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING_MODES)
         _choice("host_step_speculation", self.host_step_speculation, HOST_STEP_SPECULATION_MODES)
+        if self.host_steps is not None:
+            _choice("host_steps", self.host_steps, HOST_STEPS_MODES)
         if self.chunk_init_device is not None:
             _choice("chunk_init_device", self.chunk_init_device, ("cuda", "sim", "cpu"))
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
@@ -155,6 +191,7 @@ class GeminiConfig:
                 raise ValueError(f"{name}: expected a number > 0 or None (computed), got {value!r}.")
         if not self.max_norm >= 0.0:
             raise ValueError(f"max_norm: expected >= 0 (0 disables clipping), got {self.max_norm!r}.")
+        self._resolve_host_steps()
         if self.optimizer_step_in_backward and (self.max_norm > 0 or self.precision == "fp16"):
             what = f"max_norm={self.max_norm}" if self.max_norm > 0 else "precision='fp16' (loss scaling)"
             raise ValueError(f"optimizer_step_in_backward=True steps the host-held state during backward, before the "
@@ -185,6 +222,10 @@ class GeminiConfig:
         return cfg[world_size]
 
     def replace(self, **overrides: Any) -> "GeminiConfig":
+        if any(name in overrides for name in HOST_STEPS_FIELDS):
+            # when the host steps: what the overrides say, not what this config resolved to
+            overrides = {"host_steps": None, "overlap_optimizer": True, "host_step_speculation": "in_place",
+                         "optimizer_step_in_backward": False, **overrides}
         return dataclasses.replace(self, **overrides)  # __init__ checks the names (check_field_names)
 
 

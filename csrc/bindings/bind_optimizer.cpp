@@ -129,21 +129,36 @@ void def_manager_optimizer(py::module_& m) {
 void def_manager_speculation(py::module_& m) {
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
   using torch_layer::HybridOptimizer;
-  cls.def("arm_speculation",
-           [](GeminiManager& g, const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
-             const auto cover =
-                 g.with_optimizer([&](HybridOptimizer& o) { return o.arm(groups, spare_limit_bytes); });
-             using torch_layer::SpeculationCover;
-             return std::string(cover == SpeculationCover::kEverySet   ? "every set"
-                                : cover == SpeculationCover::kSomeSets ? "some sets"
-                                                                       : "none");
+  cls.def("backward_started",
+           [](GeminiManager& g, const std::vector<HyperValues>& groups, const std::string& host_steps,
+              const std::string& optimizer_name, bool rule_native, bool loss_scaled, double max_norm,
+              bool user_clipped_last, std::optional<double> last_norm, bool placement_decides_now,
+              std::optional<int64_t> host_available_bytes) {
+             EarlyStepFacts facts;
+             facts.configured = host_steps_from(host_steps);
+             facts.optimizer_name = optimizer_name;
+             facts.rule_native = rule_native;
+             facts.loss_scaled = loss_scaled;
+             facts.max_norm = max_norm;
+             facts.user_clipped_last = user_clipped_last;
+             facts.last_norm = last_norm;
+             facts.placement_decides_now = placement_decides_now;
+             facts.host_available_bytes = host_available_bytes;
+             EarlyStepDecision d;
+             {
+               py::gil_scoped_release release;
+               d = g.with_optimizer([&](HybridOptimizer& o) { return o.backward_started(groups, facts); });
+             }
+             py::dict out;
+             out["mode"] = to_string(d.mode);
+             out["cover"] = to_string(d.cover);
+             out["reason"] = d.reason;
+             out["planned_cover"] = d.planned_cover ? py::object(py::str(to_string(*d.planned_cover))) : py::none();
+             return out;
            },
-           py::arg("groups"), py::arg("spare_limit_bytes"), nogil())
-      .def("arm_in_backward",
-           [](GeminiManager& g, const std::vector<HyperValues>& groups) {
-             return g.with_optimizer([&](HybridOptimizer& o) { return o.arm_in_place(groups); });
-           },
-           py::arg("groups"), nogil())
+           py::arg("groups"), py::arg("host_steps"), py::arg("optimizer_name"), py::arg("rule_native"),
+           py::arg("loss_scaled"), py::arg("max_norm"), py::arg("user_clipped_last"), py::arg("last_norm"),
+           py::arg("placement_decides_now"), py::arg("host_available_bytes"))
       .def("sets_stepped_in_backward",
            [](GeminiManager& g) {
              return g.with_optimizer([](HybridOptimizer& o) { return o.sets_stepped_in_backward(); });
@@ -173,30 +188,16 @@ void def_manager_speculation(py::module_& m) {
            });
 }
 
-// The in-place speculation (hybrid_optimizer_in_place.cpp): arming, its policy's memory, its counts.
+// The early-step policy's memory (core/early_step.h) and the in-place guesses' counts.
 void def_manager_guesses(py::module_& m) {
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
   using torch_layer::HybridOptimizer;
-  cls.def("arm_guess",
-           [](GeminiManager& g, const std::vector<HyperValues>& groups, bool allowed) {
-             torch_layer::GuessArming a;
-             {
-               py::gil_scoped_release release;
-               a = g.with_optimizer([&](HybridOptimizer& o) { return o.arm_guess(groups, allowed); });
-             }
-             py::dict d;
-             d["supported"] = a.supported;
-             d["armed"] = a.armed;
-             d["why"] = a.why;
-             return d;
-           },
-           py::arg("groups"), py::arg("allowed") = true)
-      .def("speculation_memory",
+  cls.def("speculation_memory",
            [](GeminiManager& g) {
-             SpeculationPolicy::Memory mem;
+             EarlyStepPolicy::Memory mem;
              {
                py::gil_scoped_release release;
-               mem = g.with_optimizer([](HybridOptimizer& o) { return o.speculation_policy().memory(); });
+               mem = g.with_optimizer([](HybridOptimizer& o) { return o.early_step_policy().memory(); });
              }
              py::dict d;
              d["backwards_per_step"] = mem.backwards_per_step;
@@ -206,7 +207,7 @@ void def_manager_guesses(py::module_& m) {
       .def("restore_speculation_memory",
            [](GeminiManager& g, int64_t backwards_per_step, bool last_step_scaled) {
              g.with_optimizer([&](HybridOptimizer& o) {
-               o.speculation_policy().restore({backwards_per_step, last_step_scaled});
+               o.early_step_policy().restore({backwards_per_step, last_step_scaled});
              });
            },
            py::arg("backwards_per_step"), py::arg("last_step_scaled"), nogil())
@@ -216,7 +217,7 @@ void def_manager_guesses(py::module_& m) {
              {
                py::gil_scoped_release release;
                c = g.with_optimizer([](HybridOptimizer& o) {
-                 const SpeculationPolicy& p = o.speculation_policy();
+                 const EarlyStepPolicy& p = o.early_step_policy();
                  return std::array<int64_t, 7>{p.steps_taken(),        p.steps_scaled(),      o.guesses_undone(),
                                                p.backwards_expected(), o.guesses_judged(), o.guesses_corrected(),
                                                o.reads_before_guesses()};

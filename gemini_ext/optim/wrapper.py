@@ -22,7 +22,7 @@ follows is common to every rule.
    own step (Adam / AdamW with fp32 state) the step is taken in place and step() confirms it,
    corrects it when clipping scaled the gradients, or undoes and redoes it (the Note in
    csrc/torch/optim/hybrid_optimizer_in_place.cpp); C++'s policy decides per backward
-   (csrc/core/speculation_policy.h: not after a clipped step, only on the backward expected to be
+   (csrc/core/early_step.h: not after a clipped step, only on the backward expected to be
    the last of an accumulation). Other rules step out of place into spare buffers, which step()
    confirms or drops (hybrid_optimizer_speculation.cpp), armed only where clipping is off or the
    last norm was within max_norm, for the host sets whose spares fit in half of the host budget
@@ -82,7 +82,6 @@ def _as_groups(params) -> list[dict]:
 class GeminiOptimizer(torch.optim.Optimizer):
     """Built by `engine.optimizer(cls, **kw)`, or as `GeminiOptimizer(torch_optimizer, model)`."""
 
-    _planned_cover = None  # the host steps' cover after the current backward, where it differs (placer)
     _early_form = _last_form = None  # how host steps started during backward: "in_place", "spares", "in_backward"
 
     def __init__(self, optimizer_or_engine, model_or_cls=None, params=None, **kwargs):
@@ -261,83 +260,31 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     # --- what the engine calls ----------------------------------------------------------------
     def backward_started(self) -> None:
-        """A backward pass began: arm the CPU steps of host sets to start during it where their
-        guess can hold, and tell the placement which did and why (stats()["placement"]["host_steps"])."""
-        self._parts.placer.note_backward_start(self._parts.runtime)  # the last step's lanes, before arming
-        self._early_form = None
-        cover, why = self._arm_for_backward()
-        self._parts.placer.note_host_steps(cover, why, self._planned_cover)
-
-    def _arm_for_backward(self) -> tuple[str, str]:
-        """(the host sets whose steps start during this backward: "every set", "some sets" or
-        "none", why)."""
+        """A backward pass began: C++'s early-step policy (csrc/core/early_step.h) decides when this
+        backward's host steps start and arms them; the placement hears which did and why
+        (stats()["placement"]["host_steps"])."""
         parts = self._parts
-        self._planned_cover = None
         cfg = parts.config
-        if not self.rule.native:
-            return "none", f"{self.opt_class.__name__} has no native kernel: its own step() runs in step()"
+        parts.placer.note_backward_start(parts.runtime)  # the last step's lanes, before arming
+        hyper = self._hyper()
         if cfg.optimizer_step_in_backward:
-            return self._arm_in_backward()
-        if not cfg.overlap_optimizer:
-            return "none", "overlap_optimizer=False: every set steps inside step()"
-        if parts.scaler is not None:
-            return "none", "fp16 loss scaling: the gradients' multiplier is known at step() only"
-        if cfg.host_step_speculation == "off":
-            return "none", "host_step_speculation='off': every host set steps at step()"
-        # In place, where the rule corrects its own step. Guesses started during the iteration whose
-        # end decides the placement would be undone by the chunks moving before step(): that
-        # backward is counted (the policy learns the accumulation) but steps at step(); the later
-        # iterations guess where nothing says they will clip, which the placement plans for.
-        # (Spare-copy speculation, below, is only dropped by such a move, exactly: it stays armed.)
-        deciding = parts.placer.decides_at_iteration_end(parts.runtime)
-        in_place = cfg.host_step_speculation == "in_place"
-        # see [Note: in-place speculation] (csrc/torch/optim/hybrid_optimizer_in_place.cpp)
-        arming = parts.runtime.arm_guess(self._hyper(), not deciding) if in_place else {"supported": False}
-        if arming["supported"]:
-            if not deciding:
-                self._early_form = "in_place" if arming["armed"] else None
-                return ("every set" if arming["armed"] else "none"), arming["why"]
-            if cfg.max_norm == 0:
-                self._planned_cover = "every set"
-            return "none", "the placement is decided at this iteration's end: the steps wait for step()"
-        if parts.clipper.clipped_last:  # the user clips, and the last call did: the multiplier will not be 1
-            return "none", "the last step's gradients were clipped: the multiplier is known at step() only"
-        if cfg.max_norm > 0 and not (self.last_grad_norm is not None and self.last_grad_norm <= cfg.max_norm):
-            return "none", f"clipping at max_norm={cfg.max_norm}: the last norm was above it, or there was none yet"
-        # Speculation: spares for as many host sets as half of the host budget holds (unreadable:
-        # no speculation). Once some are held, more are taken only to cover every host set (after
-        # a placement left fewer sets on the host, say), within half of the budget they come from,
-        # so that host memory does not creep up step after step as the host's free memory varies.
-        held = parts.runtime.spare_bytes()
-        available = host_available_bytes(parts.groups.ranks_on_host()) or 0
-        if not held:
-            room = available // 2
-        else:
-            needed = parts.runtime.spare_bytes_needed()
-            room = needed if needed <= max(0, (available + held) // 2 - held) else 0
-        # see [Note: speculative CPU steps] (csrc/torch/optim/hybrid_optimizer_speculation.cpp)
-        cover = parts.runtime.arm_speculation(self._hyper(), room)
-        self._early_form = "spares" if cover != "none" else None
-        return cover, {"every set": "speculation: the host holds every host set's spares",
-                       "some sets": "speculation: the host holds some sets' spares; those whose gradients come "
-                                    "first start during backward, the others at step()",
-                       "none": "speculation: the host holds no host set's spares (or holds no optimizer "
-                               "state)"}[cover]
-
-    def _arm_in_backward(self) -> tuple[str, str]:
-        parts = self._parts
-        stepped = parts.runtime.sets_stepped_in_backward()
-        if stepped:
-            raise RuntimeError(
-                f"gemini_ext: a backward pass began while {stepped} chunk sets that the previous backward stepped "
-                "(GeminiConfig(optimizer_step_in_backward=True)) wait for optimizer.step(): call optimizer.step() "
-                "after every backward. To accumulate gradients over several backward passes, run all but the last "
-                "under engine.no_sync() or set enable_gradient_accumulation=True.")
-        self._in_backward_hyper = self._hyper()
-        if parts.runtime.arm_in_backward(self._in_backward_hyper):
-            self._early_form = "in_backward"
-            return "every set", "optimizer_step_in_backward=True: each host set steps in place once its gradients land"
-        return "none", f"{self.opt_class.__name__} steps whole sets: nothing to start early"
+            stepped = parts.runtime.sets_stepped_in_backward()
+            if stepped:
+                raise RuntimeError(
+                    f"gemini_ext: a backward pass began while {stepped} chunk sets that the previous backward stepped "
+                    "(GeminiConfig(optimizer_step_in_backward=True)) wait for optimizer.step(): call optimizer.step() "
+                    "after every backward. To accumulate gradients over several backward passes, run all but the "
+                    "last under engine.no_sync() or set enable_gradient_accumulation=True.")
+            self._in_backward_hyper = hyper  # step() completes the step with these
+        spares_possible = cfg.host_steps in ("spares", "in_place") and self.rule.native
+        decision = parts.runtime.backward_started(
+            hyper, host_steps=cfg.host_steps, optimizer_name=self.opt_class.__name__, rule_native=self.rule.native,
+            loss_scaled=parts.scaler is not None, max_norm=float(cfg.max_norm),
+            user_clipped_last=parts.clipper.clipped_last, last_norm=self.last_grad_norm,
+            placement_decides_now=parts.placer.decides_at_iteration_end(parts.runtime),
+            host_available_bytes=host_available_bytes(parts.groups.ranks_on_host()) if spares_possible else None)
+        self._early_form = decision["mode"] if decision["cover"] != "none" else None
+        parts.placer.note_host_steps(decision["cover"], decision["reason"], decision["planned_cover"])
 
     def expect_backwards_per_step(self, backwards: int) -> None:
         """Integrations that know the gradient accumulation (the Trainer's

@@ -79,3 +79,36 @@ def test_replace_refuses_unknown_fields():
     with pytest.raises(TypeError, match="did you mean 'max_norm'"):
         gx.GeminiConfig().replace(max_nrom=1.0)
     assert gx.GeminiConfig().replace(max_norm=1.0).max_norm == 1.0
+
+
+@pytest.mark.parametrize("alias, mode", [
+    ({}, "in_place"),
+    ({"host_step_speculation": "spares"}, "spares"),
+    ({"host_step_speculation": "off"}, "at_step"),
+    ({"overlap_optimizer": False}, "serial"),
+    ({"optimizer_step_in_backward": True}, "in_backward"),
+])
+def test_host_steps_and_its_aliases_say_the_same(alias, mode):
+    """One knob for when the host steps; the three older fields are its aliases, both ways."""
+    fields = ("host_steps", "overlap_optimizer", "host_step_speculation", "optimizer_step_in_backward")
+    by_alias, by_knob = gx.GeminiConfig(**alias), gx.GeminiConfig(host_steps=mode)
+    assert by_alias.host_steps == mode
+    assert [getattr(by_alias, f) for f in fields] == [getattr(by_knob, f) for f in fields]
+    assert by_knob.overlap_optimizer == (mode != "serial")
+    assert by_knob.optimizer_step_in_backward == (mode == "in_backward")
+    # an alias that agrees with the knob is accepted; an override replaces what was resolved
+    assert gx.GeminiConfig(host_steps=mode, **alias).host_steps == mode
+    assert by_knob.replace(overlap_optimizer=False).host_steps == "serial"
+    assert by_alias.replace(host_steps="spares").host_step_speculation == "spares"
+    assert by_alias.replace(max_prefetch=2).host_steps == mode
+
+
+def test_host_steps_refuses_contradictions_and_unknown_modes():
+    with pytest.raises(ValueError, match=r"host_steps='spares' and overlap_optimizer=False ask for different"):
+        gx.GeminiConfig(host_steps="spares", overlap_optimizer=False)
+    with pytest.raises(ValueError, match=r"overlap_optimizer=False and optimizer_step_in_backward=True"):
+        gx.GeminiConfig(overlap_optimizer=False, optimizer_step_in_backward=True)
+    with pytest.raises(ValueError, match=r"host_steps: expected one of .*'in_backward'.*got 'early'"):
+        gx.GeminiConfig(host_steps="early")
+    with pytest.raises(ValueError, match=r"max_norm=1.0 needs that norm first"):  # in backward refuses clipping
+        gx.GeminiConfig(host_steps="in_backward", max_norm=1.0)

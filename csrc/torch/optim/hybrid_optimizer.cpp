@@ -28,31 +28,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-std::vector<HybridOptimizer::Run> HybridOptimizer::runs_of(const ChunkSet& set, size_t num_groups) const {
+std::vector<PlannedRun> HybridOptimizer::runs_of(const ChunkSet& set, size_t num_groups) const {
   const Chunk& pc = mgr_.chunk(set.spec.param);
-  std::vector<Run> runs;
+  std::vector<int> group_of_slot(pc.num_slots());
+  std::vector<SlotExtent> slots(pc.num_slots());
   for (size_t k = 0; k < pc.num_slots(); ++k) {
-    const int group = group_of_param_[static_cast<size_t>(set.params[k])];
-    if (!set.has_grad[k] || group < 0) continue;
-    GX_CHECK(static_cast<size_t>(group) < num_groups, "parameter group ", group, " of parameter ", set.params[k],
-             ": only ", num_groups, " groups were passed.");
-    if (!runs.empty() && runs.back().last_slot + 1 == k && runs.back().group == group &&
-        runs.back().step == set.step[k]) {
-      runs.back().last_slot = k;
-    } else {
-      runs.push_back(Run{k, k, group, set.step[k]});
-    }
+    group_of_slot[k] = group_of_param_[static_cast<size_t>(set.params[k])];
+    slots[k] = SlotExtent{pc.slot(k).offset_numel, pc.slot(k).numel};
   }
-  return runs;
-}
-
-HybridOptimizer::ShardPart HybridOptimizer::shard_part_of(const ChunkSet& set, const Run& r) const {
-  const Chunk& pc = mgr_.chunk(set.spec.param);
   const ShardRange shard = pc.shard_range(mgr_.rank());
-  const int64_t begin = std::max(pc.slot(r.first_slot).offset_numel, shard.begin_numel) - shard.begin_numel;
-  const int64_t end =
-      std::min(pc.slot(r.last_slot).offset_numel + pc.slot(r.last_slot).numel, shard.end_numel) - shard.begin_numel;
-  return ShardPart{begin, end};
+  return plan_runs(set.has_grad, group_of_slot, set.step, slots, shard.begin_numel, shard.end_numel, num_groups);
 }
 
 void HybridOptimizer::launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
@@ -230,6 +215,21 @@ RunViews HybridOptimizer::run_views(const RunViews& whole, const ChunkSet& set, 
   return v;
 }
 
+void HybridOptimizer::for_each_run(const ChunkSet& set, const std::vector<PlannedRun>& runs, const RunViews& whole,
+                                   const std::function<void(const PlannedRun&, const RunViews&)>& fn) const {
+  for (const PlannedRun& r : runs)
+    if (r.shard_numel() > 0) fn(r, run_views(whole, set, r.shard_begin, r.shard_numel(), r.step_after));
+}
+
+std::vector<std::pair<size_t, int64_t>> HybridOptimizer::steps_after(const ChunkSet& set,
+                                                                     const std::vector<PlannedRun>& runs) {
+  std::vector<std::pair<size_t, int64_t>> out;
+  for (const PlannedRun& r : runs)
+    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
+      if (set.has_grad[k]) out.emplace_back(k, r.step_after);
+  return out;
+}
+
 RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n) {
   RunViews v;
   v.master = set.master.narrow(0, begin, n);
@@ -237,6 +237,32 @@ RunViews narrow_run(const RunViews& set, int64_t begin, int64_t n) {
   v.grad = set.grad.narrow(0, begin, n);
   if (set.param16.defined()) v.param16 = set.param16.narrow(0, begin, n);
   return v;
+}
+
+EarlyStepDecision HybridOptimizer::backward_started(const std::vector<HyperValues>& groups, EarlyStepFacts facts) {
+  facts.rule_steps_whole_sets = rule_->steps_whole_sets();
+  facts.rule_corrects_in_place = guess_supported();
+  facts.spare_bytes_held = static_cast<int64_t>(spare_bytes());
+  facts.spare_bytes_all = 0;
+  facts.spare_bytes_least.reset();
+  for (const ChunkSet& set : sets_) {
+    if (!set.trainable || !set.spec.optim_on_host) continue;
+    const auto bytes = static_cast<int64_t>(spare_bytes_needed(set));
+    facts.spare_bytes_least = std::min(facts.spare_bytes_least.value_or(bytes), bytes);
+    facts.spare_bytes_all += bytes;
+  }
+  const EarlyStepDecision decision = policy_.decide(facts);
+  switch (decision.mode) {
+    case EarlyMode::kSpares:  // see [Note: speculative CPU steps] (hybrid_optimizer_speculation.cpp)
+      arm_spares(groups, decision.spare_allowance_bytes);
+      break;
+    case EarlyMode::kInPlace:  // see [Note: in-place speculation] (hybrid_optimizer_in_place.cpp)
+      arm_guess(groups);
+      break;
+    case EarlyMode::kInBackward: arm_in_backward(groups); break;
+    case EarlyMode::kAtStep: break;
+  }
+  return decision;
 }
 
 void HybridOptimizer::step(const std::vector<HyperValues>& groups, double grad_multiplier) {
@@ -305,7 +331,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
                                StepStats& stats, std::shared_ptr<Event> grads_landed) {
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
-  const std::vector<Run> runs = runs_of(set, groups.size());
+  const std::vector<PlannedRun> runs = runs_of(set, groups.size());
   if (runs.empty()) return;
   if (rule_->steps_whole_sets()) {
     step_whole_set(set_index, runs, grad_multiplier);
@@ -320,29 +346,22 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   const Tier tier = on_host ? host : Tier::kDevice;
   const RunViews whole = set_views(set, tier, /*with_param16=*/true);  // this rank's shards, once per set
   std::vector<std::function<void()>> host_work;  // on_host: the runs, checked here, run on the optimizer thread
-  for (const Run& r : runs) {
-    // The run's elements that lie in this rank's shard, as offsets into the shard.
-    const auto [begin, end] = shard_part_of(set, r);
-    const int64_t n = end - begin;
-    const int64_t step = r.step + 1;
-    if (n > 0) {  // else the run lies in other ranks' shards: only the step count advances
-      const HyperValues& h = groups[static_cast<size_t>(r.group)];
-      const RunViews views = run_views(whole, set, begin, n, step);
-      if (link) {
-        host_work.push_back(link_run(views, step, h, grad_multiplier));
-        stats.link_params += n;
-      } else if (on_host) {
-        host_work.push_back(rule_->prepare_host_run(views, nullptr, step, h, grad_multiplier));
-        stats.host_params += n;
-      } else {
-        const bool wrote_param16 = rule_->device_run(views, step, h, grad_multiplier);
-        if (has_master && !wrote_param16) views.param16.copy_(views.master);  // the rounded copy for compute
-        stats.device_params += n;
-      }
+  for_each_run(set, runs, whole, [&](const PlannedRun& r, const RunViews& views) {
+    const HyperValues& h = groups[static_cast<size_t>(r.group)];
+    const int64_t n = r.shard_numel();
+    if (link) {
+      host_work.push_back(link_run(views, r.step_after, h, grad_multiplier));
+      stats.link_params += n;
+    } else if (on_host) {
+      host_work.push_back(rule_->prepare_host_run(views, nullptr, r.step_after, h, grad_multiplier));
+      stats.host_params += n;
+    } else {
+      const bool wrote_param16 = rule_->device_run(views, r.step_after, h, grad_multiplier);
+      if (has_master && !wrote_param16) views.param16.copy_(views.master);  // the rounded copy for compute
+      stats.device_params += n;
     }
-    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
-      if (set.has_grad[k]) set.step[k] = step;
-  }
+  });
+  for (const auto& [k, step] : steps_after(set, runs)) set.step[k] = step;
   // Coherence of P's other copy.
   const ChunkId p = set.spec.param;
   if (!on_host) {
@@ -376,7 +395,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   stats.launch_seconds += seconds_since(t0);
 }
 
-void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier) {
+void HybridOptimizer::step_whole_set(int set_index, const std::vector<PlannedRun>& runs, double grad_multiplier) {
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const bool on_host = set.spec.optim_on_host;
@@ -386,17 +405,14 @@ void HybridOptimizer::step_whole_set(int set_index, const std::vector<Run>& runs
   const RunViews whole = set_views(set, on_host ? host : Tier::kDevice, /*with_param16=*/true);
   std::vector<int> params;
   int64_t stepped = 0;
-  for (const Run& r : runs) {
-    const auto [begin, end] = shard_part_of(set, r);
-    stepped += std::max<int64_t>(end - begin, 0);
+  for (const PlannedRun& r : runs) {
+    stepped += r.shard_numel();
     for (size_t k = r.first_slot; k <= r.last_slot; ++k)
       if (set.has_grad[k]) params.push_back(set.params[k]);
   }
   rule_->step_whole_set(set_index, whole, params, grad_multiplier);
   if (whole.param16.defined()) whole.param16.copy_(whole.master);  // the rounded copy for compute
-  for (const Run& r : runs)
-    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
-      if (set.has_grad[k]) set.step[k] = r.step + 1;
+  for (const auto& [k, step] : steps_after(set, runs)) set.step[k] = step;
   const ChunkId p = set.spec.param;
   if (on_host) {
     refresh_device_param_copy(mgr, p, host, set.spec.param_home_on_host);

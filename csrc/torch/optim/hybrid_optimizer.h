@@ -46,7 +46,7 @@
 #include "core/chunk_set.h"
 #include "core/optimizer_pipeline.h"
 #include "core/residency.h"
-#include "core/speculation_policy.h"
+#include "core/early_step.h"
 #include "torch/chunk_views.h"
 #include "torch/optim/optimizer_rule.h"
 
@@ -78,16 +78,6 @@ struct StepStats {
   double correction_seconds = 0.0;  // the corrective passes' time on the optimizer thread so far
 };
 
-// What arm_guess found (HybridOptimizer::arm_guess).
-struct GuessArming {
-  bool supported = false;  // the rule corrects every host set's step in place
-  bool armed = false;      // this backward's host sets step during it
-  std::string why;
-};
-
-// Which host sets an armed speculation can step during backward (HybridOptimizer::arm).
-enum class SpeculationCover { kNone, kSomeSets, kEverySet };
-
 class HybridOptimizer {
  public:
   // grad_sq: per set, the squared norm of G taken on the device when G left for the host
@@ -110,23 +100,23 @@ class HybridOptimizer {
   void set_link_sets(const std::vector<int>& sets);
   std::vector<int> link_sets() const { return {link_sets_.begin(), link_sets_.end()}; }
 
-  // Speculation (hybrid_optimizer_speculation.cpp). Armed at the start of a backward pass with the
-  // hyperparameters of that moment: each host set's step then starts as soon as its gradients
-  // leave for the host, out of place into spare slots. step() confirms it (the spares take the
-  // copies' place when the set is settled) or drops it and steps the set again from the
-  // untouched originals. Spares (master, m, v and P's host copy per speculated set) stay
-  // allocated between steps: a double buffer of the host optimizer state.
-  // Arms where `spare_limit_bytes` of new spares (beyond those held) give at least one host set
-  // its spares. Sets speculate in the order their gradients reach the host (the back of the
-  // model first) while the new spares they take stay within the limit; the others step at
-  // step(). Returns which host sets can speculate: none (not armed), some, or every one.
-  SpeculationCover arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes);
-  // The step in backward (GeminiConfig.optimizer_step_in_backward): armed the same way, but each
-  // host set's step runs in place, as step() would run it, with `groups` and a multiplier of 1,
-  // and step() leaves those sets alone. No spares and nothing to undo: Python arms it only where
-  // the caller promised what makes it final (no clipping or loss scaling, one backward per step,
-  // the hyperparameters unchanged until step()), and step() refuses other values as a bug.
-  bool arm_in_place(const std::vector<HyperValues>& groups);
+  // A backward pass begins: the early-step policy (core/early_step.h) decides from `facts`, to
+  // which this adds what the optimizer knows itself (the rule's abilities, the spare bytes), and
+  // the host sets' steps are armed accordingly with `groups`, the hyperparameters of this moment:
+  //  * spares (hybrid_optimizer_speculation.cpp): each host set's step starts as soon as its
+  //    gradients leave for the host, out of place into spare slots, for the sets whose new spares
+  //    fit the decision's allowance (those whose gradients arrive first); step() confirms it (the
+  //    spares take the copies' place when the set is settled) or drops it and steps the set again
+  //    from the untouched originals. Spares (master, states and P's host copy per set) stay
+  //    allocated between steps: a double buffer of the host optimizer state.
+  //  * in place (hybrid_optimizer_in_place.cpp): each host set is stepped in place, with a
+  //    multiplier of 1, as soon as its gradients are on the host; step() confirms, corrects, or
+  //    undoes and redoes it.
+  //  * in backward: each host set's step runs in place, as step() would run it, with a
+  //    multiplier of 1, and step() leaves those sets alone. Nothing to undo: Python arms it only
+  //    where the caller promised what makes it final (no clipping or loss scaling, one backward per
+  //    step, the hyperparameters unchanged until step()), and step() refuses other values as a bug.
+  EarlyStepDecision backward_started(const std::vector<HyperValues>& groups, EarlyStepFacts facts);
   int64_t sets_stepped_in_backward() const { return static_cast<int64_t>(stepped_in_backward_.size()); }
   bool armed() const { return armed_.has_value(); }
   size_t spare_bytes_needed() const;  // to speculate on every host set, beyond the spares held
@@ -138,15 +128,6 @@ class HybridOptimizer {
   // A host set's gradients left for the host (the manager calls it): its step may start now.
   void speculate(int set_index);
 
-  // In-place speculation (hybrid_optimizer_in_place.cpp). Armed at the start of a backward pass
-  // where the rule corrects every host set's step (else not supported: Python speculates with
-  // spares) and the policy (core/speculation_policy.h) expects the guess to hold: each host set
-  // is then stepped in place, with the hyperparameters of that moment and a multiplier of 1, as
-  // soon as its gradients are on the host; step() confirms, corrects or undoes and redoes it.
-  // `allowed` false: the backward is counted (the policy learns the accumulation) but not armed.
-  GuessArming arm_guess(const std::vector<HyperValues>& groups, bool allowed = true);
-  // Whether arm_guess would find the rule correcting every host set's step (no side effects).
-  bool guess_supported(std::string* why = nullptr) const;
   // The gradients are complete (the norm or the step flushes the rest): no further guesses.
   void stop_guessing() { guessing_ = false; }
   // zero_grad(): guesses not yet judged are undone (their gradients are dropped).
@@ -161,20 +142,10 @@ class HybridOptimizer {
   int64_t guesses_undone() const { return undone_total_; }
   int64_t guesses_judged() const { return judged_total_; }
   int64_t guesses_corrected() const { return corrected_total_; }  // or undone and redone at step()
-  const SpeculationPolicy& speculation_policy() const { return policy_; }
-  SpeculationPolicy& speculation_policy() { return policy_; }
+  const EarlyStepPolicy& early_step_policy() const { return policy_; }
+  EarlyStepPolicy& early_step_policy() { return policy_; }
 
  private:
-  struct Run {
-    size_t first_slot;
-    size_t last_slot;
-    int group;
-    int64_t step;
-  };
-  struct ShardPart {
-    int64_t begin;  // offsets into this rank's shard
-    int64_t end;
-  };
   struct Speculation {
     std::vector<uint8_t> has_grad;                        // as launched: verified by step()
     std::vector<int64_t> steps_before;                    // per slot
@@ -184,11 +155,18 @@ class HybridOptimizer {
     bool confirmed = false;
     bool settled = false;
   };
-  std::vector<Run> runs_of(const ChunkSet& set, size_t num_groups) const;
-  ShardPart shard_part_of(const ChunkSet& set, const Run& r) const;
+  // The set's runs (core/early_step.h plan_runs), cut at this rank's shard.
+  std::vector<PlannedRun> runs_of(const ChunkSet& set, size_t num_groups) const;
   // One run's views (narrow_run) stamped with its stochastic-rounding stream: the key of
   // `step` for the set's parameter chunk and the chunk-wide index of its first element.
   RunViews run_views(const RunViews& whole, const ChunkSet& set, int64_t begin, int64_t n, int64_t step) const;
+  // The one walk of a set's runs, for the serial step and every early mode: `fn` gets each run
+  // that has elements in this rank's shard with its views (run_views of `whole`); a run in other
+  // ranks' shards only advances its step counts.
+  void for_each_run(const ChunkSet& set, const std::vector<PlannedRun>& runs, const RunViews& whole,
+                    const std::function<void(const PlannedRun&, const RunViews&)>& fn) const;
+  // The step count each stepped slot of `runs` takes (slot, count).
+  static std::vector<std::pair<size_t, int64_t>> steps_after(const ChunkSet& set, const std::vector<PlannedRun>& runs);
   // The set's chunks as views of this rank's shards on `tier`, made once per set; runs narrow them.
   RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
   // `grads_landed`: the host steps wait for it first (the gradients' copy to the host, still in
@@ -196,12 +174,18 @@ class HybridOptimizer {
   void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier, StepStats& stats,
                 std::shared_ptr<Event> grads_landed = nullptr);
   // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
-  void step_whole_set(int set_index, const std::vector<Run>& runs, double grad_multiplier);
+  void step_whole_set(int set_index, const std::vector<PlannedRun>& runs, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
   void ready_set(ChunkSet& set);           // a host set's gradients are on the host; a device set prepared
   void finish_device_set(ChunkSet& set);   // P's stale host copies dropped, pins released
+  // The arming of each early mode (backward_started).
+  void arm_spares(const std::vector<HyperValues>& groups, int64_t spare_allowance_bytes);
+  void arm_guess(const std::vector<HyperValues>& groups);
+  void arm_in_backward(const std::vector<HyperValues>& groups);
+  // Whether the rule corrects its in-place step for every host set's dtypes (no side effects).
+  bool guess_supported() const;
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
-  void step_in_backward(int set_index);  // arm_in_place: the set's step as step() runs it, started now
+  void step_in_backward(int set_index);  // arm_in_backward: the set's step as step() runs it, started now
   struct Guess;
   void guess(int set_index);  // arm_guess: the set's step in place, started now
   void finish_guess(int set_index, const std::shared_ptr<Guess>& g);  // when the set is settled
@@ -233,14 +217,14 @@ class HybridOptimizer {
   std::optional<std::vector<HyperValues>> armed_;
   size_t spare_allowance_bytes_ = 0;  // new spare bytes this backward's speculations may still take
   bool armed_in_place_ = false;
-  std::set<int> stepped_in_backward_;  // this backward's in-place steps (arm_in_place), until step()
+  std::set<int> stepped_in_backward_;  // this backward's in-place steps (arm_in_backward), until step()
   StepStats backward_stats_;           // their figures, added to the step's
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk
   bool guessing_ = false;                                     // arm_guess: this backward's sets step in place
   std::shared_ptr<const std::vector<HyperValues>> guess_groups_;  // the hyperparameters they use
   std::map<int, std::shared_ptr<Guess>> guesses_;             // by set index, until judged or undone
-  SpeculationPolicy policy_;
+  EarlyStepPolicy policy_;
   struct GuessCounts {  // written by the optimizer thread's tasks
     std::atomic<int64_t> skipped{0};
     std::atomic<int64_t> correction_ns{0};

@@ -7,8 +7,8 @@
 // AdamW with fp32 state: core/kernels/adam_correction.h), each host set is stepped in place as
 // soon as its gradients land, guessing a multiplier of exactly 1 and the hyperparameters of the
 // backward's start, and writing master, moments and the 16-bit host copy of the parameters. No
-// spare memory is taken. step() then gives each set a verdict (core/speculative_step.h holds
-// the lifecycle):
+// spare memory is taken. step() then gives each set a verdict (core/early_step.h holds the
+// lifecycle and the verdicts):
 //   * the multiplier is 1 and the hyperparameters are the guessed ones: confirmed, nothing to
 //     do, and the bits are the serial step's (the same kernel with the same inputs);
 //   * the multiplier c is below 1 (clipping): one corrective pass per set, the bytes of one
@@ -30,7 +30,7 @@
 
 #include "core/errors.h"
 #include "core/kernels/adam_correction.h"
-#include "core/speculative_step.h"
+#include "core/early_step.h"
 #include "torch/dtype_map.h"
 #include "torch/optim/hybrid_optimizer.h"
 
@@ -43,7 +43,7 @@ struct HybridOptimizer::Guess {
     int group;
     int64_t begin;  // the run's first element, as an offset into this rank's shard
   };
-  SpeculativeStep lifecycle;
+  EarlyStepLifecycle lifecycle;
   std::vector<uint8_t> has_grad;      // as launched: verified by step()
   std::vector<int64_t> steps_before;  // per slot
   std::vector<std::pair<size_t, int64_t>> new_steps;  // slot -> step count once judged
@@ -67,36 +67,22 @@ void run_all(const std::vector<std::function<void()>>& work) {
 }
 }  // namespace
 
-bool HybridOptimizer::guess_supported(std::string* why) const {
-  if (rule_->steps_whole_sets()) {
-    if (why != nullptr) *why = "the optimizer steps whole sets: nothing to start early";
-    return false;
-  }
+bool HybridOptimizer::guess_supported() const {
+  if (rule_->steps_whole_sets()) return false;  // nothing to start early
   for (const ChunkSet& set : sets_) {
     if (!set.trainable || !set.spec.optim_on_host) continue;
     const DType master = mgr_.chunk(set.spec.master >= 0 ? set.spec.master : set.spec.param).dtype();
     const DType state = set.spec.states.empty() ? DType::kFloat32 : mgr_.chunk(set.spec.states.front().second).dtype();
-    if (!rule_->corrects_in_place(master, state)) {
-      if (why != nullptr) *why = "the rule cannot correct its step in place for this state's dtypes";
-      return false;
-    }
+    if (!rule_->corrects_in_place(master, state)) return false;
   }
   return true;
 }
 
-GuessArming HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups, bool allowed) {
-  GuessArming out;
-  if (!guess_supported(&out.why)) return out;
-  out.supported = true;
-  const SpeculationDecision decision = policy_.backward_started();
-  out.why = decision.why;
-  if (!decision.speculate || !allowed) return out;
+void HybridOptimizer::arm_guess(const std::vector<HyperValues>& groups) {
   guess_groups_ = std::make_shared<const std::vector<HyperValues>>(groups);
   guessing_ = true;
   guess_counts_ = std::make_shared<GuessCounts>();  // this step's; the last step's corrections may still run
   pipeline_.reset_host_step_seconds();  // this step's lanes' seconds count from here
-  out.armed = true;
-  return out;
 }
 
 void HybridOptimizer::guess(int set_index) {
@@ -109,13 +95,14 @@ void HybridOptimizer::guess(int set_index) {
     const int group = group_of_param_[static_cast<size_t>(set.params[k])];
     if (set.has_grad[k] && group >= 0 && static_cast<size_t>(group) >= groups.size()) return;
   }
-  const std::vector<Run> runs = runs_of(set, groups.size());
+  const std::vector<PlannedRun> runs = runs_of(set, groups.size());
   if (runs.empty()) return;
   if (mgr.in_flight(set.spec.param)) mgr.wait(set.spec.param);  // a fetch may still read P's host copy
   auto g = std::make_shared<Guess>();
   g->has_grad = set.has_grad;
   g->steps_before = set.step;
   g->groups = guess_groups_;
+  g->new_steps = steps_after(set, runs);
   const RunViews whole = set_views(set, mgr.host_tier(), /*with_param16=*/true);
   std::vector<std::function<void()>> work;
   struct GradRange {
@@ -124,19 +111,12 @@ void HybridOptimizer::guess(int set_index) {
     int64_t numel;
   };
   std::vector<GradRange> grads;
-  for (const Run& r : runs) {
-    const int64_t step = r.step + 1;
-    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
-      if (set.has_grad[k]) g->new_steps.emplace_back(k, step);
-    const auto [begin, end] = shard_part_of(set, r);
-    const int64_t n = end - begin;
-    if (n <= 0) continue;  // in other ranks' shards: only the step count advances
-    RunViews views = run_views(whole, set, begin, n, step);
-    work.push_back(rule_->prepare_host_run(views, nullptr, step, groups[static_cast<size_t>(r.group)], 1.0));
-    grads.push_back({views.grad.data_ptr(), to_gx_dtype(views.grad.scalar_type()), n});
-    g->runs.push_back({std::move(views), step, r.group, begin});
-    g->host_params += n;
-  }
+  for_each_run(set, runs, whole, [&](const PlannedRun& r, const RunViews& views) {
+    work.push_back(rule_->prepare_host_run(views, nullptr, r.step_after, groups[static_cast<size_t>(r.group)], 1.0));
+    grads.push_back({views.grad.data_ptr(), to_gx_dtype(views.grad.scalar_type()), r.shard_numel()});
+    g->runs.push_back({views, r.step_after, r.group, r.shard_begin});
+    g->host_params += r.shard_numel();
+  });
   guesses_[set_index] = g;
   std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
   auto counts = guess_counts_;
@@ -151,21 +131,22 @@ void HybridOptimizer::guess(int set_index) {
         } else {
           counts->skipped += 1;
         }
-        const GuessState before = g->lifecycle.apply(finite ? GuessEvent::kTaskStepped : GuessEvent::kTaskSkipped);
-        if (before != GuessState::kJudgedEarly) return;
+        const EarlyStepState before =
+            g->lifecycle.apply(finite ? EarlyStepEvent::kTaskStepped : EarlyStepEvent::kTaskSkipped);
+        if (before != EarlyStepState::kJudgedEarly) return;
         const auto t0 = std::chrono::steady_clock::now();
         run_all(finite ? g->if_stepped : g->if_skipped);
         counts->correction_ns += nanoseconds_since(t0);
       },
       [this, set_index, g] { finish_guess(set_index, g); },
-      [g] { return g->lifecycle.state() == GuessState::kJudged && !g->follow_up; });
+      [g] { return g->lifecycle.state() == EarlyStepState::kJudged && !g->follow_up; });
 }
 
 void HybridOptimizer::finish_guess(int set_index, const std::shared_ptr<Guess>& g) {
   auto it = guesses_.find(set_index);
   if (it != guesses_.end() && it->second == g) guesses_.erase(it);
-  const GuessState state = g->lifecycle.state();
-  if (state == GuessState::kJudged) {
+  const EarlyStepState state = g->lifecycle.state();
+  if (state == EarlyStepState::kJudged) {
     if (!g->follow_up) {  // its verdict is complete: P's device copy may take the new values
       const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
       refresh_device_param_copy(mgr_, set.spec.param, mgr_.host_tier(), set.spec.param_home_on_host);
@@ -173,7 +154,7 @@ void HybridOptimizer::finish_guess(int set_index, const std::shared_ptr<Guess>& 
     return;
   }
   // Needed before step() judged it: undone, and step() steps the set like any other.
-  if (g->lifecycle.apply(GuessEvent::kUndo) == GuessState::kStepped) {
+  if (g->lifecycle.apply(EarlyStepEvent::kUndo) == EarlyStepState::kStepped) {
     for (const Guess::RunPlan& r : g->runs)
       rule_->prepare_host_undo(r.views, r.step, (*g->groups)[static_cast<size_t>(r.group)], 1.0)();
   }
@@ -206,7 +187,7 @@ bool HybridOptimizer::read_before_guess(int set_index, ChunkId chunk, size_t slo
   auto it = guesses_.find(set_index);
   if (it == guesses_.end() || mgr_.world_size() > 1) return false;
   const std::shared_ptr<Guess>& g = it->second;
-  if (g->lifecycle.state() != GuessState::kStepped) return false;  // skipped: nothing was written
+  if (g->lifecycle.state() != EarlyStepState::kStepped) return false;  // skipped: nothing was written
   const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
   const bool has_master = set.spec.master >= 0;
   // Which of the run's views holds `chunk`: -1 the master, -2 the 16-bit copy, k >= 0 state k.
@@ -296,9 +277,9 @@ std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& gro
       stats_.corrected_sets += 1;
     }
     guesses_.erase(s);  // judged: the next backward's guesses, and zero_grad, leave it alone
-    const GuessState before = g->lifecycle.apply(GuessEvent::kJudge);
-    if (before == GuessState::kStepping) continue;  // the task runs the verdict's work when it ends
-    const std::vector<std::function<void()>>& work = before == GuessState::kStepped ? g->if_stepped : g->if_skipped;
+    const EarlyStepState before = g->lifecycle.apply(EarlyStepEvent::kJudge);
+    if (before == EarlyStepState::kStepping) continue;  // the task runs the verdict's work when it ends
+    const std::vector<std::function<void()>>& work = before == EarlyStepState::kStepped ? g->if_stepped : g->if_skipped;
     if (work.empty()) {
       pipeline_.settle(s);  // confirmed: P's device copy is refreshed
       continue;

@@ -65,31 +65,18 @@ std::vector<CopyRange> unwritten_ranges(ChunkManager& mgr, Tier host, const std:
 }
 }  // namespace
 
-SpeculationCover HybridOptimizer::arm(const std::vector<HyperValues>& groups, size_t spare_limit_bytes) {
-  if (rule_->steps_whole_sets()) return SpeculationCover::kNone;  // no host kernel to start early
-  size_t least = SIZE_MAX;  // the fewest new spare bytes any host set needs
-  size_t total = 0;         // and all of them together
-  for (const ChunkSet& set : sets_) {
-    if (!set.trainable || !set.spec.optim_on_host) continue;
-    const size_t bytes = spare_bytes_needed(set);
-    least = std::min(least, bytes);
-    total += bytes;
-  }
-  if (least > spare_limit_bytes) return SpeculationCover::kNone;  // no host set, or no room for any set's spares
+void HybridOptimizer::arm_spares(const std::vector<HyperValues>& groups, int64_t spare_allowance_bytes) {
   armed_ = groups;
-  spare_allowance_bytes_ = spare_limit_bytes;
-  return total <= spare_limit_bytes ? SpeculationCover::kEverySet : SpeculationCover::kSomeSets;
+  spare_allowance_bytes_ = static_cast<size_t>(spare_allowance_bytes);
 }
 
-bool HybridOptimizer::arm_in_place(const std::vector<HyperValues>& groups) {
-  if (rule_->steps_whole_sets()) return false;  // no host kernel to start early
+void HybridOptimizer::arm_in_backward(const std::vector<HyperValues>& groups) {
   // Python refuses a backward that begins before step() completed the last one (optim/wrapper.py).
   GX_INTERNAL_ASSERT(stepped_in_backward_.empty(), "optimizer step in backward: armed while ",
                      stepped_in_backward_.size(), " chunk sets stepped during the previous backward wait for step()");
   armed_ = groups;
   armed_in_place_ = true;
   pipeline_.reset_host_step_seconds();  // this step's lanes' seconds count from here
-  return true;
 }
 
 size_t HybridOptimizer::spare_bytes_needed() const {
@@ -136,7 +123,7 @@ void HybridOptimizer::speculate(int set_index) {
     step_in_backward(set_index);
     return;
   }
-  const std::vector<Run> runs = runs_of(set, armed_->size());
+  const std::vector<PlannedRun> runs = runs_of(set, armed_->size());
   if (runs.empty()) return;
   const size_t fresh_spare_bytes = spare_bytes_needed(set);
   if (fresh_spare_bytes > spare_allowance_bytes_) return;  // beyond what this backward may spend: steps at step()
@@ -160,30 +147,25 @@ void HybridOptimizer::speculate(int set_index) {
   spec->has_grad = set.has_grad;
   spec->steps_before = set.step;
   spec->outputs = outputs;
+  spec->new_steps = steps_after(set, runs);
   const RunViews originals = set_views(set, host, /*with_param16=*/false);  // read only: outputs go to spares
   std::vector<std::function<void()>> work;
   std::vector<std::pair<int64_t, int64_t>> stepped;  // element ranges of the shard the runs write
-  for (const Run& r : runs) {
-    const int64_t step = r.step + 1;
-    for (size_t k = r.first_slot; k <= r.last_slot; ++k)
-      if (set.has_grad[k]) spec->new_steps.emplace_back(k, step);
-    const auto [begin, end] = shard_part_of(set, r);
-    const int64_t n = end - begin;
-    if (n <= 0) continue;  // in other ranks' shards: only the step count advances
+  for_each_run(set, runs, originals, [&](const PlannedRun& r, const RunViews& views) {
+    const auto at = [&](ChunkId id) {
+      return spare(id) + static_cast<size_t>(r.shard_begin) * element_size_bytes(mgr.chunk(id).dtype());
+    };
     RunSpares out;
-    out.master = spare(master_id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(master_id).dtype());
-    for (const auto& [kind, id] : set.spec.states)
-      out.states.push_back(spare(id) + static_cast<size_t>(begin) * element_size_bytes(mgr.chunk(id).dtype()));
+    out.master = at(master_id);
+    for (const auto& [kind, id] : set.spec.states) out.states.push_back(at(id));
     if (has_master) {
-      const DType p_dtype = mgr.chunk(set.spec.param).dtype();
-      out.param16 = spare(set.spec.param) + static_cast<size_t>(begin) * element_size_bytes(p_dtype);
-      out.param16_dtype = p_dtype;
+      out.param16 = at(set.spec.param);
+      out.param16_dtype = mgr.chunk(set.spec.param).dtype();
     }
-    const RunViews views = run_views(originals, set, begin, n, step);
-    work.push_back(rule_->prepare_host_run(views, &out, step, (*armed_)[static_cast<size_t>(r.group)], 1.0));
-    spec->host_params += n;
-    stepped.emplace_back(begin, end);
-  }
+    work.push_back(rule_->prepare_host_run(views, &out, r.step_after, (*armed_)[static_cast<size_t>(r.group)], 1.0));
+    spec->host_params += r.shard_numel();
+    stepped.emplace_back(r.shard_begin, r.shard_end);
+  });
   // Elements no run writes (slots without a gradient, padding) are carried over into the spares
   // as they are: after the exchange the chunk holds exactly what an in-place step leaves.
   std::vector<CopyRange> carry = unwritten_ranges(mgr, host, spares_, outputs, stepped);
