@@ -245,21 +245,21 @@ std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& gro
     ChunkSet& set = sets_[static_cast<size_t>(s)];
     const bool same_inputs = set.grad_place == GradPlace::kHost && set.spec.optim_on_host &&
                              set.has_grad == g->has_grad && set.step == g->steps_before;
-    if (!same_inputs) {
+    const EarlyVerdict verdict = verdict_for(EarlyMode::kInPlace, same_inputs, *g->groups == groups, grad_multiplier);
+    if (verdict == EarlyVerdict::kDrop) {
       pipeline_.settle(s);  // undone; stepped below like the other sets
       continue;
     }
-    const bool same_groups = *g->groups == groups;
     std::vector<std::function<void()>> serial;  // the serial step's runs, from the state before the guess
     for (const Guess::RunPlan& r : g->runs)
       serial.push_back(rule_->prepare_host_run(r.views, nullptr, r.step, groups[static_cast<size_t>(r.group)],
                                                grad_multiplier));
-    if (!same_groups) {
+    if (verdict == EarlyVerdict::kRedo) {
       for (const Guess::RunPlan& r : g->runs)
         g->if_stepped.push_back(
             rule_->prepare_host_undo(r.views, r.step, (*g->groups)[static_cast<size_t>(r.group)], 1.0));
       g->if_stepped.insert(g->if_stepped.end(), serial.begin(), serial.end());
-    } else if (grad_multiplier != 1.0) {
+    } else if (verdict == EarlyVerdict::kCorrect) {
       for (const Guess::RunPlan& r : g->runs)
         g->if_stepped.push_back(rule_->prepare_host_correction(r.views, r.step, groups[static_cast<size_t>(r.group)],
                                                                1.0, grad_multiplier));
@@ -268,12 +268,12 @@ std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& gro
     for (const auto& [k, step] : g->new_steps) set.step[k] = step;
     judged.insert(s);
     judged_total_ += 1;
-    if (!same_groups || grad_multiplier != 1.0) corrected_total_ += 1;
+    if (verdict != EarlyVerdict::kConfirm) corrected_total_ += 1;
     stats_.guessed_sets += 1;
     stats_.host_params += g->host_params;
-    if (!same_groups) {
+    if (verdict == EarlyVerdict::kRedo) {
       stats_.redone_sets += 1;
-    } else if (grad_multiplier != 1.0) {
+    } else if (verdict == EarlyVerdict::kCorrect) {
       stats_.corrected_sets += 1;
     }
     guesses_.erase(s);  // judged: the next backward's guesses, and zero_grad, leave it alone

@@ -217,22 +217,22 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
   std::set<int> confirmed;
   if (armed_in_place_ || !stepped_in_backward_.empty()) {
     // Python checked the promise before this call (optim/wrapper.py): other values here are a bug.
-    GX_INTERNAL_ASSERT(stepped_in_backward_.empty() || (grad_multiplier == 1.0 && armed_ && *armed_ == groups),
-                       "optimizer step in backward: ", stepped_in_backward_.size(), " chunk sets were stepped during "
-                       "backward with a gradient multiplier of 1 and the backward's hyperparameters, and step() got "
-                       "other hyperparameters or a multiplier of ", grad_multiplier);
+    if (!stepped_in_backward_.empty())
+      verdict_for(EarlyMode::kInBackward, true, armed_ && *armed_ == groups, grad_multiplier);  // kConfirm
     confirmed.swap(stepped_in_backward_);
     armed_.reset();
     armed_in_place_ = false;
     return confirmed;
   }
-  const bool guess_holds = armed_.has_value() && grad_multiplier == 1.0 && *armed_ == groups;
+  const bool same_hyper = armed_.has_value() && *armed_ == groups;
   armed_.reset();
   for (const auto& [s, spec] : std::map<int, std::shared_ptr<Speculation>>(speculations_)) {
     const ChunkSet& set = sets_[static_cast<size_t>(s)];
     const bool same_inputs = set.grad_place == GradPlace::kHost && set.spec.optim_on_host &&
                              set.has_grad == spec->has_grad && set.step == spec->steps_before;
-    if (guess_holds && same_inputs && !spec->settled) {
+    // settled before step(): needed meanwhile (its results dropped), as an undone guess
+    if (verdict_for(EarlyMode::kSpares, same_inputs && !spec->settled, same_hyper, grad_multiplier) ==
+        EarlyVerdict::kConfirm) {
       spec->confirmed = true;  // committed when settled
       ChunkSet& mutable_set = sets_[static_cast<size_t>(s)];
       for (const auto& [k, step] : spec->new_steps) mutable_set.step[k] = step;
