@@ -78,12 +78,10 @@ def unavailable(name: str, smoke: bool) -> str | None:
 def run_row(name: str, common: list[str], budget: str | None, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(offload.free_port()), TRAIN, *common, *SYSTEMS[name], "--json-out", out_json]
-        if budget:
-            cmd += ["--budget", budget]
+        cmd, env = offload.launch(TRAIN, [*common, *SYSTEMS[name], "--json-out", out_json,
+                                          *(["--budget", budget] if budget else [])], ranks=1)
         try:
-            proc = offload.run_job(cmd, timeout)
+            proc = offload.run_job(cmd, timeout, env)
         except offload.JobTimedOut as e:
             return e.record
         if proc.returncode != 0 or not os.path.exists(out_json):

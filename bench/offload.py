@@ -157,6 +157,13 @@ def last_error(proc: subprocess.CompletedProcess) -> str:
     signals = [ln for ln in lines if re.search(r"Signal \d+ \(\w+\) received", ln)]
     if signals:
         return signals[-1].split(":", 1)[-1].strip() + ", no Python exception"
+    if proc.returncode is not None and proc.returncode < 0:  # a rank run without torchrun, ended by a signal
+        number = -proc.returncode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = "unknown"
+        return f"Signal {number} ({name}) ended the rank, no Python exception"
     rest = [ln for ln in lines if ln]
     return rest[-1] if rest else "?"
 
@@ -211,6 +218,22 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def launch(script: str, args: list[str], ranks: int, env: dict | None = None) -> tuple[list[str], dict]:
+    """The command and environment that run `script` as `ranks` processes of this host. More than
+    one runs under torchrun. One runs as the process itself with the environment torchrun gives a
+    group of one (rank 0 of 1, a free port): the same run without a launcher process, whose own
+    import of torch costs about a second and a half of CPU per job, and with the rank's exit
+    status (a negative one where a signal ended it) as the job's."""
+    env = dict(os.environ if env is None else env)
+    port = str(free_port())
+    if ranks == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)
+        return [sys.executable, "-u", script, *args], env
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", port,
+            script, *args], env
+
+
 def run_job(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs cmd to completion. On timeout every process under it is killed: killing torchrun alone
     leaves its ranks running (it starts each in a session of its own), holding the GPUs' memory,
@@ -243,13 +266,10 @@ def peer_unavailable(name: str) -> str | None:
 def run_system(script: str, extra: list[str], common: list[str], timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(free_port()),
-               script, *common, *extra, "--json-out", out_json]
-        if script == GEMINI:
-            cmd.append("--no-progress")
+        cmd, env = launch(script, [*common, *extra, "--json-out", out_json,
+                                   *(["--no-progress"] if script == GEMINI else [])], ranks=1)
         try:
-            proc = run_job(cmd, timeout)
+            proc = run_job(cmd, timeout, env)
         except JobTimedOut as e:
             return e.record
         if proc.returncode != 0 or not os.path.exists(out_json):

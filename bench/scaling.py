@@ -1,9 +1,9 @@
 """Scaling over GPUs: gemini_ext under each policy and FSDP2 with and without CPU offload, side by
 side on the same model and per-GPU batch, on 1, 2, ... GPUs of one machine.
 
-Every configuration runs under torchrun in a fresh set of processes (examples/train_gpt.py or
-bench/fsdp2_train.py), with OMP_NUM_THREADS = cores / GPUs so that each rank's CPU optimizer gets
-its share of the cores. The table gives global and per-GPU tokens/s, the median step, the peak
+Every configuration runs in a fresh set of processes (examples/train_gpt.py or
+bench/fsdp2_train.py; several ranks under torchrun, offload.launch), with OMP_NUM_THREADS =
+cores / GPUs so that each rank's CPU optimizer gets its share of the cores. The table gives global and per-GPU tokens/s, the median step, the peak
 device bytes of the worst rank (gemini_ext: chunks plus torch's allocations, each at its peak;
 FSDP2: torch's allocations, which are all of its memory) and the peak host RSS summed over ranks.
 
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offload import JobTimedOut, failure, free_port, run_job  # noqa: E402  (same directory)
+from offload import JobTimedOut, failure, launch, run_job  # noqa: E402  (same directory)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMINI = os.path.join(REPO, "examples", "train_gpt.py")
@@ -44,12 +44,9 @@ def systems(budget: str) -> dict[str, tuple[str, list[str]]]:
 def run(script: str, extra: list[str], common: list[str], n_gpus: int, threads: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_gpus), "--master-port",
-               str(free_port()),
-               script, *common, *extra, "--json-out", out_json]
-        if script == GEMINI:
-            cmd.append("--no-progress")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        cmd, env = launch(script, [*common, *extra, "--json-out", out_json,
+                                   *(["--no-progress"] if script == GEMINI else [])], n_gpus,
+                          dict(os.environ, OMP_NUM_THREADS=str(threads)))
         try:
             proc = run_job(cmd, timeout, env)
         except JobTimedOut as e:

@@ -30,6 +30,7 @@ it are judged like any other (undone by `zero_grad()`).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import torch
@@ -52,6 +53,8 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _compiled_autograd_active() -> bool:
+    if "torch._dynamo" not in sys.modules:  # compiled autograd is dynamo's: off until it is imported
+        return False
     try:
         from torch._dynamo import compiled_autograd
     except Exception:  # torch without dynamo

@@ -51,6 +51,9 @@ from .generic import GenericStepper
 from .lion import Lion  # noqa: F401  (gx.optim.Lion)
 from .rules import ADAM, MAX_STATE_KINDS, rule_for
 
+_TORCH_ADD_PARAM_GROUP = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
+                                 torch.optim.Optimizer.add_param_group)
+
 def _as_param_list(params) -> list:
     """torch.optim's `params` argument taken once: a generator (model.parameters()) is read here,
     before anything else iterates it, and a lone tensor is refused as torch refuses it."""
@@ -341,6 +344,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
             "reads_before_guesses": counts["reads_before_guesses"],
             "spare_bytes": self._parts.runtime.spare_bytes(),
         }
+
+    def add_param_group(self, param_group: dict) -> None:
+        # torch's own, unwrapped: torch wraps it so that dynamo does not trace it, and the wrapper's
+        # first call imports torch._dynamo (over a second of CPU in every process that builds an
+        # optimizer). This optimizer is never traced: its step is the engine's.
+        _TORCH_ADD_PARAM_GROUP(self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._parts.check_open("optimizer.zero_grad")

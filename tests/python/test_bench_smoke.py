@@ -140,7 +140,10 @@ def test_capacity_bench_smoke(tmp_path, gpus):
 @pytest.mark.parametrize("ranks, child, expected", [
     (1, "raise RuntimeError('CUDA out of memory. Tried to allocate 9.00 GiB')",
      "RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"),
-    (1, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "Signal 9 (SIGKILL) received by PID"),
+    # one rank runs without torchrun: its exit status names the signal
+    (1, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "Signal 9 (SIGKILL) ended the rank"),
+    (2, "import os, signal\nif os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)",
+     "Signal 9 (SIGKILL) received by PID"),
     # with a process group, lines carry "[rankN]:"; rank 0 fails after rank 1, in the barrier
     (2, "import os, torch.distributed as dist\ndist.init_process_group('gloo')\n"
         "if os.environ['RANK'] == '1': raise MemoryError('rank 1 ran out')\ndist.barrier()",
@@ -149,19 +152,19 @@ def test_capacity_bench_smoke(tmp_path, gpus):
 def test_a_failed_run_is_recorded_with_its_cause_not_torchruns_report(tmp_path, ranks, child, expected):
     """A child that raises is named by its exception; one killed by a signal (the host's
     out-of-memory killer sends SIGKILL) by the signal: torchrun's own report ("error_file: <N/A>",
-    "To enable traceback see ...") says neither."""
+    "To enable traceback see ...") says neither. Launched as the benchmarks launch a job."""
     import os
     import subprocess
     import sys
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
-    from offload import failure, free_port
+    from offload import failure, launch
 
     script = tmp_path / "child.py"
     script.write_text(child + "\n")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--master-port",
-                           str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+    cmd, env = launch(str(script), [], ranks)
+    assert ("torch.distributed.run" in cmd) == (ranks > 1)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     record = failure(proc, None)
     assert record["error"].startswith(f"exit {proc.returncode}, no summary: ") and expected in record["error"], record
