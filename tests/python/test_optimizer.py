@@ -303,3 +303,22 @@ def test_frozen_parameters_in_the_optimizers_list_are_kept_and_never_stepped(opt
         assert ours["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
         opt.load_state_dict(ours)
     assert max(max_relative_difference(model, reference).values()) <= 1e-5
+
+
+def test_training_under_the_engine_imports_no_dynamo():
+    """torch wraps Optimizer.add_param_group so that dynamo does not trace it, and that wrapper's
+    first call imports torch._dynamo: over a second of CPU (and 70 MB) in every process that builds
+    an optimizer. The engine's optimizer and hooks import none of it (transformers' models do)."""
+    from conftest import run_python
+    code = ("import sys, torch, gemini_ext as gx\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+            "with gx.enable(model, gx.GeminiConfig(device='sim')) as e:\n"
+            "    opt = e.optimizer(torch.optim.AdamW, lr=1e-3)\n"
+            "    for _ in range(2):\n"
+            "        model(torch.ones(4, 8, device=e.compute_device, dtype=torch.bfloat16)).float().square().sum().backward()\n"
+            "        opt.step()\n"
+            "        opt.zero_grad()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    out = run_python("-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
