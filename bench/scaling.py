@@ -3,9 +3,10 @@ side on the same model and per-GPU batch, on 1, 2, ... GPUs of one machine.
 
 Every configuration runs in a fresh set of processes (examples/train_gpt.py or
 bench/fsdp2_train.py; several ranks under torchrun, offload.launch), with OMP_NUM_THREADS =
-cores / GPUs so that each rank's CPU optimizer gets its share of the cores. The table gives global and per-GPU tokens/s, the median step, the peak
-device bytes of the worst rank (gemini_ext: chunks plus torch's allocations, each at its peak;
-FSDP2: torch's allocations, which are all of its memory) and the peak host RSS summed over ranks.
+cores / GPUs so that each rank's CPU optimizer gets its share of the cores. The table gives
+global and per-GPU tokens/s, the median step, the peak device bytes of the worst rank
+(gemini_ext: chunks plus torch's allocations, each at its peak; FSDP2: torch's allocations,
+which are all of its memory) and the peak host RSS summed over ranks.
 
     python bench/scaling.py --preset 1.3b --gpus 1,2 --steps 6           # on nvidia-h200-x2
     python bench/scaling.py --preset 6.7b --gpus 1,2 --batch 2 --checkpoint --only gemini-static,fsdp2-offload

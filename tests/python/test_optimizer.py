@@ -315,7 +315,8 @@ def test_training_under_the_engine_imports_no_dynamo():
             "with gx.enable(model, gx.GeminiConfig(device='sim')) as e:\n"
             "    opt = e.optimizer(torch.optim.AdamW, lr=1e-3)\n"
             "    for _ in range(2):\n"
-            "        model(torch.ones(4, 8, device=e.compute_device, dtype=torch.bfloat16)).float().square().sum().backward()\n"
+            "        x = torch.ones(4, 8, device=e.compute_device, dtype=torch.bfloat16)\n"
+            "        model(x).float().square().sum().backward()\n"
             "        opt.step()\n"
             "        opt.zero_grad()\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
