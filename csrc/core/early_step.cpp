@@ -273,6 +273,73 @@ EarlyVerdict verdict_for(EarlyMode mode, bool same_inputs, bool same_hyper, doub
   return EarlyVerdict::kDrop;
 }
 
+const char* to_string(Interruption i) {
+  switch (i) {
+    case Interruption::kAnotherBackward: return "another backward";
+    case Interruption::kRead: return "read";
+    case Interruption::kCheckpoint: return "checkpoint";
+    case Interruption::kZeroGrad: return "zero_grad";
+    case Interruption::kPlacementChange: return "placement change";
+    case Interruption::kHyperChange: return "other hyperparameters";
+    case Interruption::kScaledStep: return "scaled step";
+    case Interruption::kNonFiniteGrad: return "non-finite gradient";
+  }
+  return "?";
+}
+
+const char* to_string(EarlyResponse r) {
+  switch (r) {
+    case EarlyResponse::kNothingStarted: return "nothing started";
+    case EarlyResponse::kJudgedAtStep: return "judged at step";
+    case EarlyResponse::kServedBefore: return "served before";
+    case EarlyResponse::kDiscarded: return "discarded";
+    case EarlyResponse::kSkippedByTask: return "skipped by the task";
+    case EarlyResponse::kFinal: return "final";
+    case EarlyResponse::kRefused: return "refused";
+  }
+  return "?";
+}
+
+EarlyResponse respond(EarlyMode mode, Interruption what, bool sharded) {
+  using I = Interruption;
+  using R = EarlyResponse;
+  switch (mode) {
+    case EarlyMode::kAtStep: return R::kNothingStarted;
+    case EarlyMode::kSpares:
+      // The originals stay untouched until step() confirms: anything but the guess holding drops the
+      // spares. A non-finite gradient is no exception: the serial step computes the same values.
+      return what == I::kNonFiniteGrad ? R::kJudgedAtStep : R::kDiscarded;
+    case EarlyMode::kInPlace:
+      switch (what) {
+        case I::kRead:
+        case I::kCheckpoint:  // sharded, a read is a collective over every rank's shard: undone first
+          return sharded ? R::kDiscarded : R::kServedBefore;
+        case I::kHyperChange:
+        case I::kScaledStep: return R::kJudgedAtStep;
+        case I::kNonFiniteGrad: return R::kSkippedByTask;  // a non-finite value cannot be undone
+        case I::kAnotherBackward:
+        case I::kZeroGrad:
+        case I::kPlacementChange: return R::kDiscarded;
+      }
+      break;
+    case EarlyMode::kInBackward:
+      switch (what) {
+        case I::kRead:
+        case I::kCheckpoint:
+        case I::kPlacementChange:
+        case I::kNonFiniteGrad: return R::kFinal;
+        case I::kAnotherBackward:
+        case I::kZeroGrad:
+        case I::kHyperChange:
+        case I::kScaledStep: return R::kRefused;
+      }
+      break;
+  }
+  GX_INTERNAL_ASSERT(false, "early step: no response for mode ", static_cast<int>(mode), " and interruption ",
+                     static_cast<int>(what));
+  return R::kDiscarded;
+}
+
 std::vector<PlannedRun> plan_runs(const std::vector<uint8_t>& has_grad, const std::vector<int>& group_of_slot,
                                   const std::vector<int64_t>& steps, const std::vector<SlotExtent>& slots,
                                   int64_t shard_begin, int64_t shard_end, size_t num_groups) {

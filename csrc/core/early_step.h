@@ -22,7 +22,9 @@
 // clipped step (it would be corrected), and only on the backward expected to be the last of a
 // gradient accumulation (the others would be undone by the next).
 // Every early mode shares one lifecycle per set (EarlyStepState, next_early_state) and one set of
-// verdicts (verdict_for). Every step, early or not, walks the set's runs (plan_runs).
+// verdicts (verdict_for), and one answer to whatever happens between backward and step(): another
+// backward, a read, zero_grad, ... (respond, with its table below). Every step, early or not,
+// walks the set's runs (plan_runs).
 // Decision code only: the optimizer (torch/optim) gathers the facts and does the work.
 #pragma once
 
@@ -161,6 +163,45 @@ const char* to_string(EarlyVerdict v);
 // InternalError for kAtStep, and for kInBackward where the promise did not hold (the caller
 // refuses that before step() runs).
 EarlyVerdict verdict_for(EarlyMode mode, bool same_inputs, bool same_hyper, double grad_multiplier);
+
+// What can happen to a set stepped early before step() judges it, and what becomes of its early
+// step. Every mode answers every interruption (respond); the table, mode by mode:
+//
+//   interruption       at_step          spares           in_place                    in_backward
+//   another backward   nothing started  discarded        discarded                   refused
+//   read, checkpoint   nothing started  discarded        served before (sharded:     final
+//                                                        discarded)
+//   zero_grad          nothing started  discarded        discarded                   refused
+//   placement change   nothing started  discarded        discarded                   final
+//   other hyper.       nothing started  discarded        judged at step (redo)       refused
+//   scaled step        nothing started  discarded        judged at step (correct)    refused
+//   non-finite grad    nothing started  judged at step   skipped by the task         final
+//
+// Where the change is known when the backward begins the early step is not taken at all
+// (EarlyStepPolicy::decide: the placement deciding at this iteration's end, accumulation before
+// the last backward, the last step scaled).
+enum class Interruption : int8_t {
+  kAnotherBackward,  // a further backward adds to the set's gradients (accumulation)
+  kRead,             // its parameters or optimizer state are read (a parameter's value, state_dict)
+  kCheckpoint,       // a checkpoint saves them (a read of every set)
+  kZeroGrad,         // zero_grad() clears its gradients
+  kPlacementChange,  // the placement moves its chunks
+  kHyperChange,      // step() runs with other hyperparameters than the backward's
+  kScaledStep,       // step()'s gradient multiplier is not 1 (clipping)
+  kNonFiniteGrad,    // its gradients hold an inf or a NaN
+};
+enum class EarlyResponse : int8_t {
+  kNothingStarted,  // at_step: no set stepped before step()
+  kJudgedAtStep,    // the early step stays; step() gives its verdict (verdict_for)
+  kServedBefore,    // the early step stays; the read gets the values before it (the rule's undo on copies)
+  kDiscarded,       // undone in place, or its spares dropped: step() steps the set like any other
+  kSkippedByTask,   // the task found the gradients non-finite and wrote nothing: step() steps the set
+  kFinal,           // in backward: the step is final (reads show the stepped values)
+  kRefused,         // in backward: the promise that made it final is broken: an error naming the fix
+};
+const char* to_string(Interruption i);
+const char* to_string(EarlyResponse r);
+EarlyResponse respond(EarlyMode mode, Interruption what, bool sharded);
 
 // One kernel call of a set's step: consecutive slots that have a gradient, belong to the same
 // parameter group and have taken the same number of steps, with the elements that lie in this

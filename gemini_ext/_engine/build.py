@@ -19,6 +19,7 @@ from .._env import logger
 from .._units import format_bytes
 from .. import allocator
 from ..amp import DynamicLossScaler
+from ..placement.chunk_floor import chunk_floor_bytes
 from ..placement.costs import HOST_TIERS
 from ..placement.placer import Placer
 from ..placement.policies import make_policy
@@ -182,7 +183,7 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
                                        parts.groups.ranks_on_host(),
                                        cap_torch=planned and allocator.mode() == "default",
                                        leave_room=functools.partial(parts.placer.leave_room_in_warm_up, parts.runtime),
-                                       chunk_floor_bytes=3 * max(parts.layout.shard_bytes, default=0))
+                                       chunk_floor_bytes=chunk_floor_bytes(parts.layout.shard_bytes))
 
 
 def _bind_parameters(parts: EngineParts, views) -> None:

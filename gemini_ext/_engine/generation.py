@@ -36,9 +36,8 @@ import contextlib
 from .._native import _C
 from .._units import format_bytes
 from ..placement import host_memory
+from ..placement.chunk_floor import CHUNK_SETS_AT_ONCE, chunk_floor_bytes
 from ..placement.costs import layout_figures
-
-CHUNK_SETS_FLOOR = 3  # sets a forward computes with and prefetches: the warm-up's floor (build.py)
 
 
 def kv_cache_bytes(config, batch_size: int, max_length: int, itemsize: int) -> int:
@@ -107,13 +106,13 @@ class GenerationRoom:
         before = self._runtime.device_budget
         figures = layout_figures(self._layout)
         shard_bytes = figures["set_shard_bytes"]
-        floor = sum(sorted(shard_bytes)[-CHUNK_SETS_FLOOR:])  # the largest sets a forward may hold at once
+        floor = chunk_floor_bytes(shard_bytes)
         left = before - room_bytes
         if left < floor:
             raise _C.OutOfMemoryError(
                 f"engine.generating(): the chunks' device budget is {format_bytes(before)}; less the "
                 f"{format_bytes(room_bytes)} kept for the KV cache it leaves {format_bytes(max(0, left))}, under the "
-                f"{format_bytes(floor)} the largest {CHUNK_SETS_FLOOR} chunk sets a forward computes with and "
+                f"{format_bytes(floor)} the largest {CHUNK_SETS_AT_ONCE} chunk sets a forward computes with and "
                 "prefetches need. Generate fewer or shorter sequences at a time (batch_size, max_length), raise "
                 "gpu_memory_limit, or use smaller chunks (chunk_config_dict / min_chunk_size_m).")
         moved, held = self._move_optimizer_sides(left, shard_bytes, figures)

@@ -25,6 +25,7 @@ from .._engine.activations.host_buffers import RESERVE_BYTES
 from .._engine.layout import STATE_DTYPES, ChunkLayout
 from .._native import _C
 from ..optim.rules import MAX_STATE_KINDS
+from ..placement.chunk_floor import chunk_floor_bytes
 from ..placement.costs import layout_figures
 from ..placement.policies import Measurements, make_policy, warm_up_chunk_budget
 from . import target
@@ -145,7 +146,7 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
     held = inputs  # what torch holds then: the batch's embedding, block 0's input
     outside = int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))  # the CUDA context
     need = held + outside + budget.foreseen_warm_up_bytes(warm)
-    floor = 3 * max(m.set_shard_bytes, default=0)
+    floor = chunk_floor_bytes(m.set_shard_bytes)
     refused = budget.warm_up_refused(need, machine.capacity_bytes, machine.total_bytes, floor)
     current = placement.device_budget_bytes or machine.capacity_bytes
     return {"foreseen_bytes": need, "refused": refused,

@@ -135,6 +135,7 @@ void GeminiManager::flush_grads() {
 }
 
 void GeminiManager::flush_grads_locked() {
+  if (optimizer_) optimizer_->gradients_complete();  // what the flush moves to the host steps at step()
   ctx_->sync_compute_stream();
   for (auto& set : sets_) {
     if (!set.trainable) continue;

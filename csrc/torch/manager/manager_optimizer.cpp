@@ -116,7 +116,6 @@ HybridOptimizer& GeminiManager::optimizer_locked() {
 double GeminiManager::grad_norm_sq() {
   std::lock_guard<OwnedMutex> lock(mutex_);
   HybridOptimizer& opt = optimizer_locked();
-  opt.stop_guessing();   // the backward is over: what the flush moves to the host steps at step()
   flush_grads_locked();  // gradients accumulated under no_sync count too
   return opt.grad_norm_sq();
 }
@@ -124,7 +123,6 @@ double GeminiManager::grad_norm_sq() {
 void GeminiManager::optimizer_step(const std::vector<HyperValues>& groups, double grad_multiplier) {
   std::lock_guard<OwnedMutex> lock(mutex_);
   HybridOptimizer& opt = optimizer_locked();
-  opt.stop_guessing();
   flush_grads_locked();
   drop_whole_cache_locked();  // the values change
   opt.step(groups, grad_multiplier);

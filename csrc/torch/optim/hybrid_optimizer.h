@@ -128,8 +128,9 @@ class HybridOptimizer {
   // A host set's gradients left for the host (the manager calls it): its step may start now.
   void speculate(int set_index);
 
-  // The gradients are complete (the norm or the step flushes the rest): no further guesses.
-  void stop_guessing() { guessing_ = false; }
+  // An event: the backward's gradients are complete (the manager flushes the rest to their tier,
+  // for the norm or the step). Sets whose gradients land from now on step at step(), not early.
+  void gradients_complete() { guessing_ = false; }
   // zero_grad(): guesses not yet judged are undone (their gradients are dropped).
   void grads_cleared();
   // Reads between backward and step() (see [Note: reading a guessed set]). The sets whose guess

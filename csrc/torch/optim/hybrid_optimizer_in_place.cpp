@@ -175,7 +175,8 @@ void HybridOptimizer::finish_guess(int set_index, const std::shared_ptr<Guess>& 
 // a read is a collective over every rank's shard and the guess is undone as before.
 std::set<int> HybridOptimizer::wait_guesses_for_read() {
   std::set<int> kept;
-  if (mgr_.world_size() > 1) return kept;
+  if (respond(EarlyMode::kInPlace, Interruption::kRead, mgr_.world_size() > 1) != EarlyResponse::kServedBefore)
+    return kept;  // the guesses are settled, and so undone, like every other pending set
   for (const auto& [s, g] : guesses_) {
     pipeline_.wait(s);
     kept.insert(s);
@@ -185,7 +186,9 @@ std::set<int> HybridOptimizer::wait_guesses_for_read() {
 
 bool HybridOptimizer::read_before_guess(int set_index, ChunkId chunk, size_t slot, at::Tensor& out) {
   auto it = guesses_.find(set_index);
-  if (it == guesses_.end() || mgr_.world_size() > 1) return false;
+  if (it == guesses_.end() ||
+      respond(EarlyMode::kInPlace, Interruption::kRead, mgr_.world_size() > 1) != EarlyResponse::kServedBefore)
+    return false;
   const std::shared_ptr<Guess>& g = it->second;
   if (g->lifecycle.state() != EarlyStepState::kStepped) return false;  // skipped: nothing was written
   const ChunkSet& set = sets_[static_cast<size_t>(set_index)];
@@ -239,8 +242,7 @@ void HybridOptimizer::grads_cleared() {
 }
 
 std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& groups, double grad_multiplier) {
-  std::set<int> judged;
-  guessing_ = false;
+  std::set<int> judged;  // step() flushed the gradients first: gradients_complete() ended the guessing
   for (const auto& [s, g] : std::map<int, std::shared_ptr<Guess>>(guesses_)) {
     ChunkSet& set = sets_[static_cast<size_t>(s)];
     const bool same_inputs = set.grad_place == GradPlace::kHost && set.spec.optim_on_host &&

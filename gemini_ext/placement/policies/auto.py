@@ -35,6 +35,7 @@ import dataclasses
 
 from ..._native import _C
 from ..._units import format_bytes
+from ..chunk_floor import chunk_floor_bytes
 from ..optimizer_lanes import REBALANCES, link_lane_sets, rebalanced_link_sets
 from ..optimizer_split import beyond_fit_by_rates
 from .base import (NON_MODEL_HEADROOM_MIN, HostPlan, Measurements, Placement, PlacementPolicy, budget_decision,
@@ -81,7 +82,7 @@ class AutoPolicy(PlacementPolicy):
         master = m.master_itemsize if m.master_itemsize is not None else (4 if m.compute_itemsize != 4 else 0)
         first = m.compute_itemsize + master  # costs.set_bytes_per_element's parts
         budget = self.warm_up_budget(m) or m.device_capacity_bytes
-        in_flight = 3 * max(m.set_shard_bytes) * m.world_size
+        in_flight = chunk_floor_bytes(m.set_shard_bytes) * m.world_size
         for born_on_device in (True, False):
             if born_on_device:  # per host element: its state and its parameter copy
                 limit = min(room_after // (m.set_bytes_per_element + m.compute_itemsize),
@@ -137,7 +138,7 @@ class AutoPolicy(PlacementPolicy):
         parameter chunks make room). Otherwise the model does not fit this rank's host and
         device together, and the first iteration would run out of memory after the whole set-up."""
         forced = forced_elements * m.set_bytes_per_element + host.kept_param_bytes  # master, states, gradient (P)
-        in_flight = 3 * max(param_chunk_bytes) * m.world_size  # gathered: every rank's shard
+        in_flight = chunk_floor_bytes(param_chunk_bytes) * m.world_size  # gathered: every rank's shard
         capacity = m.device_capacity_bytes
         warm_up = self.warm_up_budget(m)  # 0: the whole device
         later = capacity - NON_MODEL_HEADROOM_MIN if m.device_kind == "cuda" else capacity

@@ -18,6 +18,7 @@ import dataclasses
 
 from ..._native import _C
 from ..._units import format_bytes
+from ..chunk_floor import chunk_floor_bytes
 
 # [Note: safety margins]
 # Device, after an iteration was measured (static and auto): chunks get the capacity less
@@ -208,7 +209,7 @@ def measured_chunk_budget(m: Measurements, policy: str) -> tuple[int, list[str]]
     headroom = max(NON_MODEL_HEADROOM_MIN, int(non_model * NON_MODEL_HEADROOM)) if m.device_kind == "cuda" else 0
     other = m.device_other_bytes
     budget = int(capacity - non_model - headroom - other)
-    floor = 3 * max(m.set_shard_bytes)
+    floor = chunk_floor_bytes(m.set_shard_bytes)
     if budget >= floor:
         return budget, []
     return floor, [f"gemini_ext {policy} placement: the device has {format_bytes(capacity)} and an iteration needed "
@@ -223,7 +224,7 @@ def warm_up_chunk_budget(capacity_bytes: int, set_shard_bytes, other_bytes: int)
     are foreseen (the activations' warm-up, planned by gemini_ext/_engine/activations/budget.py):
     what they leave of the capacity, never below three of the largest chunk sets (one computing, one
     fetched, one reduced)."""
-    return max(3 * max(set_shard_bytes, default=0), capacity_bytes - other_bytes)
+    return max(chunk_floor_bytes(set_shard_bytes), capacity_bytes - other_bytes)
 
 
 def budget_decision(m: Measurements, budget: int, current: Placement) -> dict:

@@ -236,100 +236,86 @@ TEST(EarlyStepLifecycle, ApplyReturnsTheStateBefore) {
   EXPECT_THROW(step.apply(EE::kUndo), InternalError);
 }
 
-// Every early mode x every interruption between backward and step(): the lifecycle's path and the
-// verdict step() gives. "needed" interruptions undo the set before step() (it is then stepped at
-// step() like a set that never started early); the others reach step() and get a verdict.
+// Every mode x every interruption between backward and step(): respond() gives the table of
+// early_step.h cell by cell, and each answer is one the lifecycle and verdict_for carry out: what is
+// discarded before step() is undone (step() then steps the set afresh), what is discarded at step()
+// gets the verdict kDrop, what stays reaches a verdict that keeps it, what the task skipped is
+// judged from the skipped state, and what in backward refuses would be a bug at step().
 TEST(EarlyStep, EveryModeByEveryInterruption) {
-  enum class Then { kVerdict, kUndone, kRefused };
-  struct Interruption {
-    const char* name;
-    bool needs_the_set;  // undone (or its spares dropped) before step()
-    bool task_skips;     // a non-finite gradient: the task writes nothing
-    bool same_hyper;
-    double multiplier;
+  using I = Interruption;
+  using R = EarlyResponse;
+  const I interruptions[] = {I::kAnotherBackward, I::kRead,        I::kCheckpoint,  I::kZeroGrad,
+                             I::kPlacementChange, I::kHyperChange, I::kScaledStep, I::kNonFiniteGrad};
+  const EarlyMode modes[] = {EarlyMode::kAtStep, EarlyMode::kSpares, EarlyMode::kInPlace, EarlyMode::kInBackward};
+  // Rows in the order of `interruptions`, columns in the order of `modes`; single rank.
+  const R table[8][4] = {
+      {R::kNothingStarted, R::kDiscarded, R::kDiscarded, R::kRefused},        // another backward
+      {R::kNothingStarted, R::kDiscarded, R::kServedBefore, R::kFinal},       // read
+      {R::kNothingStarted, R::kDiscarded, R::kServedBefore, R::kFinal},       // checkpoint
+      {R::kNothingStarted, R::kDiscarded, R::kDiscarded, R::kRefused},        // zero_grad
+      {R::kNothingStarted, R::kDiscarded, R::kDiscarded, R::kFinal},          // placement change
+      {R::kNothingStarted, R::kDiscarded, R::kJudgedAtStep, R::kRefused},     // other hyperparameters
+      {R::kNothingStarted, R::kDiscarded, R::kJudgedAtStep, R::kRefused},     // scaled step
+      {R::kNothingStarted, R::kJudgedAtStep, R::kSkippedByTask, R::kFinal},   // non-finite gradient
   };
-  const Interruption interruptions[] = {
-      {"nothing", false, false, true, 1.0},
-      {"clipping scales the gradients", false, false, true, 0.5},
-      {"a second backward", true, false, true, 1.0},
-      {"zero_grad", true, false, true, 1.0},
-      {"a placement change", true, false, true, 1.0},
-      {"a parameter read", false, false, true, 1.0},  // served from below the guess: the guess stays
-      {"a checkpoint save", false, false, true, 1.0},  // a read too
-      {"a hyperparameter change", false, false, false, 1.0},
-      {"a non-finite gradient", false, true, true, 1.0},
-  };
-  struct Expect {
-    EarlyMode mode;
-    const char* interruption;
-    Then then;
-    EarlyVerdict verdict;
-  };
-  // In backward, what would change the step is refused before it happens (a second backward,
-  // zero_grad, clipping, fp16, other hyperparameters: Python raises); a placement change waits
-  // for step(). Those rows say kRefused and are not run.
-  const Expect table[] = {
-      {EarlyMode::kInPlace, "nothing", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInPlace, "clipping scales the gradients", Then::kVerdict, EarlyVerdict::kCorrect},
-      {EarlyMode::kInPlace, "a second backward", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kInPlace, "zero_grad", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kInPlace, "a placement change", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kInPlace, "a parameter read", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInPlace, "a checkpoint save", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInPlace, "a hyperparameter change", Then::kVerdict, EarlyVerdict::kRedo},
-      {EarlyMode::kInPlace, "a non-finite gradient", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kSpares, "nothing", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kSpares, "clipping scales the gradients", Then::kVerdict, EarlyVerdict::kDrop},
-      {EarlyMode::kSpares, "a second backward", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kSpares, "zero_grad", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kSpares, "a placement change", Then::kUndone, EarlyVerdict::kDrop},
-      {EarlyMode::kSpares, "a parameter read", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kSpares, "a checkpoint save", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kSpares, "a hyperparameter change", Then::kVerdict, EarlyVerdict::kDrop},
-      {EarlyMode::kSpares, "a non-finite gradient", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "nothing", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "clipping scales the gradients", Then::kRefused, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a second backward", Then::kRefused, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "zero_grad", Then::kRefused, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a placement change", Then::kRefused, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a parameter read", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a checkpoint save", Then::kVerdict, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a hyperparameter change", Then::kRefused, EarlyVerdict::kConfirm},
-      {EarlyMode::kInBackward, "a non-finite gradient", Then::kVerdict, EarlyVerdict::kConfirm},
-  };
-  int rows_run = 0;
-  for (const EarlyMode mode : {EarlyMode::kInPlace, EarlyMode::kSpares, EarlyMode::kInBackward}) {
-    for (const Interruption& in : interruptions) {
-      const Expect* e = nullptr;
-      for (const Expect& x : table)
-        if (x.mode == mode && std::string(x.interruption) == in.name) e = &x;
-      ASSERT_NE(e, nullptr) << to_string(mode) << " x " << in.name << " has no row";
-      if (e->then == Then::kRefused) continue;
-      const std::string what = std::string(to_string(mode)) + " x " + in.name;
+  int cells = 0;
+  for (size_t row = 0; row < 8; ++row) {
+    const I what = interruptions[row];
+    // What step() sees of this interruption: its hyperparameters and multiplier.
+    const bool same_hyper = what != I::kHyperChange;
+    const double multiplier = what == I::kScaledStep ? 0.5 : 1.0;
+    const bool at_step = what == I::kHyperChange || what == I::kScaledStep;  // known only at step()
+    for (size_t col = 0; col < 4; ++col) {
+      const EarlyMode mode = modes[col];
+      const std::string cell = std::string(to_string(mode)) + " x " + to_string(what);
+      const R r = respond(mode, what, /*sharded=*/false);
+      EXPECT_EQ(r, table[row][col]) << cell << ": " << to_string(r);
+      cells += 1;
       EarlyStepLifecycle life;
-      life.apply(in.task_skips ? EE::kTaskSkipped : EE::kTaskStepped);
-      if (in.needs_the_set) {
-        EXPECT_EQ(e->then, Then::kUndone) << what;
-        life.apply(EE::kUndo);
-        EXPECT_EQ(life.state(), ES::kUndone) << what;
-        EXPECT_THROW(life.apply(EE::kJudge), InternalError) << what;  // step() steps it afresh
-      } else {
-        EXPECT_EQ(e->then, Then::kVerdict) << what;
-        EXPECT_EQ(verdict_for(mode, /*same_inputs=*/true, in.same_hyper, in.multiplier), e->verdict) << what;
-        life.apply(EE::kJudge);
-        EXPECT_EQ(life.state(), ES::kJudged) << what;
+      switch (r) {
+        case R::kNothingStarted:
+          EXPECT_THROW(verdict_for(mode, true, same_hyper, multiplier), InternalError) << cell;
+          break;
+        case R::kDiscarded:
+          life.apply(EE::kTaskStepped);
+          if (at_step) {
+            EXPECT_EQ(verdict_for(mode, true, same_hyper, multiplier), EarlyVerdict::kDrop) << cell;
+          } else {  // needed before step(): undone now, and step() never judges it
+            life.apply(EE::kUndo);
+            EXPECT_EQ(life.state(), ES::kUndone) << cell;
+            EXPECT_THROW(life.apply(EE::kJudge), InternalError) << cell;
+          }
+          break;
+        case R::kJudgedAtStep:
+        case R::kServedBefore:
+        case R::kFinal:
+          life.apply(EE::kTaskStepped);
+          EXPECT_NE(verdict_for(mode, true, same_hyper, multiplier), EarlyVerdict::kDrop) << cell;
+          life.apply(EE::kJudge);
+          EXPECT_EQ(life.state(), ES::kJudged) << cell;
+          break;
+        case R::kSkippedByTask:
+          life.apply(EE::kTaskSkipped);
+          life.apply(EE::kJudge);  // step() runs the serial step's work for the skipped set
+          EXPECT_EQ(life.state(), ES::kJudged) << cell;
+          break;
+        case R::kRefused:
+          if (at_step) {
+            EXPECT_THROW(verdict_for(mode, true, same_hyper, multiplier), InternalError) << cell;
+          }
+          break;
       }
-      rows_run += 1;
     }
   }
-  EXPECT_EQ(rows_run, 22);
+  EXPECT_EQ(cells, 32);
+  // Sharded, a read is a collective over every rank's shard: the in-place step is undone first.
+  EXPECT_EQ(respond(EarlyMode::kInPlace, I::kRead, true), R::kDiscarded);
+  EXPECT_EQ(respond(EarlyMode::kInPlace, I::kCheckpoint, true), R::kDiscarded);
+  EXPECT_EQ(respond(EarlyMode::kSpares, I::kRead, true), R::kDiscarded);
+  EXPECT_EQ(respond(EarlyMode::kInBackward, I::kRead, true), R::kFinal);
   // An undone set reaches step() with other inputs than the task's, wherever it is judged.
   EXPECT_EQ(verdict_for(EarlyMode::kInPlace, false, true, 1.0), EarlyVerdict::kDrop);
   EXPECT_EQ(verdict_for(EarlyMode::kSpares, false, true, 1.0), EarlyVerdict::kDrop);
-  // In backward, a step with other inputs than the promised ones is a bug (refused earlier).
-  EXPECT_THROW(verdict_for(EarlyMode::kInBackward, true, true, 0.5), InternalError);
-  EXPECT_THROW(verdict_for(EarlyMode::kInBackward, true, false, 1.0), InternalError);
-  EXPECT_THROW(verdict_for(EarlyMode::kAtStep, true, true, 1.0), InternalError);
 }
 
 TEST(PlanRuns, RunsJoinSlotsOfOneGroupAndStepAndCutAtTheShard) {
