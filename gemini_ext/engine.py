@@ -21,9 +21,9 @@ Closing (or leaving the `with` block) gives every parameter back an ordinary ten
 original dtype and device holding the current fp32 master value (_engine/restore.py), restores
 buffers, removes the hooks and frees the chunk pools.
 
-The parts live in `engine.internal` (_engine/parts.py), which the engine's other rooms (optim,
-checkpoint, clipping, the generic rule) use through the EngineInternals Protocol
-(_engine/contract.py); this class is the user's API over them.
+The parts live in `engine.internal` (_engine/parts.py); the engine's other modules (optim,
+checkpoint, clipping, the generic rule) get them from the registry (_engine/registry.py) and use
+them through the EngineInternals Protocol (_engine/contract.py). This class is the user's API.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import contextlib
 
 import torch
 
-from . import allocator, checkpoint
+from . import checkpoint
 from ._native import _C
 from ._engine import generation, guards, registry, restore
 from ._engine.build import build_parts
+from ._engine.out_of_memory import out_of_memory_notes
 from ._engine.sharded_state import options_are_sharded
-from ._units import format_bytes
 from .config import GeminiConfig
 from .optim.rules import MAX_STATE_KINDS
 
@@ -54,7 +54,7 @@ class GeminiEngine:
         # class is the user's API over it.
         self.internal = build_parts(model, config, process_group, param_init_fn, MAX_STATE_KINDS)
         self.chunk_size = self.internal.chunk_size
-        registry.register(model, self)
+        registry.register(model, self, self.internal)
         guards.engine_opened(self)  # foreign optimizers and torch's clipping see managed parameters (_engine/guards.py)
 
     # --- where and over whom ----------------------------------------------------------------
@@ -367,11 +367,8 @@ class GeminiEngine:
         self._release_engine()
         self._close_staged_params = self._restorer.staged_params  # for tests and logs
         if restored and staged:
-            self._move_staged_params(staged)
+            self._restorer.move_staged_params(staged)
         self._close_params_left_on_host = self._restorer.params_left_on_host
-
-    def _move_staged_params(self, staged: list[int]) -> None:
-        self._restorer.move_staged_params(staged)
 
     def _release_engine(self) -> None:
         """The end of close(): buffers back to their dtype and device, hooks off, and the chunks
@@ -399,16 +396,9 @@ class GeminiEngine:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if isinstance(exc, torch.OutOfMemoryError) and self.internal.device.is_cuda and allocator.mode() == "default":
-            exc.add_note(f"gemini_ext: torch's allocator ran out of device memory with "
-                         f"{format_bytes(self.internal.chunks.tier_bytes('device')['current'])} of chunks on the "
-                         "device "
-                         f"(placement_policy={self.config.placement_policy!r}). Under GEMINI_EXT_ALLOCATOR=default "
-                         "chunks are not evicted for torch's allocations: set GEMINI_EXT_ALLOCATOR=chunk (before "
-                         "importing gemini_ext) so that chunks go to the host on demand, or lower gpu_memory_limit / "
-                         "const_gpu_budget, the batch size, or use activation checkpointing.")
         if isinstance(exc, (torch.OutOfMemoryError, _C.OutOfMemoryError)):
-            exc.add_note(f"gemini_ext: memory when it ran out: {self.internal.tracer.memory_figures()}.")
+            for note in out_of_memory_notes(exc, self.internal, self.config):
+                exc.add_note(note)
         self.close()
 
 

@@ -1,8 +1,9 @@
 """Which engine manages which model, without hanging anything on the model.
 
-A `weakref.WeakKeyDictionary` from the module to its open engine: the entry goes when the engine
-closes (or with the module). `GeminiOptimizer(optimizer, model)` and the guards look engines up
-here; a second enable() of a managed module is refused here.
+A `weakref.WeakKeyDictionary` from the module to its open engine, and one from the engine to its
+parts (_engine/contract.py): the entries go when the engine closes (or with the module).
+`GeminiOptimizer` and the guards look engines and their parts up here rather than reach into an
+engine; a second enable() of a managed module is refused here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import weakref
 import torch
 
 _engines: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+_parts: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 
 
 def engine_of(module) -> object | None:
@@ -31,14 +33,21 @@ def check_unmanaged(module: torch.nn.Module) -> None:
                            "close it (leave its `with` block) first.")
 
 
-def register(module: torch.nn.Module, engine) -> None:
+def register(module: torch.nn.Module, engine, parts) -> None:
     check_unmanaged(module)
     _engines[module] = engine
+    _parts[engine] = parts
 
 
 def unregister(module: torch.nn.Module, engine) -> None:
     if _engines.get(module) is engine:
         del _engines[module]
+    _parts.pop(engine, None)
+
+
+def parts_of(engine) -> object | None:
+    """The parts of an open engine (what its optimizer, checkpoints and clipping use), else None."""
+    return _parts.get(engine)
 
 
 def is_open_engine(obj) -> bool:

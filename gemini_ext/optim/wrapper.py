@@ -110,7 +110,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if isinstance(opt_cls, type) and issubclass(opt_cls, GeminiOptimizer):
             raise TypeError("gemini_ext optimizer: GeminiOptimizer wraps an optimizer class; pass the class itself, "
                             "e.g. engine.optimizer(torch.optim.AdamW, lr=3e-4).")
-        parts = engine.internal  # the engine's parts (_engine/contract.py): this optimizer uses nothing else
+        parts = registry.parts_of(engine)  # the engine's parts (_engine/contract.py): this optimizer uses nothing else
         rule = rule_for(opt_cls)
         state_dtype = parts.config.optimizer_state_dtype
         if state_dtype != "fp32" and rule is not ADAM:
