@@ -87,11 +87,11 @@ def main(argv=None) -> list[dict]:
     presets = [x.strip() for x in args.presets.split(",")] if args.presets else default_presets(args.gpus)
     init = args.init_device = args.init_device or ("meta" if args.gpus > 1 else "cuda")
     if args.smoke:
-        # plain PyTorch's script is the offload smoke's too; two ranks check the launch path, the
-        # search from preset to preset is the one-process run's
+        # plain PyTorch's script is the offload smoke's too; two ranks check the launch path (one
+        # system, one preset), the search from preset to preset is the one-process run's
         presets, args.seq, names = ["tiny", "small"], 16, ["gemini-auto", "gemini-offload-all"]
         if args.gpus > 1:
-            presets = ["tiny"]
+            presets, names = ["tiny"], ["gemini-auto"]
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
         unknown = set(names) - set(systems())

@@ -50,7 +50,7 @@ class GeminiEngine:
         registry.check_unmanaged(model)
         self.model = model
         self.config = config
-        # What the engine is made of, as its rooms see it (_engine/contract.py); the rest of this
+        # What the engine is made of, as its parts see it (_engine/contract.py); the rest of this
         # class is the user's API over it.
         self.internal = build_parts(model, config, process_group, param_init_fn, MAX_STATE_KINDS)
         self.chunk_size = self.internal.chunk_size

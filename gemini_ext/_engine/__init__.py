@@ -16,5 +16,5 @@
 - buffers.py, restore.py: buffers on the compute device; ordinary parameters back at close.
 - registry.py: which engine manages which model.
 - device.py, process_groups.py: the compute device and the data-parallel groups.
-- activations/: the activations room (checkpointing, offload, the plan; its own __init__ lists it).
+- activations/: the activations package (checkpointing, offload, the plan; its own __init__ lists it).
 """

@@ -26,7 +26,7 @@ from ..placement.policies import make_policy
 from ..placement.tracer import MemoryTracer, SetupTimer
 from ..search import unique_parameters
 from . import restore
-from .activations import ActivationRoom, require_blocks
+from .activations import ActivationManager, require_blocks
 from .buffers import BufferPlacement
 from .clipping import GradClipper
 from .device import ComputeDevice
@@ -36,7 +36,7 @@ from .loss_scale_boundary import LossScaleBoundary
 from .layout import COMPUTE_DTYPES, STATE_DTYPES, ChunkLayout, check_parameters, choose_chunk_size
 from .materialize import MetaMaterializer
 from .param_access import ParamAccess
-from .generation import GenerationRoom
+from .generation import GenerationBudget
 from .phases import StatePhases
 from .parts import EngineParts
 from .process_groups import DataParallelGroups, resolve_process_group
@@ -162,7 +162,7 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
     parts.phases = StatePhases(runtime, parts.chunks, parts.device, parts.groups.ranks_on_host())
     _plan_activations(parts, model)
-    parts.generation = GenerationRoom(runtime, layout, parts.phases, parts.activations, parts.groups.ranks_on_host())
+    parts.generation = GenerationBudget(runtime, layout, parts.phases, parts.activations, parts.groups.ranks_on_host())
 
 
 def _forward_starts(parts: EngineParts) -> None:
@@ -174,12 +174,12 @@ def _forward_starts(parts: EngineParts) -> None:
 
 
 def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
-    """The activations room, where the config asks for checkpointing or offload."""
+    """The activation manager, where the config asks for checkpointing or offload."""
     config = parts.config
     if config.activation_checkpointing == "off" and config.activation_offload == "off":
         return
     planned = "auto" in (config.activation_checkpointing, config.activation_offload)
-    parts.activations = ActivationRoom(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
+    parts.activations = ActivationManager(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
                                        parts.groups.ranks_on_host(),
                                        cap_torch=planned and allocator.mode() == "default",
                                        leave_room=functools.partial(parts.placer.leave_room_in_warm_up, parts.runtime),

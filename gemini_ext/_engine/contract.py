@@ -2,7 +2,7 @@
 
 The optimizer wrapper, the generic rule, checkpoints, clipping and parameter access are handed
 `engine.internal`, typed by this Protocol, instead of reading a dozen public attributes off the
-facade: the facade (gemini_ext/engine.py) keeps the user's API, and what the rooms share is
+facade: the facade (gemini_ext/engine.py) keeps the user's API, and what the other modules share is
 named here once. EngineParts (parts.py) is the one implementation.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # types only: the rooms below import nothing from here at run time
+if TYPE_CHECKING:  # types only: the modules below import nothing from here at run time
     import torch
 
     from ..amp import DynamicLossScaler
@@ -49,7 +49,7 @@ class EngineInternals(Protocol):
     zero_comm: Any                      # _C.ProcessGroupCommunicator over groups.zero, or None
     replica_comm: Any                   # over groups.replica (HSDP), or None
     optimizer: Any                      # the attached GeminiOptimizer, or None
-    activations: Any                    # activations.ActivationRoom, or None (checkpointing and offload off)
+    activations: Any                    # activations.ActivationManager, or None (checkpointing and offload off)
     closed: bool
 
     def check_open(self, what: str) -> None:

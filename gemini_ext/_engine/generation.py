@@ -1,4 +1,4 @@
-"""GenerationRoom: the device room a generation's KV cache needs, taken from the chunks for the
+"""GenerationBudget: the device room a generation's KV cache needs, taken from the chunks for the
 length of `engine.generating()`, and given back after it.
 
 [Note: room for the KV cache]
@@ -54,7 +54,7 @@ def kv_cache_bytes(config, batch_size: int, max_length: int, itemsize: int) -> i
     return 2 * config.num_hidden_layers * kv_heads * head_dim * batch_size * max_length * itemsize
 
 
-class GenerationRoom:
+class GenerationBudget:
     """Lowers the chunks' device budget for a generation (see [Note: room for the KV cache])."""
 
     def __init__(self, runtime, layout, phases, activations, ranks_on_host: int):

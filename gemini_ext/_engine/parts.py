@@ -1,4 +1,4 @@
-"""EngineParts: the parts one engine is made of, as its rooms see them (contract.EngineInternals).
+"""EngineParts: the parts one engine is made of, as its other modules see them (contract.EngineInternals).
 
 enable() builds the parts in order (_engine/build.py) and assigns them here; the facade
 (gemini_ext/engine.py) keeps the user's API and delegates. The iteration boundary lives here
@@ -30,9 +30,9 @@ class EngineParts:
         self.scaler = self.hooks = self.buffers = self.chunk_size = None
         self.loss_scale = None  # fp16: where the scale enters backward (loss_scale_boundary.py)
         self.zero_comm = self.replica_comm = None  # the communicators over the process groups (sharded)
-        self.activations = None  # activations.ActivationRoom, as the config asks
+        self.activations = None  # activations.ActivationManager, as the config asks
         self.phases = None  # phases.StatePhases: the states offloaded between training phases, and back
-        self.generation = None  # generation.GenerationRoom: the KV cache's room inside engine.generating()
+        self.generation = None  # generation.GenerationBudget: the KV cache's room inside engine.generating()
 
     def check_open(self, what: str) -> None:
         if self.closed:

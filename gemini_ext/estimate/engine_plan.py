@@ -138,7 +138,7 @@ def _block0(acts: Activations) -> tuple[int, int]:
 
 
 def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> dict:
-    """The first forward once block 0 is measured (the room's first-block hook): what it foresees, the
+    """The first forward once block 0 is measured (the activation manager's first-block hook): what it foresees, the
     chunks' budget it leaves, and whether a gpu_memory_limit refuses it."""
     activation, inputs = _block0(acts)
     warm = budget.warm_device_bytes(len(acts.blocks), acts.allowed.warm_choice, activation, inputs,

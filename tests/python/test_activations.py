@@ -539,7 +539,7 @@ def test_the_losss_backward_is_foreseen_from_the_head_and_the_largest_output():
     or, where the output holds no loss (it is computed after the forward), 12 bytes per element of the
     largest floating output (the fp32 copy, what cross-entropy saves, the gradient)."""
     from gemini_ext._engine.activations import budget
-    from gemini_ext._engine.activations.room import _largest_floating_output
+    from gemini_ext._engine.activations.manager import _largest_floating_output
     logits = torch.zeros(2, 8, 100, dtype=torch.bfloat16)
     loss = torch.zeros((), requires_grad=True)
     out = transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -1,5 +1,5 @@
 """The code's shape, checked: the package's imports form no circle and point one way between its
-rooms (placement <- engine parts <- optimizers <- the facade), the package's top holds at most 15
+layers (placement <- engine parts <- optimizers <- the facade), the package's top holds at most 15
 modules, no source file is over 500 lines and no function over 80 (docs/DESIGN.md), no C++ line
 is wider than .clang-format's limit, and no C++ class in csrc/torch befriends another.
 Static reads of the tree: no import of gemini_ext, well under a second."""
@@ -17,8 +17,8 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 MAX_TOP_LEVEL_MODULES = 15
 MAX_CPP_COLUMNS = 120  # .clang-format's ColumnLimit
-# Each room and the rooms it must not import (a module counts as in a room when its name is the
-# room's or starts with it and a dot).
+# Each layer and the layers it must not import (a module counts as in a layer when its name is the
+# layer's or starts with it and a dot).
 FORBIDDEN_IMPORTS = {
     "gemini_ext.placement": ("gemini_ext._engine", "gemini_ext.optim", "gemini_ext.engine", "gemini_ext.checkpoint",
                              "gemini_ext.compat", "gemini_ext.integrations"),
@@ -77,17 +77,17 @@ def test_the_package_imports_form_no_circle():
     assert _cycles(graph) == []
 
 
-def _in_room(module: str, room: str) -> bool:
-    return module == room or module.startswith(room + ".")
+def _in_layer(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
 
 
 def test_imports_point_one_way_between_the_rooms():
     graph = _import_graph()
-    assert any(_in_room(m, "gemini_ext.placement") for m in graph["gemini_ext._engine.build"]), "the rooms are seen"
+    assert any(_in_layer(m, "gemini_ext.placement") for m in graph["gemini_ext._engine.build"]), "the layers are seen"
     wrong = [f"{importer} imports {imported}"
              for importer, imported_set in sorted(graph.items()) for imported in sorted(imported_set)
-             for room, forbidden in FORBIDDEN_IMPORTS.items()
-             if _in_room(importer, room) and any(_in_room(imported, f) for f in forbidden)]
+             for layer, forbidden in FORBIDDEN_IMPORTS.items()
+             if _in_layer(importer, layer) and any(_in_layer(imported, f) for f in forbidden)]
     assert wrong == []
 
 

@@ -125,7 +125,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
     out = run_python("bench/capacity.py", "--smoke", "--gpus", str(gpus), "--json-out", str(out_json), timeout=900)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["system"] for r in rows] == ["gemini-auto", "gemini-offload-all"]
+    assert [r["system"] for r in rows] == ["gemini-auto", "gemini-offload-all"][:2 if gpus == 1 else 1]
     assert f"on {gpus} GPU(s)" in out.stdout
     for r in rows:
         assert r["largest"].get("ranks", 1) == gpus, r["largest"]
@@ -133,7 +133,7 @@ def test_capacity_bench_smoke(tmp_path, gpus):
         assert [a["preset"] for a in r["attempts"]] == ["tiny", "small"][:2 if gpus == 1 else 1], r
         assert "first_failure" not in r and r["largest"]["preset"] == largest and r["largest"]["parameters"] > 5e4
         assert r["largest"]["setup_seconds"]["total"] > 0 and len(r["largest"]["step_seconds"]) == 3
-    assert f"| gemini-offload-all | {'small' if gpus == 1 else 'tiny'} |" in out.stdout
+    assert ("| gemini-offload-all | small |" if gpus == 1 else "| gemini-auto | tiny |") in out.stdout
     assert json.loads(out_json.read_text())["args"]["init_device"] == ("cuda" if gpus == 1 else "meta")
 
 

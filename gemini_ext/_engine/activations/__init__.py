@@ -1,4 +1,4 @@
-"""The activations room (room.py's ActivationRoom, the one part the engine holds):
+"""The activations package (manager.py's ActivationManager, the one part the engine holds):
 
 - blocks.py: the model's repeated blocks and how each block's call runs (kept, recomputed, offloaded).
 - calls.py: the checkpoint calls the model makes for its layers; the check that this torch saves
@@ -10,6 +10,6 @@
 """
 
 from .blocks import find_blocks, require_blocks
-from .room import ActivationRoom
+from .manager import ActivationManager
 
-__all__ = ["ActivationRoom", "find_blocks", "require_blocks"]
+__all__ = ["ActivationManager", "find_blocks", "require_blocks"]

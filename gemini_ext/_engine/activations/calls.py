@@ -7,7 +7,7 @@ checks that torch saves a checkpoint's inputs where the offload can see them.
   project's GPT `Checkpointed` blocks carry one too. The engine wraps that function on every
   module that has one, when enable() builds the activations and again at each forward's start
   (a function set later is wrapped before it runs), and close() puts the model's own back.
-- A wrapped call goes to `route(module, checkpoint_fn, fn, args, kwargs)` (the room's blocks.py),
+- A wrapped call goes to `route(module, checkpoint_fn, fn, args, kwargs)` (the package's blocks.py),
   which checkpoints it as the model asked, with the inputs offloaded where the plan says, or runs
   `fn` plainly where the plan keeps the block's activations.
 - A model that calls torch.utils.checkpoint in its own code, outside both, is not seen: the room

@@ -116,7 +116,7 @@ class ActivationOffload:
         finally:
             self._taking.pop()
 
-    # --- the scope over the root module's forward (entered and left by the room's hooks) ---------
+    # --- the scope over the root module's forward (entered and left by the manager's hooks) ---------
     def remove(self) -> None:
         self._buffers.trim()
 

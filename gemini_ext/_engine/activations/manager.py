@@ -1,8 +1,8 @@
-"""ActivationRoom: what the engine does with activations, as one part of the engine: the blocks and
+"""ActivationManager: what the engine does with activations, as one part of the engine: the blocks and
 how each runs (blocks.py), the checkpoint calls the model makes (calls.py), the offload to host
 memory (offload.py, host_buffers.py) and the plan (planner.py, probe.py; the decision is the
 core's, core/activation_plan.h). The engine holds only the room; the parts get the collaborators
-they use, and the room's hooks over the model's forward are the only place they meet.
+they use, and the manager's hooks over the model's forward are the only place they meet.
 
 [Note: the root forward]
 - Before the model's forward: the checkpoint functions the model carries are wrapped (a function
@@ -47,7 +47,7 @@ from .host_buffers import HostBuffers
 from .offload import ActivationOffload
 from .planner import ActivationPlanner
 
-class ActivationRoom:
+class ActivationManager:
     """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
 
     def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, leave_room=None,
