@@ -130,9 +130,9 @@ def record_of(row: dict, args) -> dict | None:
         figures["optimizer_steps_during_backward"] = decision["optimizer_window"] == "backward"
     figures.update({f"block0_{k}": warm[f"block0_{k}"] for k in ("activation_bytes", "input_bytes")
                     if f"block0_{k}" in warm})
-    figures.update({k: plan[k] for k in ("host_room_bytes", "link_bytes_per_s") if k in plan})
-    if "room_bytes" in plan:  # the room the plan was made in (the first iteration's figures)
-        figures["activation_room_bytes"] = plan["room_bytes"]
+    figures.update({k: plan[k] for k in ("host_free_bytes", "link_bytes_per_s") if k in plan})
+    if "device_free_bytes" in plan:  # the room the plan was made in (the first iteration's figures)
+        figures["activation_free_bytes"] = plan["device_free_bytes"]
     if "measured_blocks" in plan:
         figures["blocks"] = plan["measured_blocks"]
     cls, fields = MODELS[row["model"]]

@@ -133,7 +133,7 @@ def activation_choice(row: dict) -> str:
     text = ""
     if plan.get("decided"):
         text += (f"; blocks {plan['keep']} kept / {plan['recompute']} recomputed / {plan['offload']} offloaded"
-                 f" (room {plan['room_bytes'] / 2**30:.1f} GiB)")
+                 f" (room {plan['device_free_bytes'] / 2**30:.1f} GiB)")
     elif (acts.get("checkpointing") or {}).get("checkpointed_calls"):
         text += f"; {acts['checkpointing']['blocks']} blocks checkpointed by the engine"
     if offload.get("offloaded"):

@@ -190,13 +190,13 @@ def iteration(model, engine, opt, args, step: int, clock: Clock, rates: dict) ->
     g = torch.Generator().manual_seed(step)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(dev)
     row = {"iteration": step}
-    with engine.generating(batch_size=args.batch, max_length=args.prompt + args.new) as room:
+    with engine.generating(batch_size=args.batch, max_length=args.prompt + args.new) as free_bytes:
         counts = allocator_counts(dev)
         seqs, row["generate_s"] = clock(lambda: model.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new, min_new_tokens=args.new,
             do_sample=True, top_k=0, use_cache=True))
         row["generate_allocator"] = counts_since(counts, allocator_counts(dev))
-        row["generate_room"] = dict(room)
+        row["generate_kv_cache"] = dict(free_bytes)
         row["generate_device"] = device_figures(engine, dev)
     if dev.type == "cuda":
         row["generate_torch_peak_bytes"] = torch.cuda.max_memory_allocated(dev)

@@ -238,10 +238,10 @@ class GeminiEngine:
             kv_cache_bytes = generation.kv_cache_bytes(config, batch_size, max_length,
                                                        self.internal.compute_dtype.itemsize)
         was_training = self.model.training
-        with self.internal.generation.held(int(kv_cache_bytes)) as room:
+        with self.internal.generation.held(int(kv_cache_bytes)) as held:
             self.model.eval()
             try:
-                yield room
+                yield held
             finally:
                 self.model.train(was_training)
 

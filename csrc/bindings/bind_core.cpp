@@ -219,12 +219,12 @@ void bind_chunk_manager(py::module_& m) {
 // core/activation_plan.h: the per-block choice of keeping, recomputing or offloading activations.
 using BlockCostTuple = std::tuple<int64_t, int64_t, double, double>;
 
-ActivationPlanInputs plan_inputs(const std::vector<BlockCostTuple>& blocks, int64_t room_bytes,
+ActivationPlanInputs plan_inputs(const std::vector<BlockCostTuple>& blocks, int64_t device_free_bytes,
                                  double link_bytes_per_second, int in_flight) {
   ActivationPlanInputs in;
   for (const auto& [activation, input, forward, backward] : blocks)
     in.blocks.push_back(BlockCosts{activation, input, forward, backward});
-  in.room_bytes = room_bytes;
+  in.device_free_bytes = device_free_bytes;
   in.link_bytes_per_second = link_bytes_per_second;
   in.in_flight = in_flight;
   return in;
@@ -248,12 +248,12 @@ void def_activation_plan(py::module_& m) {
       "The device bytes of given per-block choices (core/activation_plan.h's cost model).");
   m.def(
       "plan_activations",
-      [](const std::vector<BlockCostTuple>& blocks, int64_t room_bytes, double link_bytes_per_second, int in_flight,
-         bool allow_keep, bool allow_recompute, int64_t host_room_bytes) {
-        ActivationPlanInputs in = plan_inputs(blocks, room_bytes, link_bytes_per_second, in_flight);
+      [](const std::vector<BlockCostTuple>& blocks, int64_t device_free_bytes, double link_bytes_per_second,
+         int in_flight, bool allow_keep, bool allow_recompute, int64_t host_free_bytes) {
+        ActivationPlanInputs in = plan_inputs(blocks, device_free_bytes, link_bytes_per_second, in_flight);
         in.allow_keep = allow_keep;
         in.allow_recompute = allow_recompute;
-        in.host_room_bytes = host_room_bytes;
+        in.host_free_bytes = host_free_bytes;
         const ActivationPlan plan = plan_activations(in);
         py::list choices;
         for (BlockActivations c : plan.choices) choices.append(py::str(to_string(c)));
@@ -265,8 +265,8 @@ void def_activation_plan(py::module_& m) {
         out["host_bytes"] = plan.host_bytes;
         return out;
       },
-      py::arg("blocks"), py::arg("room_bytes"), py::arg("link_bytes_per_second"), py::arg("in_flight") = 2,
-      py::arg("allow_keep") = true, py::arg("allow_recompute") = true, py::arg("host_room_bytes") = -1,
+      py::arg("blocks"), py::arg("device_free_bytes"), py::arg("link_bytes_per_second"), py::arg("in_flight") = 2,
+      py::arg("allow_keep") = true, py::arg("allow_recompute") = true, py::arg("host_free_bytes") = -1,
       "Per block ('keep', 'recompute' or 'offload') from (activation_bytes, input_bytes, forward_seconds, "
       "backward_seconds) in forward order; see core/activation_plan.h.");
 }

@@ -22,7 +22,8 @@ const char* to_string(BlockActivations choice) {
 namespace {
 
 void check_inputs(const ActivationPlanInputs& in) {
-  GX_CHECK(in.room_bytes >= 0, "plan_activations: room_bytes must be >= 0, got ", in.room_bytes, ".");
+  GX_CHECK(in.device_free_bytes >= 0, "plan_activations: device_free_bytes must be >= 0, got ", in.device_free_bytes,
+           ".");
   GX_CHECK(in.link_bytes_per_second >= 0, "plan_activations: link_bytes_per_second must be >= 0, got ",
            in.link_bytes_per_second, ".");
   GX_CHECK(in.in_flight >= 1, "plan_activations: in_flight must be >= 1, got ", in.in_flight, ".");
@@ -128,8 +129,8 @@ Move best_move(const ActivationPlanInputs& in, const std::vector<BlockActivation
   for (size_t i = 0; i < n; ++i) {
     for (BlockActivations to : {BlockActivations::kRecompute, BlockActivations::kOffload}) {
       if (static_cast<int>(to) <= static_cast<int>(choices[i]) || !allowed(in, to)) continue;
-      if (to == BlockActivations::kOffload && in.host_room_bytes >= 0 &&
-          offloaded_bytes + in.blocks[i].input_bytes > in.host_room_bytes)
+      if (to == BlockActivations::kOffload && in.host_free_bytes >= 0 &&
+          offloaded_bytes + in.blocks[i].input_bytes > in.host_free_bytes)
         continue;
       const int64_t freed = kept_bytes(in.blocks[i], choices[i]) - kept_bytes(in.blocks[i], to);
       if (freed <= 0) continue;
@@ -152,12 +153,12 @@ int64_t offloaded_input_bytes(const ActivationPlanInputs& in, const std::vector<
 
 // An offloaded input the room can hold after all goes back to plain recompute (the same compute,
 // nothing over the link or on the host), the last blocks first: their inputs are fetched soonest.
-void keep_inputs_the_room_holds(const ActivationPlanInputs& in, std::vector<BlockActivations>& choices) {
+void keep_inputs_the_device_holds(const ActivationPlanInputs& in, std::vector<BlockActivations>& choices) {
   if (!in.allow_recompute) return;
   for (size_t i = choices.size(); i-- > 0;) {
     if (choices[i] != BlockActivations::kOffload) continue;
     choices[i] = BlockActivations::kRecompute;
-    if (activation_device_bytes(in, choices) > in.room_bytes) choices[i] = BlockActivations::kOffload;
+    if (activation_device_bytes(in, choices) > in.device_free_bytes) choices[i] = BlockActivations::kOffload;
   }
 }
 
@@ -169,24 +170,24 @@ ActivationPlan plan_activations(const ActivationPlanInputs& in) {
                                  : in.allow_recompute ? BlockActivations::kRecompute
                                                       : BlockActivations::kOffload;
   std::vector<BlockActivations> choices(in.blocks.size(), first);
-  if (first == BlockActivations::kOffload && in.host_room_bytes >= 0) {  // only what the host can take
+  if (first == BlockActivations::kOffload && in.host_free_bytes >= 0) {  // only what the host can take
     // beyond it a block is still checkpointed (keep is not allowed), its input left on the device
     int64_t offloaded = 0;
     for (size_t i = 0; i < choices.size(); ++i) {
       offloaded += in.blocks[i].input_bytes;
-      if (offloaded > in.host_room_bytes) choices[i] = BlockActivations::kRecompute;
+      if (offloaded > in.host_free_bytes) choices[i] = BlockActivations::kRecompute;
     }
   }
   int64_t bytes = activation_device_bytes(in, choices);
-  while (bytes > in.room_bytes) {
+  while (bytes > in.device_free_bytes) {
     const Move move = best_move(in, choices, offloaded_input_bytes(in, choices));
     if (move.block == choices.size()) break;  // every block keeps as little as it can
     choices[move.block] = move.to;
     bytes = activation_device_bytes(in, choices);
   }
   ActivationPlan plan;
-  plan.fits = bytes <= in.room_bytes;
-  if (plan.fits) keep_inputs_the_room_holds(in, choices);
+  plan.fits = bytes <= in.device_free_bytes;
+  if (plan.fits) keep_inputs_the_device_holds(in, choices);
   plan.choices = choices;
   plan.device_bytes = activation_device_bytes(in, choices);
   plan.added_seconds = activation_added_seconds(in, choices);

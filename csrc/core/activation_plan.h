@@ -13,7 +13,7 @@
 //    copies (input bytes over the link, each way) that the neighbouring compute does not hide:
 //    the device-to-host copy runs beside the next block's forward, the host-to-device copy beside
 //    the later block's backward, both approximated by this block's own times (blocks repeat).
-//  * Choice. Start with every block kept; while the plan exceeds `room_bytes`, take the move that
+//  * Choice. Start with every block kept; while the plan exceeds `device_free_bytes`, take the move that
 //    frees the most bytes per second added (a move that adds nothing first, the larger first), among
 //    keep -> recompute, keep -> offload and recompute -> offload, ties to the earlier block. A move
 //    is ranked by what the block itself stops keeping; the recompute's working set and the copies
@@ -28,7 +28,7 @@
 //    plan that fits then takes back to plain recompute every offloaded input the room holds (the
 //    last blocks first: their inputs are needed soonest), since the copies share the link with the
 //    chunks' own traffic and the inputs take host memory. Offloaded inputs never exceed
-//    `host_room_bytes` (the host memory left for them): beyond it a block stays on the device,
+//    `host_free_bytes` (the host memory left for them): beyond it a block stays on the device,
 //    recomputed from its input there where it may not be kept (kRecompute: what the runtime does
 //    with an input the host refuses, even where plain recompute is not a choice).
 // Same inputs, same plan, on every rank.
@@ -53,19 +53,19 @@ struct BlockCosts {
 
 struct ActivationPlanInputs {
   std::vector<BlockCosts> blocks;    // in forward order
-  int64_t room_bytes = 0;            // device bytes activations may take
+  int64_t device_free_bytes = 0;     // device bytes activations may take
   double link_bytes_per_second = 0;  // host <-> device copies (0: no offload)
   int in_flight = 2;                 // offloaded inputs on the device at once (prefetch depth)
   bool allow_keep = true;            // false: every block is checkpointed
   bool allow_recompute = true;       // false: a checkpointed block's input always goes to the host
-  int64_t host_room_bytes = -1;      // what offloaded inputs may take on the host (-1: no limit)
+  int64_t host_free_bytes = -1;      // what offloaded inputs may take on the host (-1: no limit)
 };
 
 struct ActivationPlan {
   std::vector<BlockActivations> choices;
   int64_t device_bytes = 0;  // the plan's activation bytes on the device at their peak
   double added_seconds = 0;  // recomputes plus copies not hidden, per iteration
-  bool fits = true;          // device_bytes <= room_bytes
+  bool fits = true;          // device_bytes <= device_free_bytes
   int64_t host_bytes = 0;    // the offloaded inputs' bytes on the host
 };
 

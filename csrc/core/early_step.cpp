@@ -141,22 +141,23 @@ EarlyStepDecision EarlyStepPolicy::decide_spares(const EarlyStepFacts& facts) {
   // up step after step as the host's free memory varies.
   const int64_t available = facts.host_available_bytes.value_or(0);
   const int64_t held = facts.spare_bytes_held;
-  int64_t room = 0;
+  int64_t allowance_bytes = 0;
   if (held == 0) {
-    room = available / 2;
+    allowance_bytes = available / 2;
   } else {
     const int64_t within = (available + held) / 2 - held;
-    room = facts.spare_bytes_all <= (within > 0 ? within : 0) ? facts.spare_bytes_all : 0;
+    allowance_bytes = facts.spare_bytes_all <= (within > 0 ? within : 0) ? facts.spare_bytes_all : 0;
   }
   const bool some_set_fits =
-      !facts.rule_steps_whole_sets && facts.spare_bytes_least.has_value() && *facts.spare_bytes_least <= room;
+      !facts.rule_steps_whole_sets && facts.spare_bytes_least.has_value() &&
+      *facts.spare_bytes_least <= allowance_bytes;
   if (!some_set_fits) {
     d.reason = "speculation: the host holds no host set's spares (or holds no optimizer state)";
     return d;
   }
   d.mode = EarlyMode::kSpares;
-  d.spare_allowance_bytes = room;
-  if (facts.spare_bytes_all <= room) {
+  d.spare_allowance_bytes = allowance_bytes;
+  if (facts.spare_bytes_all <= allowance_bytes) {
     d.cover = EarlyCover::kEverySet;
     d.reason = "speculation: the host holds every host set's spares";
   } else {

@@ -46,7 +46,7 @@ void Residency::set_budget(int64_t bytes) {
   GX_CHECK(bytes >= 0, "device budget: expected >= 0 bytes (0: the whole device), got ", bytes, ".");
   budget_bytes_ = bytes;
   while (mgr_.tier_bytes(Tier::kDevice).current > budget()) {
-    if (!make_room(-1)) break;  // what cannot go now goes at the next fetch, or fails there
+    if (!evict_once(-1)) break;  // what cannot go now goes at the next fetch, or fails there
   }
 }
 
@@ -139,7 +139,7 @@ int64_t Residency::device_bytes_needed(ChunkId id, bool gather) const {
   return bytes;
 }
 
-void Residency::with_room(ChunkId id, const std::function<void()>& fn, int64_t bytes) {
+void Residency::with_space_for(ChunkId id, const std::function<void()>& fn, int64_t bytes) {
   const Chunk& c = mgr_.chunk(id);
   for (;;) {
     // The planning budget first (it may be below what the backend could allocate), then the
@@ -153,12 +153,12 @@ void Residency::with_room(ChunkId id, const std::function<void()>& fn, int64_t b
       } catch (const OutOfMemoryError&) {
       }
     }
-    if (!make_room(id))
+    if (!evict_once(id))
       throw_budget_exceeded(id, static_cast<size_t>(bytes >= 0 ? bytes : static_cast<int64_t>(c.shard_bytes())));
   }
 }
 
-bool Residency::make_room(ChunkId requester) {
+bool Residency::evict_once(ChunkId requester) {
   // First, device copies that finished moving to the host give their slots back.
   bool waited = false;
   for (const auto& set : sets_) {
@@ -215,7 +215,7 @@ void Residency::ensure_on_device(ChunkId id) {
         mgr_.ungather(set.spec.param);
     }
   }
-  with_room(id, [&] { mgr_.access(id); }, device_bytes_needed(id, /*gather=*/true));
+  with_space_for(id, [&] { mgr_.access(id); }, device_bytes_needed(id, /*gather=*/true));
   if (!had) {
     counters_.fetches += 1;
     counters_.sync_fetch_waits += 1;
@@ -232,7 +232,7 @@ void Residency::ensure_shard_on_device(ChunkId id) {
     return;
   }
   const Tier from = where_current(id);
-  with_room(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
+  with_space_for(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
   mgr_.transfer(id, from, Tier::kDevice);
   counters_.fetches += 1;
   note('F', id);
@@ -281,13 +281,13 @@ void Residency::prefetch_gathers() {
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).chunk_bytes()); };
   for (ChunkId c : plan_prefetch(trace_, q)) {
     pipeline_.settle(set_of_chunk(c));
-    with_room(c, [&] { mgr_.prefetch_gather(c); }, device_bytes_needed(c, /*gather=*/true));
+    with_space_for(c, [&] { mgr_.prefetch_gather(c); }, device_bytes_needed(c, /*gather=*/true));
     note('P', c);
   }
 }
 
 void Residency::allocate_on_device(ChunkId id) {
-  with_room(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
+  with_space_for(id, [&] { mgr_.allocate_copy(id, Tier::kDevice); });
 }
 
 bool Residency::needed_soon(ChunkId id) const {
@@ -336,7 +336,7 @@ std::vector<ChunkId> Residency::evictable_while_collecting(ChunkId requester) co
   for (const auto& set : sets_) {
     const Chunk& p = mgr_.chunk(set.spec.param);
     if (!set.trainable || p.count_in(S::kReadyForReduce) == 0) continue;  // not collecting: evictable() decides
-    if (pipeline_.pending(set_of_chunk(set.spec.param))) continue;       // settled by make_room first
+    if (pipeline_.pending(set_of_chunk(set.spec.param))) continue;       // settled by evict_once first
     // A parameter chunk waiting for the rest of its gradients: nothing writes its values (the
     // gradients go to the gradient chunk), so it may go and be fetched again for the tensors
     // whose backward is still to come.

@@ -1,6 +1,6 @@
 // Residency: which chunks are on the device, under the planning budget.
 //
-// Design note. A room of the GeminiManager: no lock of its own, called under the manager's.
+// Design note. A part of the GeminiManager: no lock of its own, called under the manager's.
 // Torch-free: it works on the ChunkManager, the chunk sets, the recorded trace and the optimizer
 // pipeline, asks the backend only for the device's capacity, and counts its fetches and
 // evictions in counters of its own (the manager merges them into the engine's).
@@ -75,8 +75,8 @@ class Residency {
   // Runs fn (which allocates on the device for chunk id); on OutOfMemoryError or over the budget
   // makes room and retries, until fn succeeds or nothing is left (then OutOfMemoryError).
   // bytes: what fn adds to the device (-1: the shard, when it is not on the device yet).
-  void with_room(ChunkId id, const std::function<void()>& fn, int64_t bytes = -1);
-  bool make_room(ChunkId requester);  // frees device bytes once; false if nothing can go
+  void with_space_for(ChunkId id, const std::function<void()>& fn, int64_t bytes = -1);
+  bool evict_once(ChunkId requester);  // frees device bytes once; false if nothing can go
   void evict(ChunkId id);
   void release_if_idle(ChunkId id);
   void prefetch();

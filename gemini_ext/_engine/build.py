@@ -182,7 +182,8 @@ def _plan_activations(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.activations = ActivationManager(model, config, parts.device, (parts.chunks, parts.placer, parts.tracer),
                                        parts.groups.ranks_on_host(),
                                        cap_torch=planned and allocator.mode() == "default",
-                                       leave_room=functools.partial(parts.placer.leave_room_in_warm_up, parts.runtime),
+                                       lower_budget=functools.partial(parts.placer.lower_budget_in_warm_up,
+                                                                      parts.runtime),
                                        chunk_floor_bytes=chunk_floor_bytes(parts.layout.shard_bytes))
 
 
@@ -210,11 +211,11 @@ def _bind_parameters(parts: EngineParts, views) -> None:
 
 def _warn_if_close_cannot_restore(parts: EngineParts) -> None:
     whole = parts.layout.whole_model_bytes()
-    room = restore.restore_room_bytes(parts.chunks, parts.device, parts.groups.ranks_on_host())
-    if room is not None and whole > room:
+    free_bytes = restore.restore_free_bytes(parts.chunks, parts.device, parts.groups.ranks_on_host())
+    if free_bytes is not None and whole > free_bytes:
         warnings.warn(
             f"gemini_ext: the whole model ({format_bytes(whole)} in its original dtypes) is larger than this "
-            f"rank's device and host memory ({format_bytes(room)}), so leaving the `with` block cannot give it "
+            f"rank's device and host memory ({format_bytes(free_bytes)}), so leaving the `with` block cannot give it "
             "back as ordinary tensors: close() will leave the parameters empty. Keep the trained values with "
             "engine.save_checkpoint(dir) (sharded; loads at any world size) or engine.state_dict() inside the "
             "block.", stacklevel=5)

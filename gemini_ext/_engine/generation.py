@@ -77,16 +77,16 @@ class GenerationBudget:
                                "the host for the KV cache's room; step after the block ends.")
 
     @contextlib.contextmanager
-    def held(self, room_bytes: int):
+    def held(self, kv_cache_bytes: int):
         self._phases.check_resident("engine.generating()")
         if self.active is not None:
             raise RuntimeError("engine.generating(): already inside a generating() block; one block holds one "
                                "KV cache's room (pass the largest batch_size and max_length it generates).")
-        moved, streamed, before = self._enter(room_bytes)
+        moved, streamed, before = self._enter(kv_cache_bytes)
         self.active = (moved, before)
         self._runtime.begin_generation_trace()
         try:
-            yield {"room_bytes": room_bytes, "chunk_budget_bytes": self._runtime.device_budget,
+            yield {"kv_cache_bytes": kv_cache_bytes, "chunk_budget_bytes": self._runtime.device_budget,
                    "optimizer_sets_moved": len(moved), "parameter_sets_streamed": len(streamed)}
         finally:
             self.active = None
@@ -99,19 +99,20 @@ class GenerationBudget:
             if self._activations is not None:
                 self._activations.restore_torch_cap()
 
-    def _enter(self, room_bytes: int) -> tuple:
-        if room_bytes < 0:
-            raise ValueError(f"engine.generating(): kv_cache_bytes must be at least 0, got {room_bytes}.")
+    def _enter(self, kv_cache_bytes: int) -> tuple:
+        if kv_cache_bytes < 0:
+            raise ValueError(f"engine.generating(): kv_cache_bytes must be at least 0, got {kv_cache_bytes}.")
         self._runtime.synchronize()  # host steps still running finish before their sets move
         before = self._runtime.device_budget
         figures = layout_figures(self._layout)
         shard_bytes = figures["set_shard_bytes"]
         floor = chunk_floor_bytes(shard_bytes)
-        left = before - room_bytes
+        left = before - kv_cache_bytes
         if left < floor:
             raise _C.OutOfMemoryError(
                 f"engine.generating(): the chunks' device budget is {format_bytes(before)}; less the "
-                f"{format_bytes(room_bytes)} kept for the KV cache it leaves {format_bytes(max(0, left))}, under the "
+                f"{format_bytes(kv_cache_bytes)} kept for the KV cache it leaves {format_bytes(max(0, left))}, under "
+                f"the "
                 f"{format_bytes(floor)} the largest {CHUNK_SETS_AT_ONCE} chunk sets a forward computes with and "
                 "prefetches need. Generate fewer or shorter sequences at a time (batch_size, max_length), raise "
                 "gpu_memory_limit, or use smaller chunks (chunk_config_dict / min_chunk_size_m).")
@@ -119,16 +120,16 @@ class GenerationBudget:
         streamed = self._stream_beyond(left - held, shard_bytes)
         self._runtime.set_device_budget(left)  # parameter chunks beyond it go to their host copies
         if self._activations is not None:
-            self._activations.widen_torch_cap(room_bytes)
+            self._activations.widen_torch_cap(kv_cache_bytes)
         return moved, streamed, before
 
-    def _stream_beyond(self, param_room: int, shard_bytes) -> list:
-        """Where the parameter chunks do not all fit `param_room`: the sets in order stay resident
+    def _stream_beyond(self, param_free_bytes: int, shard_bytes) -> list:
+        """Where the parameter chunks do not all fit `param_free_bytes`: the sets in order stay resident
         while they fit beside two chunks of streaming room, and the rest (those with a host copy:
         stepped on the host) go back to it after each use, so that prefetch has room for the next."""
-        if sum(shard_bytes) <= param_room:
+        if sum(shard_bytes) <= param_free_bytes:
             return []
-        keep = param_room - 2 * max(shard_bytes, default=0)
+        keep = param_free_bytes - 2 * max(shard_bytes, default=0)
         streamed = []
         for k, place in enumerate(self._runtime.set_placements()):
             keep -= shard_bytes[k]
@@ -154,10 +155,11 @@ class GenerationBudget:
             moved.append(k)
             held -= optimizer_bytes[k]
         leaving = sum(optimizer_bytes[k] for k in moved)
-        room = host_memory.host_available_bytes(self._ranks_on_host)
-        if room is not None and leaving > room:
+        free_bytes = host_memory.host_available_bytes(self._ranks_on_host)
+        if free_bytes is not None and leaving > free_bytes:
             raise MemoryError(f"engine.generating(): {format_bytes(leaving)} of optimizer state would move to the "
-                              f"host to make the KV cache's room, which has {format_bytes(room)} available for it. "
+                              f"host to make the KV cache's room, which has {format_bytes(free_bytes)} available for "
+                              f"it. "
                               "Free host memory, or generate fewer or shorter sequences at a time.")
         for k in moved:
             self._runtime.set_optim_on_host(k, True)

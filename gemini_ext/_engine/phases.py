@@ -70,7 +70,7 @@ class StatePhases:
         if self.phase is Phase.OFFLOADED:
             self._move("offload")  # raises
         self._runtime.synchronize()
-        self._check_host_room(kinds)
+        self._check_host_free_bytes(kinds)
         self._move("offload")
         moved = []
         if set(kinds) & set(OPTIMIZER_SIDE):
@@ -113,13 +113,13 @@ class StatePhases:
             need += info["shard_numel"] * getattr(torch, info["dtype"]).itemsize
         return need
 
-    def _check_host_room(self, kinds) -> None:
+    def _check_host_free_bytes(self, kinds) -> None:
         leaving = self._new_host_bytes(kinds)
-        room = host_memory.host_available_bytes(self._ranks_on_host)
-        if room is not None and leaving > room:
+        free_bytes = host_memory.host_available_bytes(self._ranks_on_host)
+        if free_bytes is not None and leaving > free_bytes:
             raise MemoryError(f"engine.offload_states(): {format_bytes(leaving)} of the engine's device memory would "
-                              f"move to the host, which has {format_bytes(room)} available for it: "
-                              f"{format_bytes(leaving - room)} short. Free host memory, or offload fewer states "
+                              f"move to the host, which has {format_bytes(free_bytes)} available for it: "
+                              f"{format_bytes(leaving - free_bytes)} short. Free host memory, or offload fewer states "
                               "(include=['lp_params'] moves only the parameter chunks).")
 
 

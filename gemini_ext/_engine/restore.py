@@ -23,7 +23,7 @@ from ..placement.costs import HOST_TIERS, TIERS
 from .._units import format_bytes
 
 
-def restore_room_bytes(chunks, device, ranks_on_host: int) -> int | None:
+def restore_free_bytes(chunks, device, ranks_on_host: int) -> int | None:
     """Memory this rank can give the whole model at close: the host budget of this rank
     (placement/host_memory.py) and what the host chunks hold, plus, on cuda, the device's free memory and what
     the chunks hold there (all freed as the parameters come back, or after). None where host
@@ -31,10 +31,10 @@ def restore_room_bytes(chunks, device, ranks_on_host: int) -> int | None:
     host = host_available_bytes(ranks_on_host)
     if host is None:
         return None
-    room = host + sum(chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
+    free_bytes = host + sum(chunks.tier_bytes(t)["current"] for t in HOST_TIERS)
     if device.is_cuda:
-        room += device.free_bytes() + chunks.tier_bytes("device")["current"]
-    return room
+        free_bytes += device.free_bytes() + chunks.tier_bytes("device")["current"]
+    return free_bytes
 
 
 class ModelRestorer:
@@ -68,10 +68,10 @@ class ModelRestorer:
             # below are collective, so every rank skips them if any rank lacks the room. The
             # remaining chunks count as room (masters go set by set as parameters come back):
             # only a model that cannot fit at all is refused.
-            whole, room = layout.whole_model_bytes(), restore_room_bytes(self._chunks, self._device,
+            whole, free_bytes = layout.whole_model_bytes(), restore_free_bytes(self._chunks, self._device,
                                                                          self._groups.ranks_on_host())
-            if not self._groups.all_agree(room is None or whole <= room):
-                self._leave_empty(whole, room)
+            if not self._groups.all_agree(free_bytes is None or whole <= free_bytes):
+                self._leave_empty(whole, free_bytes)
                 return False, []
             staged = self._read_back(placements, params_of_set)
             runtime.release_read_cache()
@@ -125,7 +125,7 @@ class ModelRestorer:
             reserve = max(reserve, (info["padded_numel"] + info["shard_numel"]) * item)
         return reserve + (64 << 20)  # and the collective's own workspace
 
-    def _leave_empty(self, whole: int, room: int | None) -> None:
+    def _leave_empty(self, whole: int, free_bytes: int | None) -> None:
         """For a model no rank has room for: each parameter is left an empty tensor of its
         original dtype and device (see the warning at enable)."""
         layout = self._layout
@@ -134,7 +134,7 @@ class ModelRestorer:
                 dtype, device = layout.orig[i]
                 p.data = torch.empty(0, dtype=dtype, device=device)
                 p.grad = None
-        here = f"{format_bytes(room)} here" if room is not None else "unknown here"
+        here = f"{format_bytes(free_bytes)} here" if free_bytes is not None else "unknown here"
         warnings.warn(
             f"gemini_ext close(): the whole model ({format_bytes(whole)}) does not fit the device and host memory of "
             f"every rank once its chunks are freed ({here}); the {len(layout.params)} parameters are left empty and "

@@ -175,8 +175,9 @@ def _summary(config, decided: dict, parts: dict, step: float, memory: dict, stea
         "activation_offload": {"host_bytes": steady["host_bytes"], "device_bytes_freed": steady["freed_bytes"]},
         # activation_checkpointing or activation_offload "auto": blocks kept, recomputed, offloaded
         "activation_plan": None if plan is None else {
-            **steady["counts"], "room_bytes": plan["room_bytes"], "planned_device_bytes": plan["device_bytes"],
-            "fits": plan["fits"], "host_room_bytes": plan["host_room_bytes"]},
+            **steady["counts"], "device_free_bytes": plan["device_free_bytes"],
+            "planned_device_bytes": plan["device_bytes"],
+            "fits": plan["fits"], "host_free_bytes": plan["host_free_bytes"]},
         "warm_up": decided["warm_up"],
         "first_iteration": decided["first_figures"],
         "pcie_bytes_per_step": pcie, "pcie_bound_s": pcie / 2 / target.H2D_BYTES_PER_S,

@@ -34,7 +34,7 @@ SIM_CAPACITY = 1 << 50  # the layout's simulated device: nothing is allocated on
 RECORDED_FIGURES = ("non_model_peak_bytes", "non_model_reserved_bytes", "device_other_bytes",  # the tracer's
                     "block0_activation_bytes", "block0_input_bytes",  # the first block's measurement
                     # the planner's measured blocks, its device room and the host's
-                    "blocks", "activation_room_bytes", "host_room_bytes", "link_bytes_per_s",
+                    "blocks", "activation_free_bytes", "host_free_bytes", "link_bytes_per_s",
                     # what the placement weighed (its decision records them)
                     "forward_seconds", "backward_seconds", "cpu_optimizer_elements_per_s", "h2d_bytes_per_s",
                     "link_optimizer_elements_per_s", "optimizer_steps_during_backward")
@@ -120,11 +120,11 @@ def host_chunk_bytes(m: Measurements, placement, params_born_on_device: bool) ->
     return host_elements * m.set_bytes_per_element + params + m.frozen_master_bytes
 
 
-def host_room_bytes(m: Measurements, placement, acts: Activations, params_born_on_device: bool) -> int:
-    """What offloaded inputs may take of the host (HostBuffers.room_bytes): what it has beyond the
+def host_free_bytes(m: Measurements, placement, acts: Activations, params_born_on_device: bool) -> int:
+    """What offloaded inputs may take of the host (HostBuffers.free_bytes): what it has beyond the
     chunks' share and the buffers' reserve; -1 where the host is unknown."""
-    if "host_room_bytes" in acts.recorded:
-        return int(acts.recorded["host_room_bytes"])
+    if "host_free_bytes" in acts.recorded:
+        return int(acts.recorded["host_free_bytes"])
     if m.host_available_bytes is None:
         return -1
     held = host_chunk_bytes(m, placement, params_born_on_device)
@@ -142,7 +142,7 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
     chunks' budget it leaves, and whether a gpu_memory_limit refuses it."""
     activation, inputs = _block0(acts)
     warm = budget.warm_device_bytes(len(acts.blocks), acts.allowed.warm_choice, activation, inputs,
-                                    host_room_bytes(m, placement, acts, placement.params_born_on_device))
+                                    host_free_bytes(m, placement, acts, placement.params_born_on_device))
     held = inputs  # what torch holds then: the batch's embedding, block 0's input
     outside = int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))  # the CUDA context
     need = held + outside + budget.foreseen_warm_up_bytes(warm)
@@ -161,7 +161,7 @@ def first_iteration_figures(m: Measurements, placement, acts: Activations) -> di
     else:
         warm = budget.device_bytes(acts.blocks, budget.warm_choices(
             len(acts.blocks), acts.allowed.warm_choice, acts.blocks[0][1],
-            host_room_bytes(m, placement, acts, placement.params_born_on_device)))
+            host_free_bytes(m, placement, acts, placement.params_born_on_device)))
     peak = int(acts.recorded.get("non_model_peak_bytes", warm + acts.outside_blocks_bytes))
     figures = {"non_model_peak_bytes": peak,
                "non_model_reserved_bytes": int(acts.recorded.get("non_model_reserved_bytes",
@@ -178,12 +178,12 @@ def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figu
                                    chunk_bytes(m, chosen, on_device_only=False))
     # The engine plans at the end of its first iteration, from that iteration's figures; a placement
     # decided again later (its trace recorded anew) measures others, so a recorded room is the plan's own.
-    room = int(acts.recorded["activation_room_bytes"]) if "activation_room_bytes" in acts.recorded else \
-        budget.room_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
+    free_bytes = int(acts.recorded["activation_free_bytes"]) if "activation_free_bytes" in acts.recorded else \
+        budget.device_free_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
     link = float(acts.recorded.get("link_bytes_per_s", target.H2D_BYTES_PER_S)) if offload else 0.0
-    host_room = host_room_bytes(m, chosen, acts, born)
-    return {**budget.plan(blocks, room, link, acts.allowed, host_room), "room_bytes": room,
-            "link_bytes_per_s": link, "host_room_bytes": host_room}
+    host_free = host_free_bytes(m, chosen, acts, born)
+    return {**budget.plan(blocks, free_bytes, link, acts.allowed, host_free), "device_free_bytes": free_bytes,
+            "link_bytes_per_s": link, "host_free_bytes": host_free}
 
 
 def plan(config, layout, machine: Machine, releasable_bytes: int, acts: Activations | None, passes: dict,

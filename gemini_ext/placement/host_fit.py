@@ -94,8 +94,8 @@ def check(demand: HostDemand, available: int | None, source: str | None, what: s
     if available is None:
         return
     reserve = host_reserve_bytes(available)
-    room = available - reserve
-    if demand.total_bytes <= room:
+    free_bytes = available - reserve
+    if demand.total_bytes <= free_bytes:
         return
     sim = (f" and {format_bytes(demand.sim_device_bytes)} on the sim device, which lives in host memory"
            if demand.sim_device_bytes else "")
@@ -103,5 +103,5 @@ def check(demand: HostDemand, available: int | None, source: str | None, what: s
         f"gemini_ext: {what} needs {format_bytes(demand.total_bytes)} of host memory "
         f"({format_bytes(demand.host_bytes)} of chunks on the host{sim}), and the host has "
         f"{format_bytes(available)} available ({source or 'host memory'}) less {format_bytes(reserve)} kept for the "
-        f"process: {format_bytes(demand.total_bytes - room)} short. Nothing was allocated for it. To train this "
+        f"process: {format_bytes(demand.total_bytes - free_bytes)} short. Nothing was allocated for it. To train this "
         f"model, {fixes}.")

@@ -64,7 +64,7 @@ def _read_int(path: str) -> int | None:
     return value if value < UNLIMITED else None
 
 
-def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
     """The least room (limit less usage) of this process's memory cgroup and its ancestors, with
     the limit file it comes from; None without a limit (or without cgroups)."""
     try:
@@ -85,9 +85,9 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
         while d.startswith(top):
             limit = _read_int(os.path.join(d, limit_name))
             if limit is not None:
-                room = max(0, limit - (_read_int(os.path.join(d, usage_name)) or 0))
-                if best is None or room < best[0]:
-                    best = (room, os.path.join(d, limit_name))
+                free_bytes = max(0, limit - (_read_int(os.path.join(d, usage_name)) or 0))
+                if best is None or free_bytes < best[0]:
+                    best = (free_bytes, os.path.join(d, limit_name))
             if d == top:
                 break
             d = os.path.dirname(d)
@@ -110,9 +110,9 @@ def host_budget(ranks_on_host: int = 1, proc_cgroup: str = "/proc/self/cgroup",
     available = mem_available_bytes()
     if available is not None:
         options.append((available, "MemAvailable of /proc/meminfo"))
-    room = cgroup_room(proc_cgroup, cgroup_root)
-    if room is not None:
-        options.append((room[0], f"the cgroup limit {room[1]} less the cgroup's usage"))
+    free_bytes = cgroup_free_bytes(proc_cgroup, cgroup_root)
+    if free_bytes is not None:
+        options.append((free_bytes[0], f"the cgroup limit {free_bytes[1]} less the cgroup's usage"))
     if not options:
         return None
     total, source = min(options)

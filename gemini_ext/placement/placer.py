@@ -227,7 +227,7 @@ class Placer:
                         self.policy.name, e)
             return 0.0, 0.0, 0.0
 
-    def leave_room_in_warm_up(self, runtime, other_bytes: int) -> int:
+    def lower_budget_in_warm_up(self, runtime, other_bytes: int) -> int:
         """In the iteration before the first decision: lowers the chunks' device budget so that they and
         `other_bytes` of torch's (the activations the first block's measurement foresees) fit the
         device's capacity, never below three of the largest chunk sets (one computing, one fetched,

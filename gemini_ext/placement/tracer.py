@@ -16,7 +16,7 @@ import time
 import torch
 
 from .. import allocator
-from .host_memory import cgroup_room, mem_available_bytes, process_rss_bytes
+from .host_memory import cgroup_free_bytes, mem_available_bytes, process_rss_bytes
 from .costs import HOST_TIERS, TIERS
 from .._units import format_bytes
 
@@ -132,9 +132,9 @@ class MemoryTracer:
             parts.append(f"this process's resident memory {format_bytes(rss)}")
         if available is not None:
             parts.append(f"the host's MemAvailable {format_bytes(available)}")
-        room = cgroup_room()
-        if room is not None:
-            parts.append(f"the cgroup's room {format_bytes(room[0])} ({room[1]} less its usage)")
+        free_bytes = cgroup_free_bytes()
+        if free_bytes is not None:
+            parts.append(f"the cgroup's room {format_bytes(free_bytes[0])} ({free_bytes[1]} less its usage)")
         if self._device.is_cuda:
             device = self._device.torch_device
             free, total = torch.cuda.mem_get_info(device)

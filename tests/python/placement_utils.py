@@ -19,7 +19,7 @@ def host_budget(monkeypatch, available):
     monkeypatch.setattr(host_memory, "host_available_bytes", lambda *args, **kwargs: available)
 
 
-def host_room(monkeypatch, room):
+def host_with_free_bytes(monkeypatch, room):
     """The host reports memory leaving `room` bytes to plan once its reserve is kept, and the
     model's own host tensors are not counted as given back (the plan then equals `room`)."""
     from gemini_ext.placement import placer as _placement, policies as policy

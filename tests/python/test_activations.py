@@ -245,7 +245,7 @@ def test_auto_keeps_every_block_where_the_chunks_leave_room(device):
     _same_bits(plain, auto)
     plan, ck = auto[2]["plan"], auto[2]["checkpointing"]
     assert plan["decided"] and plan["choices"] == ["keep"] * 3 and plan["fits"], plan
-    assert plan["room_bytes"] > plan["planned_device_bytes"] > 0, plan
+    assert plan["device_free_bytes"] > plan["planned_device_bytes"] > 0, plan
     # the measured forward: every block checkpointed and offloaded (block 0's activations counted by a
     # forward of its own, dropped at once), then every block kept
     assert ck["checkpointed_calls"] == 3 and ck["kept_calls"] == 3 * (STEPS - 1), ck
@@ -271,7 +271,7 @@ def test_offload_auto_over_a_model_that_checkpoints_no_block_says_nothing_is_pla
     assert stats["offload"]["offloaded"] == 0 and not stats["plan"]["decided"], stats
 
 
-def _room_for(choices):
+def _device_free_bytes_for(choices):
     """A room of exactly what `choices` need on the device (the measured blocks' plan figure)."""
     return lambda self, warm: gx._C.activation_device_bytes(self.measured, choices, activation_offload.LOOKAHEAD)
 
@@ -282,7 +282,7 @@ def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, off
     is on) and room for all but about one block's activations (one block goes)."""
     plain = _train(_gpt(False), "sim")
     goes = "offload" if offload == "on" else "recompute"
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for([goes] * 3))
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "device_free_bytes", _device_free_bytes_for([goes] * 3))
     least = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
     _same_bits(plain, least)
     assert least[2]["plan"]["choices"] == [goes] * 3 and least[2]["plan"]["fits"], least[2]["plan"]
@@ -290,7 +290,7 @@ def test_auto_recomputes_and_offloads_what_the_room_cannot_hold(monkeypatch, off
         assert least[2]["offload"]["offloaded"] == 3 * STEPS, least[2]["offload"]
     # room for all three blocks' activations less a byte: a recomputed block's activations come back
     # during backward (the working set), so two blocks must go for one to be kept
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes",
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "device_free_bytes",
                         lambda self, warm: gx._C.activation_device_bytes(self.measured, ["keep"] * 3) - 1)
     some = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload=offload)
     _same_bits(plain, some)
@@ -302,7 +302,7 @@ def test_where_no_plan_fits_the_next_forward_says_by_how_much_and_what_would_fit
     """The budget is kept, not exceeded with a warning: the forward after the measured one raises,
     naming the shortfall, the tokens per step that would fit and the budget that would (on cuda;
     on sim, whose device does not hold torch's activations, a warning unless made to refuse)."""
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", lambda self, warm: 0)
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "device_free_bytes", lambda self, warm: 0)
     with pytest.warns(RuntimeWarning, match="more than the 0 B that the chunks leave"):
         _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="on")
     monkeypatch.setattr(activation_planner.ActivationPlanner, "REFUSING_DEVICES", ("cuda", "sim"))
@@ -327,7 +327,8 @@ def test_the_plan_offloads_no_more_than_the_host_has_room_for(monkeypatch):
     from gemini_ext._engine.activations import host_buffers
 
     plain = _train(_gpt(False), "sim")
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for(["recompute"] * 3))
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "device_free_bytes",
+                        _device_free_bytes_for(["recompute"] * 3))
     monkeypatch.setattr(host_buffers, "host_available_bytes", lambda ranks: host_buffers.RESERVE_BYTES)
     capped = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
     _same_bits(plain, capped)
@@ -341,11 +342,12 @@ def test_offload_auto_offloads_only_what_the_room_needs(monkeypatch):
     its input goes to the host only where the room needs it (here never; with room for no input on
     the device, every one)."""
     plain = _train(_gpt(False), "sim")
-    roomy = _train(_gpt(False), "sim", activation_checkpointing="on", activation_offload="auto")
-    _same_bits(plain, roomy)
-    assert roomy[2]["plan"]["choices"] == ["recompute"] * 3, roomy[2]["plan"]
-    assert roomy[2]["offload"]["offloaded"] == 3, roomy[2]["offload"]  # the measured forward's only
-    monkeypatch.setattr(activation_planner.ActivationPlanner, "room_bytes", _room_for(["offload"] * 3))
+    ample = _train(_gpt(False), "sim", activation_checkpointing="on", activation_offload="auto")
+    _same_bits(plain, ample)
+    assert ample[2]["plan"]["choices"] == ["recompute"] * 3, ample[2]["plan"]
+    assert ample[2]["offload"]["offloaded"] == 3, ample[2]["offload"]  # the measured forward's only
+    monkeypatch.setattr(activation_planner.ActivationPlanner, "device_free_bytes",
+                        _device_free_bytes_for(["offload"] * 3))
     tight = _train(_gpt(False), "sim", activation_checkpointing="auto", activation_offload="auto")
     _same_bits(plain, tight)
     assert tight[2]["plan"]["choices"] == ["offload"] * 3, tight[2]["plan"]
@@ -434,7 +436,7 @@ def test_the_per_block_plan_is_the_cores():
     assert plan["choices"] == ["recompute"] * 5 + ["keep"] * 3 and plan["fits"], plan
     assert plan["device_bytes"] == 45 * mib and plan["host_bytes"] == 0 and plan["added_seconds"] == pytest.approx(0.05)
     tight = gx._C.plan_activations([(10 * mib, mib, 0.010, 0.020)] * 8, 15 * mib, 25e9, allow_keep=False,
-                                   host_room_bytes=3 * mib)
+                                   host_free_bytes=3 * mib)
     assert tight["choices"].count("offload") == 3 and not tight["fits"], tight  # the host's room, no more
     with pytest.raises(Exception, match="in_flight must be >= 1"):
         gx._C.plan_activations([(mib, mib, 0.0, 0.0)], mib, 1e9, in_flight=0)
@@ -523,8 +525,8 @@ def test_the_room_counts_the_memory_outside_torch_as_the_placement_does():
     gib = 2**30
     figures = {"non_model_peak_bytes": 4 * gib, "non_model_reserved_bytes": 4 * gib,
                "device_other_bytes": 3 * gib // 2}
-    assert budget.room_bytes(40 * gib, 20 * gib, figures, 4 * gib) == 20 * gib - 3 * gib // 2
-    assert budget.room_bytes(80 * gib, 20 * gib, figures, 4 * gib) == 60 * gib - 3 * gib // 2
+    assert budget.device_free_bytes(40 * gib, 20 * gib, figures, 4 * gib) == 20 * gib - 3 * gib // 2
+    assert budget.device_free_bytes(80 * gib, 20 * gib, figures, 4 * gib) == 60 * gib - 3 * gib // 2
     for capacity, outside in ((40 * gib, 3 * gib // 2), (80 * gib, 3 * gib // 2)):
         m = Measurements(device_kind="cuda", allocator_mode="default", device_capacity_bytes=capacity,
                          set_shard_bytes=(gib,), trainable=(True,), set_bytes_per_element=14, compute_itemsize=2,

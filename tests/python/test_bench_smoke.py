@@ -328,7 +328,7 @@ def test_rl_phases_bench_times_each_phase_of_the_loop(capsys):
     params = 256 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64  # tiny-llama's, untied head
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:
-        assert r["stream"]["bytes"] == 2 * params and r["generate_room"]["room_bytes"] > 0
+        assert r["stream"]["bytes"] == 2 * params and r["generate_kv_cache"]["kv_cache_bytes"] > 0
         assert r["offloaded"]["after"]["engine_device_bytes"] == 0 < r["offloaded"]["before"]["engine_device_bytes"]
         assert math.isfinite(r["loss"]) and r["generate_s"] > 0
         assert r["settle_s"] >= 0 and r["generate_allocator"] == {}  # torch's allocator counts: cuda only

@@ -429,7 +429,7 @@ def _no_room_on_one_rank_body(rank, world_size):
 
     model, _ = make_models(seed=0)
     if rank == 1:
-        gx._engine.restore.restore_room_bytes = lambda chunks, device, ranks_on_host: 0
+        gx._engine.restore.restore_free_bytes = lambda chunks, device, ranks_on_host: 0
     engine = gx.enable(model, config("sim"), process_group=dist.group.WORLD)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

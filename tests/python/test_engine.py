@@ -225,7 +225,7 @@ def test_a_model_no_rank_has_room_for_is_not_restored_and_both_enable_and_close_
     """When the whole model cannot fit the device and host once the chunks are freed (a model
     sharded because nothing holds it whole), enable() warns while the values can still be saved
     and close() frees the chunks and leaves each parameter an empty tensor of its dtype and device."""
-    monkeypatch.setattr(gx._engine.restore, "restore_room_bytes", lambda chunks, device, ranks_on_host: 1000)
+    monkeypatch.setattr(gx._engine.restore, "restore_free_bytes", lambda chunks, device, ranks_on_host: 1000)
     model = GPT(GPT_PRESETS["tiny"])
     model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
     with pytest.warns(UserWarning, match=r"larger than this rank's device and host memory.*save_checkpoint"):

@@ -41,8 +41,9 @@ def _record(source: str, index: int, given: dict | None) -> dict:
     """The row's estimate record: the map's as recorded, or one made from an hf_models row's record."""
     if given is not None:
         plan = ((RECORDS[source]["rows"][index].get("engine") or {}).get("activations") or {}).get("plan") or {}
-        if "room_bytes" in plan and "activation_room_bytes" not in given["recorded"]:  # recorded before it was kept
-            given = {**given, "recorded": {**given["recorded"], "activation_room_bytes": plan["room_bytes"]}}
+        # recorded before the plan's own free bytes were kept
+        if "device_free_bytes" in plan and "activation_free_bytes" not in given["recorded"]:
+            given = {**given, "recorded": {**given["recorded"], "activation_free_bytes": plan["device_free_bytes"]}}
         return given
     import sys
     sys.path.insert(0, os.path.join(REPO, "bench"))

@@ -119,7 +119,7 @@ def test_generating_refuses_a_room_that_leaves_too_little_and_a_step_inside():
                 pass
         with engine.generating(batch_size=2, max_length=20) as held:
             # keys and values x 4 layers x 2 kv heads x 16 head dims x 2 sequences x 20 tokens x 2 B (bf16)
-            assert held["room_bytes"] == 2 * 4 * 2 * 16 * 2 * 20 * 2
+            assert held["kv_cache_bytes"] == 2 * 4 * 2 * 16 * 2 * 20 * 2
             with pytest.raises(RuntimeError, match=r"already inside a generating\(\) block"):
                 with engine.generating(kv_cache_bytes=0):
                     pass

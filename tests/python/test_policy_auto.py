@@ -15,7 +15,7 @@ from gemini_ext.placement import policies as policy
 from conftest import DEVICES
 from parity_utils import (config, make_models, max_relative_difference, torch_device, train_gemini,
                           train_reference)
-from placement_utils import CHUNK_BYTES, host_budget, host_room, measured, param_chunk_bytes
+from placement_utils import CHUNK_BYTES, host_budget, host_with_free_bytes, measured, param_chunk_bytes
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -71,7 +71,7 @@ def test_auto_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch, capacit
                  for p in probe.internal.runtime.set_placements()]
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     limit = params_host + optim_host // 2  # room for half the optimizer state
-    host_room(monkeypatch, limit)
+    host_with_free_bytes(monkeypatch, limit)
     kw = {"sim_capacity": capacity_chunks * CHUNK_BYTES} if capacity_chunks else {}
     cfg = config("sim", placement_policy="auto", **kw)
     with warnings.catch_warnings(record=True) as caught:
@@ -118,7 +118,7 @@ def test_auto_refuses_while_planning_a_model_the_host_and_device_cannot_hold_tog
     caller's model keeps its values and devices."""
     sizes = param_chunk_bytes(device)
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
-    host_room(monkeypatch, params_host + optim_host // 4)
+    host_with_free_bytes(monkeypatch, params_host + optim_host // 4)
     cap = {"gpu_memory_limit": sum(sizes)} if device == "cuda" else {"sim_capacity": sum(sizes)}
     model, _ = make_models()
     before = {n: (p.detach().clone(), p.device) for n, p in model.named_parameters()}
@@ -144,7 +144,7 @@ def test_auto_keeps_on_the_device_the_gradients_of_state_the_host_could_not_hold
     sizes = param_chunk_bytes("sim")
     params_host, optim_host = sum(sizes), sum(sizes) * 3  # fp32: gradient, exp_avg, exp_avg_sq
     limit = params_host + int(optim_host * 0.4)
-    host_room(monkeypatch, limit)
+    host_with_free_bytes(monkeypatch, limit)
     device_state = optim_host - int(optim_host * 0.4)  # with its gradients
     cfg = config("sim", placement_policy="auto", overlap_optimizer=False,
                  sim_capacity=device_state + int(0.3 * params_host))
@@ -165,7 +165,7 @@ def test_the_budget_error_names_the_gradients_kept_on_the_device_for_the_host(mo
     sizes = param_chunk_bytes("sim")
     params_host, optim_host = sum(sizes), sum(sizes) * 3
     limit = params_host + int(optim_host * 0.4)
-    host_room(monkeypatch, limit)
+    host_with_free_bytes(monkeypatch, limit)
     monkeypatch.setattr(policy.AutoPolicy, "_check_device_holds_forced_state", lambda *args, **kwargs: None)
     device_state = optim_host - int(optim_host * 0.4)
     cfg = config("sim", placement_policy="auto", overlap_optimizer=False,
@@ -315,7 +315,7 @@ def test_a_model_built_on_the_gpu_whose_state_the_host_cannot_hold_trains(monkey
     tensors' memory serves them), and training matches torch."""
     from parity_utils import LR, WD, train_step
     sizes = param_chunk_bytes("cuda")
-    host_room(monkeypatch, sum(sizes) + sum(sizes) * 3 // 2)  # half the optimizer state
+    host_with_free_bytes(monkeypatch, sum(sizes) + sum(sizes) * 3 // 2)  # half the optimizer state
     model, reference = make_models()
     model.cuda(), reference.cuda()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)

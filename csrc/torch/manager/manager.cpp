@@ -176,7 +176,7 @@ void GeminiManager::apply_placement() {
     const bool device_truth = !set.trainable || !spec.optim_on_host;
     if (set.trainable && !spec.optim_on_host) {
       for (ChunkId id : spec.optimizer_chunks()) {
-        residency_.with_room(id, [&] { mgr_.move(id, Tier::kDevice); });
+        residency_.with_space_for(id, [&] { mgr_.move(id, Tier::kDevice); });
       }
       // Gradients are born on the device in backward and stay there: until then the chunk holds
       // no copy (the engine creates it without one; a first copy elsewhere carries nothing).
@@ -187,7 +187,7 @@ void GeminiManager::apply_placement() {
     if (spec.param_home_on_host) continue;
     if (device_truth) {
       // A frozen chunk or one stepped on the device: its device copy is the truth.
-      residency_.with_room(spec.param, [&] { mgr_.move(spec.param, Tier::kDevice); });
+      residency_.with_space_for(spec.param, [&] { mgr_.move(spec.param, Tier::kDevice); });
       residency_.touch(spec.param);
     } else if (sharded()) {
       residency_.ensure_shard_on_device(spec.param);  // a cache of the permanent host copy

@@ -30,7 +30,8 @@ void GeminiManager::post_accumulate_grad(int param, at::Tensor& p) {
   if (sharded()) {
     // Every rank holds whole gradients until the chunk is reduced: a gathered G buffer.
     if (!set.grad_collecting) {
-      residency_.with_room(g, [&] { mgr_.allocate_gathered(g); }, static_cast<int64_t>(mgr_.chunk(g).chunk_bytes()));
+      residency_.with_space_for(g, [&] { mgr_.allocate_gathered(g); },
+                                static_cast<int64_t>(mgr_.chunk(g).chunk_bytes()));
       gathered_chunk_view(*ctx_, mgr_, g).zero_();  // slots without a gradient, padding and gaps read as 0
       set.grad_collecting = true;
       accumulate = false;  // gradients reduced earlier are added when this buffer is reduced
@@ -95,7 +96,7 @@ void GeminiManager::communicate_grads_locked(ChunkSet& set) {
   if (set.grad_place == GradPlace::kDevice) {
     earlier = shard_view(*ctx_, mgr_, g, Tier::kDevice).clone();
   }
-  residency_.with_room(g, [&] { mgr_.reduce_scatter(g); });
+  residency_.with_space_for(g, [&] { mgr_.reduce_scatter(g); });
   set.grad_collecting = false;
   at::Tensor reduced = shard_view(*ctx_, mgr_, g, Tier::kDevice);
   if (replicas_ != nullptr && replicas_->world_size() > 1) {

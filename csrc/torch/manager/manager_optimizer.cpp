@@ -98,7 +98,7 @@ void GeminiManager::allocate_state_chunks_locked(const std::vector<StateKind>& k
       const ChunkId id = state_chunks[s][k];
       const Tier tier = tier_of(s);
       if (tier == Tier::kDevice) {
-        residency_.with_room(id, [&] { mgr_.allocate_copy(id, tier); });
+        residency_.with_space_for(id, [&] { mgr_.allocate_copy(id, tier); });
       } else {
         mgr_.allocate_copy(id, tier);
       }

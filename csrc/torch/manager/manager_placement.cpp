@@ -22,7 +22,7 @@ size_t GeminiManager::reclaim_device_bytes(size_t bytes) {
   // time and trim after each (trim waits for the slots' last uses), until enough came back or
   // nothing else may go (chunks in COMPUTE stay).
   size_t released = mgr_.trim(Tier::kDevice);  // free slots cached by the pools
-  while (released < bytes && residency_.make_room(-1)) released += mgr_.trim(Tier::kDevice);
+  while (released < bytes && residency_.evict_once(-1)) released += mgr_.trim(Tier::kDevice);
   counters_.reclaims += 1;
   counters_.reclaimed_bytes += before - mgr_.tier_bytes(Tier::kDevice).current;
   return released;
@@ -43,7 +43,7 @@ void GeminiManager::set_optim_on_host(int set_index, bool on_host) {
   const Tier to = on_host ? host : Tier::kDevice;
   for (ChunkId id : set.spec.optimizer_chunks()) {
     if (to == Tier::kDevice) {
-      residency_.with_room(id, [&] { mgr_.move(id, to); });
+      residency_.with_space_for(id, [&] { mgr_.move(id, to); });
     } else {
       mgr_.move(id, to);
     }

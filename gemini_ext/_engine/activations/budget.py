@@ -28,19 +28,19 @@ class Allowed:
                    warm_choice="offload" if offload != "off" else "recompute")
 
 
-def warm_choices(num_blocks: int, warm_choice: str, input_bytes: int, host_room_bytes: int) -> list[str]:
+def warm_choices(num_blocks: int, warm_choice: str, input_bytes: int, host_free_bytes: int) -> list[str]:
     """The measured forward's choices, every block taken as block 0: the inputs the host has room for
-    offloaded (host_room_bytes -1: no limit known), the others kept on the device (recomputed)."""
+    offloaded (host_free_bytes -1: no limit known), the others kept on the device (recomputed)."""
     offloaded = num_blocks if warm_choice == "offload" else 0
-    if offloaded and host_room_bytes >= 0 and input_bytes > 0:
-        offloaded = min(num_blocks, host_room_bytes // input_bytes)
+    if offloaded and host_free_bytes >= 0 and input_bytes > 0:
+        offloaded = min(num_blocks, host_free_bytes // input_bytes)
     return ["offload"] * offloaded + ["recompute"] * (num_blocks - offloaded)
 
 
 def warm_device_bytes(num_blocks: int, warm_choice: str, activation_bytes: int, input_bytes: int,
-                      host_room_bytes: int) -> int:
+                      host_free_bytes: int) -> int:
     """What the measured forward's choices need on the device, every block taken as block 0."""
-    choices = warm_choices(num_blocks, warm_choice, input_bytes, host_room_bytes)
+    choices = warm_choices(num_blocks, warm_choice, input_bytes, host_free_bytes)
     return device_bytes([(activation_bytes, input_bytes, 0.0, 0.0)] * num_blocks, choices)
 
 
@@ -88,7 +88,7 @@ def chunk_need_bytes(device_budget_bytes: int | None, capacity_bytes: int, chunk
     return min(device_budget_bytes or capacity_bytes, chunk_bytes)
 
 
-def room_bytes(capacity_bytes: int, chunk_need: int, figures: dict, warm_activation_bytes: int) -> int:
+def device_free_bytes(capacity_bytes: int, chunk_need: int, figures: dict, warm_activation_bytes: int) -> int:
     """Device bytes the activations may take, from the first iteration's `figures` (the tracer's
     non_model_peak_bytes, non_model_reserved_bytes, device_other_bytes) and what its measured forward's
     choices needed (see [Note: the room, and the budget kept]). What the device holds outside torch
@@ -100,8 +100,8 @@ def room_bytes(capacity_bytes: int, chunk_need: int, figures: dict, warm_activat
     return int(free / held) - other_non_model
 
 
-def plan(blocks: list, room: int, link_bytes_per_s: float, allowed: Allowed, host_room_bytes: int) -> dict:
+def plan(blocks: list, free_bytes: int, link_bytes_per_s: float, allowed: Allowed, host_free_bytes: int) -> dict:
     """The core's per-block plan (keep, recompute, offload) of `blocks` ((activation bytes, input bytes,
     forward s, backward s) each) within `room` device bytes."""
-    return _C.plan_activations(blocks, max(0, room), link_bytes_per_s, LOOKAHEAD, allow_keep=allowed.keep,
-                               allow_recompute=allowed.recompute, host_room_bytes=host_room_bytes)
+    return _C.plan_activations(blocks, max(0, free_bytes), link_bytes_per_s, LOOKAHEAD, allow_keep=allowed.keep,
+                               allow_recompute=allowed.recompute, host_free_bytes=host_free_bytes)

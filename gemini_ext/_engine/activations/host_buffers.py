@@ -38,8 +38,8 @@ class HostBuffers:
         """A uint8 CPU tensor of `nbytes` used by `streams` (raw CUDA streams, the one that writes it
         first; [] on sim), or None when the host has no room for it."""
         if not self._pool.has_free_slot(nbytes):
-            room = host_available_bytes(self._ranks_on_host)
-            if room is not None and nbytes + self._reserve_bytes > room:
+            free_bytes = host_available_bytes(self._ranks_on_host)
+            if free_bytes is not None and nbytes + self._reserve_bytes > free_bytes:
                 self.refused += 1
                 return None
         try:
@@ -48,13 +48,13 @@ class HostBuffers:
             self.refused += 1
             return None
 
-    def room_bytes(self) -> int:
+    def free_bytes(self) -> int:
         """What offloaded tensors may take at once: the buffers held, and what the host can give
         beyond them while keeping its reserve (no limit where the host's room is unknown: -1)."""
-        room = host_available_bytes(self._ranks_on_host)
-        if room is None:
+        free_bytes = host_available_bytes(self._ranks_on_host)
+        if free_bytes is None:
             return -1
-        return self._pool.stats()["reserved_bytes"] + max(0, room - self._reserve_bytes)
+        return self._pool.stats()["reserved_bytes"] + max(0, free_bytes - self._reserve_bytes)
 
     def trim(self) -> None:
         """Gives every free buffer back to the resource (after its copies)."""

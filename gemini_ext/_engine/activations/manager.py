@@ -18,7 +18,7 @@ they use, and the manager's hooks over the model's forward are the only place th
   and a forward with grad made no checkpoint call the engine can see, it warns once that nothing
   went to the host.
 - The first iteration, once block 0 is measured (probe.py) and before any other block runs: the
-  chunks' budget is lowered (placer.leave_room_in_warm_up) so that they, what torch holds already,
+  chunks' budget is lowered (placer.lower_budget_in_warm_up) so that they, what torch holds already,
   what the device holds outside torch (allocator.outside_torch_bytes) and budget.WARM_UP_MARGIN
   times what the measured forward's choices foresee for the activations fit the device budget.
 - After each iteration (the optimizer's step): the plan is made once from the first iteration's
@@ -50,11 +50,11 @@ from .planner import ActivationPlanner
 class ActivationManager:
     """Built by enable() where the config asks for checkpointing or offload (see the note above)."""
 
-    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, leave_room=None,
+    def __init__(self, model, config, device, placement, ranks_on_host: int, cap_torch: bool, lower_budget=None,
                  chunk_floor_bytes: int = 0):
         """`placement`: (chunks, placer, tracer), what the plan's room is read from; `cap_torch`: whether
-        torch's allocator is capped at what the chunks leave (cuda, default allocator); `leave_room(bytes)`
-        lowers the chunks' budget in the first iteration (placer.leave_room_in_warm_up)."""
+        torch's allocator is capped at what the chunks leave (cuda, default allocator); `lower_budget(bytes)`
+        lowers the chunks' budget in the first iteration (placer.lower_budget_in_warm_up)."""
         checkpointing, offload = config.activation_checkpointing, config.activation_offload
         found = find_blocks(model)
         if checkpointing != "off" or offload == "auto":
@@ -78,7 +78,7 @@ class ActivationManager:
                                              host_buffers=self.offload._buffers if self.offload else None)
         self._cap_torch = cap_torch and device.is_cuda and self.planner is not None  # the cap reads the plan's chunks
         self.torch_cap_bytes = None
-        self._leave_room = leave_room
+        self._lower_budget = lower_budget
         self._chunk_floor = chunk_floor_bytes  # the least device bytes the chunks may have (three of the largest sets)
         self.warm_up = None  # what the first block's measurement set: {"foreseen_bytes", "chunk_budget_bytes"}
         if self.planner is not None and self._cap_torch:
@@ -146,7 +146,8 @@ class ActivationManager:
         capacity = self._device.capacity_bytes()
         if budget.warm_up_refused(held + outside + foreseen, capacity, self._device.total_bytes(), floor):
             raise RuntimeError(self.planner.warm_up_refusal(held + outside + foreseen, capacity - floor))
-        self.warm_up["chunk_budget_bytes"] = self._leave_room(held + outside + foreseen) if self._leave_room else None
+        lowered = self._lower_budget(held + outside + foreseen) if self._lower_budget else None
+        self.warm_up["chunk_budget_bytes"] = lowered
         self._apply_torch_cap()
         if self._last_block is not None:  # what the forward allocates after its blocks: see _foresee_the_loss
             self._last_block_hook = self._last_block.register_forward_hook(self._last_block_ended)
@@ -171,17 +172,18 @@ class ActivationManager:
         need = held + self._outside_bytes + foreseen
         capacity = self._device.capacity_bytes()
         if budget.warm_up_refused(need, capacity, self._device.total_bytes(), self._chunk_floor):
-            room, b = capacity - self._chunk_floor, format_bytes
+            free_bytes, b = capacity - self._chunk_floor, format_bytes
             raise RuntimeError(
                 f"gemini_ext: the first forward's largest output ({elements:,} elements) foresees {b(foreseen)} for "
                 f"the loss's backward beside the {b(held)} torch holds and the {b(self._outside_bytes)} outside torch, "
-                f"{b(need - room)} more than the {b(room)} the device budget ({b(capacity)}) leaves beside three chunk "
-                f"sets. The engine keeps the budget rather than run over it: compute the loss over fewer tokens at a "
-                f"time (a smaller batch, or the LM head and loss in pieces), or raise gpu_memory_limit by at least "
-                f"{b(need - room)}.")
+                f"{b(need - free_bytes)} more than the {b(free_bytes)} the device budget ({b(capacity)}) leaves beside "
+                f"three chunk sets. The engine keeps the budget rather than run over it: compute the loss over "
+                f"fewer tokens at a time (a smaller batch, or the LM head and loss in pieces), or raise "
+                f"gpu_memory_limit by at least "
+                f"{b(need - free_bytes)}.")
         logger.info("activations: the loss's backward over the output foresees %s beside the %s torch holds: "
                     "the chunks' budget is lowered", format_bytes(foreseen), format_bytes(held))
-        self.warm_up["chunk_budget_bytes"] = self._leave_room(need) if self._leave_room else None
+        self.warm_up["chunk_budget_bytes"] = self._lower_budget(need) if self._lower_budget else None
         self._apply_torch_cap()
 
     def _apply_torch_cap(self) -> None:
@@ -215,7 +217,7 @@ class ActivationManager:
         if self._last_block_hook is not None:
             self._last_block_hook.remove()
             self._last_block_hook = None
-        self._leave_room = None  # the manager and its chunks go with the engine (close())
+        self._lower_budget = None  # the manager and its chunks go with the engine (close())
         if self.planner is not None:
             self.planner.detach()
         self.calls.unwrap()

@@ -50,23 +50,25 @@ class ActivationPlanner:
         """What the measured forward's choices need on the device, every block taken as block 0: the
         inputs the host has room for offloaded, the others kept on the device (recomputed)."""
         return budget.warm_device_bytes(self._blocks.num_blocks, self._allowed.warm_choice, activation_bytes,
-                                        input_bytes, self.host_room_bytes())
+                                        input_bytes, self.host_free_bytes())
 
-    def host_room_bytes(self) -> int:
+    def host_free_bytes(self) -> int:
         """What offloaded inputs may take of the host (-1: no limit known, or no offload)."""
-        return self._host_buffers.room_bytes() if self._host_buffers is not None else -1
+        return self._host_buffers.free_bytes() if self._host_buffers is not None else -1
 
-    def warm_up_refusal(self, need_bytes: int, room_bytes: int) -> str:
+    def warm_up_refusal(self, need_bytes: int, device_free_bytes: int) -> str:
         """Why the first iteration cannot keep the budget: its activations, foreseen from block 0,
-        need `need_bytes` beside the least the chunks need, and the device budget leaves `room_bytes`."""
+        need `need_bytes` beside the least the chunks need, and the device budget leaves `device_free_bytes`."""
         b, tokens = format_bytes, self._probe.tokens
-        over = need_bytes - room_bytes
-        fit = (f"train on at most about {tokens * max(0, room_bytes) // max(1, need_bytes):,} tokens per step (this "
+        over = need_bytes - device_free_bytes
+        most = tokens * max(0, device_free_bytes) // max(1, need_bytes)
+        fit = (f"train on at most about {most:,} tokens per step (this "
                f"step has {tokens:,}), " if tokens else "train on fewer tokens per step, ")
         return (f"gemini_ext: block 0 of {self._blocks.num_blocks} measured at the first forward foresees "
                 f"{b(need_bytes)} of activations on the device at their least (its own recomputed, the inputs the "
                 f"host cannot take kept; torch's memory so far and the memory outside torch included), {b(over)} "
-                f"more than the {b(room_bytes)} the device budget ({b(self._device.capacity_bytes())}) leaves beside "
+                f"more than the {b(device_free_bytes)} the device budget ({b(self._device.capacity_bytes())}) leaves "
+                f"beside "
                 f"three chunk sets. The engine keeps the budget rather than run over it: {fit}raise "
                 f"gpu_memory_limit by at least {b(over)}, or free host memory for offloaded inputs.")
 
@@ -80,31 +82,32 @@ class ActivationPlanner:
         self._blocks.probe = None
         self.measured = measured = self._probe.blocks()  # see [Note: what is measured] (probe.py)
         warm_bytes = budget.measured_forward_bytes(measured, self._allowed.warm_choice)
-        room = self.room_bytes(warm_bytes)
+        free_bytes = self.device_free_bytes(warm_bytes)
         link = rates.h2d_bytes_per_s(self._device) if self._offload else 0.0
-        host_room = self.host_room_bytes()
-        plan = budget.plan(measured, room, link, self._allowed, host_room)
+        host_free = self.host_free_bytes()
+        plan = budget.plan(measured, free_bytes, link, self._allowed, host_free)
         self._blocks.choices = plan["choices"]
-        self.plan = {**plan, "room_bytes": room, "link_bytes_per_s": link, "host_room_bytes": host_room}
+        self.plan = {**plan, "device_free_bytes": free_bytes, "link_bytes_per_s": link, "host_free_bytes": host_free}
         if not plan["fits"]:
-            message = self._beyond_the_room_message()
+            message = self._beyond_the_budget_message()
             if self._device.kind in self.REFUSING_DEVICES:
                 self.refusal = message
             else:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _beyond_the_room_message(self) -> str:
+    def _beyond_the_budget_message(self) -> str:
         plan, b = self.plan, format_bytes
-        room = max(0, plan["room_bytes"])
-        over = plan["device_bytes"] - room
-        host = (f"; the host has room for {b(plan['host_room_bytes'])} of offloaded inputs and they take "
-                f"{b(plan['host_bytes'])}" if plan["host_room_bytes"] >= 0 else "")
+        free_bytes = max(0, plan["device_free_bytes"])
+        over = plan["device_bytes"] - free_bytes
+        host = (f"; the host has room for {b(plan['host_free_bytes'])} of offloaded inputs and they take "
+                f"{b(plan['host_bytes'])}" if plan["host_free_bytes"] >= 0 else "")
         offload = "" if self._offload else " or set activation_offload='auto'"
         tokens = self._probe.tokens
-        fit = (f"train on at most about {tokens * room // max(1, plan['device_bytes']):,} tokens per step (this step "
+        most = tokens * free_bytes // max(1, plan['device_bytes'])
+        fit = (f"train on at most about {most:,} tokens per step (this step "
                f"had {tokens:,}), " if tokens else "train on fewer tokens per step, ")
         return (f"gemini_ext: the activations of {len(plan['choices'])} blocks need {b(plan['device_bytes'])} of "
-                f"the device at their least, {b(over)} more than the {b(room)} that the chunks leave within the "
+                f"the device at their least, {b(over)} more than the {b(free_bytes)} that the chunks leave within the "
                 f"device budget ({b(self._device.capacity_bytes())}){host}. The engine keeps the budget rather than "
                 f"run over it: {fit}raise gpu_memory_limit by at least {b(over)}{offload}, or free host memory.")
 
@@ -114,9 +117,9 @@ class ActivationPlanner:
         return budget.chunk_need_bytes(self._placer.current.device_budget_bytes, self._device.capacity_bytes(),
                                        chunk_bytes)
 
-    def room_bytes(self, warm_activation_bytes: int) -> int:
+    def device_free_bytes(self, warm_activation_bytes: int) -> int:
         """Device bytes the activations may take (see [Note: the room, and the budget kept])."""
-        return budget.room_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
+        return budget.device_free_bytes(self._device.capacity_bytes(), self.chunk_need_bytes(),
                                  self._tracer.last_device_figures(), warm_activation_bytes)
 
     def outside_torch_bytes(self) -> int:
@@ -132,10 +135,10 @@ class ActivationPlanner:
             return {"decided": False}
         choices = self.plan["choices"]
         return {"decided": True, **{c: choices.count(c) for c in ("keep", "recompute", "offload")},
-                "choices": list(choices), "room_bytes": self.plan["room_bytes"],
+                "choices": list(choices), "device_free_bytes": self.plan["device_free_bytes"],
                 "planned_device_bytes": self.plan["device_bytes"], "added_seconds": self.plan["added_seconds"],
                 "fits": self.plan["fits"], "link_bytes_per_s": self.plan["link_bytes_per_s"],
-                "host_bytes": self.plan["host_bytes"], "host_room_bytes": self.plan["host_room_bytes"],
+                "host_bytes": self.plan["host_bytes"], "host_free_bytes": self.plan["host_free_bytes"],
                 "measured_tokens": self._probe.tokens,
                 # per block (activation bytes, input bytes, forward s, backward s), as the plan took them
                 "measured_blocks": [list(b) for b in self.measured]}

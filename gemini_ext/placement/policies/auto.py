@@ -75,8 +75,8 @@ class AutoPolicy(PlacementPolicy):
         if m.host_available_bytes is None:
             return HostPlan(state_bytes, state_bytes, param_bytes, None, None, False)
         after = m.host_available_bytes + m.host_releasable_bytes
-        room_after = after - host_reserve_bytes(after) - m.frozen_master_bytes
-        room_during = m.host_available_bytes - host_reserve_bytes(after) - m.frozen_master_bytes
+        free_after_bytes = after - host_reserve_bytes(after) - m.frozen_master_bytes
+        free_during_bytes = m.host_available_bytes - host_reserve_bytes(after) - m.frozen_master_bytes
         # What enable() allocates on the host before it releases the model's tensors: a host
         # set's gradient and fp32 master (its moments come with the optimizer), parameter copies.
         master = m.master_itemsize if m.master_itemsize is not None else (4 if m.compute_itemsize != 4 else 0)
@@ -85,17 +85,17 @@ class AutoPolicy(PlacementPolicy):
         in_flight = chunk_floor_bytes(m.set_shard_bytes) * m.world_size
         for born_on_device in (True, False):
             if born_on_device:  # per host element: its state and its parameter copy
-                limit = min(room_after // (m.set_bytes_per_element + m.compute_itemsize),
-                            room_during // (first + m.compute_itemsize))
+                limit = min(free_after_bytes // (m.set_bytes_per_element + m.compute_itemsize),
+                            free_during_bytes // (first + m.compute_itemsize))
             else:  # every parameter chunk has a host copy
-                limit = min((room_after - param_bytes) // m.set_bytes_per_element,
-                            (room_during - param_bytes) // first)
+                limit = min((free_after_bytes - param_bytes) // m.set_bytes_per_element,
+                            (free_during_bytes - param_bytes) // first)
             host_elements = self._elements_from_back(elements, max(0, limit))
             forced_elements = sum(elements) - host_elements
             born = born_on_device and forced_elements > 0
             params_host = host_elements * m.compute_itemsize if born else param_bytes
             plan = HostPlan(state_bytes, host_elements * m.set_bytes_per_element, params_host,
-                            m.host_available_bytes, room_after, born,
+                            m.host_available_bytes, free_after_bytes, born,
                             forced_elements * m.compute_itemsize if born else 0)
             device_bytes = plan.kept_param_bytes + forced_elements * m.set_bytes_per_element + in_flight
             if not born_on_device or device_bytes <= budget:
@@ -156,7 +156,7 @@ class AutoPolicy(PlacementPolicy):
             f"gemini_ext auto placement: the model does not fit this rank's host and device memory. The host has "
             f"{format_bytes(host.available_bytes)} available"
             f"{f' ({m.host_budget_source})' if m.host_budget_source else ''}{released}, planned to "
-            f"{format_bytes(host.room_bytes)} "
+            f"{format_bytes(host.planned_bytes)} "
             f"(less {format_bytes(host_reserve_bytes(host.available_bytes + m.host_releasable_bytes))} kept for the "
             f"process), for {format_bytes(host.params_host_bytes)} of parameter copies and "
             f"{format_bytes(host.state_bytes)} of optimizer state, so the optimizer state of {forced_elements:,} "

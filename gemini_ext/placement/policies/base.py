@@ -120,7 +120,7 @@ class HostPlan:
     host_state_bytes: int
     params_host_bytes: int
     available_bytes: int | None
-    room_bytes: int | None
+    planned_bytes: int | None  # what the plan may take of the host
     params_born_on_device: bool
     kept_param_bytes: int = 0  # born on the device: parameter chunks of the sets whose state is there
 

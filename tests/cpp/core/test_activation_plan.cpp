@@ -11,10 +11,10 @@ namespace {
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 // `n` alike blocks: 10 MiB of activations, a 1 MiB input, 10 ms forward, 20 ms backward.
-ActivationPlanInputs alike(size_t n, int64_t room_bytes, double link_bytes_per_second) {
+ActivationPlanInputs alike(size_t n, int64_t device_free_bytes, double link_bytes_per_second) {
   ActivationPlanInputs in;
   in.blocks.assign(n, BlockCosts{10 * kMiB, 1 * kMiB, 0.010, 0.020});
-  in.room_bytes = room_bytes;
+  in.device_free_bytes = device_free_bytes;
   in.link_bytes_per_second = link_bytes_per_second;
   return in;
 }
@@ -67,7 +67,7 @@ TEST(ActivationPlan, TheHostTakesNoMoreThanItsRoom) {
   // no more than three inputs offloaded and the rest recomputed from the device.
   ActivationPlanInputs in = alike(8, 15 * kMiB, 25e9);
   in.allow_keep = false;
-  in.host_room_bytes = 3 * kMiB + kMiB / 2;
+  in.host_free_bytes = 3 * kMiB + kMiB / 2;
   const ActivationPlan plan = plan_activations(in);
   EXPECT_FALSE(plan.fits);
   EXPECT_EQ(count(plan, BlockActivations::kOffload), 3u);
@@ -88,12 +88,12 @@ TEST(ActivationPlan, TheHostTakesNoMoreThanItsRoom) {
 
 TEST(ActivationPlan, ASlowLinkRecomputesFirstAndOffloadsOnlyWhatRecomputingCannotFree) {
   // 1 MiB at 10 MB/s: 105 ms each way, mostly exposed: recomputing is far cheaper per byte.
-  const ActivationPlan roomy = plan_activations(alike(8, 30 * kMiB, 10e6));
-  EXPECT_TRUE(roomy.fits);
-  EXPECT_EQ(count(roomy, BlockActivations::kOffload), 0u);
+  const ActivationPlan ample = plan_activations(alike(8, 30 * kMiB, 10e6));
+  EXPECT_TRUE(ample.fits);
+  EXPECT_EQ(count(ample, BlockActivations::kOffload), 0u);
   // k recomputed: (8 - k) x 10 + k + 10 (the working set) MiB, within 30 from k = 7
-  EXPECT_EQ(count(roomy, BlockActivations::kRecompute), 7u);
-  EXPECT_EQ(roomy.device_bytes, 27 * kMiB);
+  EXPECT_EQ(count(ample, BlockActivations::kRecompute), 7u);
+  EXPECT_EQ(ample.device_bytes, 27 * kMiB);
   // Room below every block recomputed (18 MiB): inputs must leave the device as well.
   const ActivationPlan tight = plan_activations(alike(8, 15 * kMiB, 10e6));
   EXPECT_TRUE(tight.fits);

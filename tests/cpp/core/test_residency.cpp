@@ -333,10 +333,10 @@ TEST(Residency, APendingCpuStepIsSettledWhenNothingElseCanGo) {
   rig.pipeline_.launch(1, [] {}, [&] { settled = true; }, nullptr, 0);
   rig.pipeline_.hold(false);
   ASSERT_TRUE(rig.pipeline_.pending(1));
-  EXPECT_TRUE(rig.residency_->make_room(-1)) << "settling is a way to make room";
+  EXPECT_TRUE(rig.residency_->evict_once(-1)) << "settling is a way to make room";
   EXPECT_TRUE(settled);
   EXPECT_FALSE(rig.pipeline_.pending(1));
-  EXPECT_FALSE(rig.residency_->make_room(-1)) << "P0 computes, P1 is pinned: nothing left";
+  EXPECT_FALSE(rig.residency_->evict_once(-1)) << "P0 computes, P1 is pinned: nothing left";
 }
 
 TEST(Residency, LoweringTheBudgetEvictsWhatCanGoNow) {

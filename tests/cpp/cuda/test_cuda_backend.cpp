@@ -180,3 +180,5 @@ TEST(CudaBackend, LimitAboveTheDeviceIsRefused) {
 
 }  // namespace
 }  // namespace gx
+
+#undef SKIP_WITHOUT_GPU  // a unity build compiles the next test file in this unit

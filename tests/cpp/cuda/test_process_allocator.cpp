@@ -88,3 +88,5 @@ TEST(ProcessAllocator, TheFractionLimitAsksReclaimersAndFailsCleanlyWithoutThem)
 
 }  // namespace
 }  // namespace gx
+
+#undef SKIP_WITHOUT_GPU  // a unity build compiles the next test file in this unit
