@@ -153,8 +153,8 @@ class HybridOptimizer {
     std::vector<std::pair<size_t, int64_t>> new_steps;    // slot -> step count once confirmed
     std::vector<ChunkId> outputs;                         // chunks whose host copy a spare replaces
     int64_t host_params = 0;
-    bool confirmed = false;
-    bool settled = false;
+    EarlyStepLifecycle lifecycle;         // core/early_step.h: stepped, then judged or (needed before step()) undone
+    std::atomic<bool> confirmed{false};   // the verdict kConfirm: the spares take the copies' place when settled
   };
   // The set's runs (core/early_step.h plan_runs), cut at this rank's shard.
   std::vector<PlannedRun> runs_of(const ChunkSet& set, size_t num_groups) const;

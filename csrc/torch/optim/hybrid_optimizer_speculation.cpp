@@ -173,19 +173,21 @@ void HybridOptimizer::speculate(int set_index) {
   speculations_[set_index] = spec;
   launch_host_step(
       set_index,
-      [grads_landed, work = std::move(work), carry = std::move(carry)] {
+      [spec, grads_landed, work = std::move(work), carry = std::move(carry)] {
         for (const CopyRange& c : carry) std::memcpy(c.to, c.from, c.bytes);
         if (grads_landed) grads_landed->synchronize();
         for (const auto& run : work) run();
+        spec->lifecycle.apply(EarlyStepEvent::kTaskStepped);
       },
       [this, set_index, spec] { finish_speculation(set_index, spec); },
-      [spec] { return spec->confirmed; });
+      [spec] { return spec->confirmed.load(); });
 }
 
 void HybridOptimizer::finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec) {
-  spec->settled = true;
   auto it = speculations_.find(set_index);
   if (it != speculations_.end() && it->second == spec) speculations_.erase(it);
+  // Needed before step() judged it (respond(): discarded): undone, which for spares is nothing to do.
+  if (spec->lifecycle.state() != EarlyStepState::kJudged) spec->lifecycle.apply(EarlyStepEvent::kUndo);
   if (!spec->confirmed) {
     dropped_total_ += 1;
     return;  // the originals are untouched; step() steps the set from them
@@ -230,10 +232,11 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
     const ChunkSet& set = sets_[static_cast<size_t>(s)];
     const bool same_inputs = set.grad_place == GradPlace::kHost && set.spec.optim_on_host &&
                              set.has_grad == spec->has_grad && set.step == spec->steps_before;
-    // settled before step(): needed meanwhile (its results dropped), as an undone guess
-    if (verdict_for(EarlyMode::kSpares, same_inputs && !spec->settled, same_hyper, grad_multiplier) ==
-        EarlyVerdict::kConfirm) {
-      spec->confirmed = true;  // committed when settled
+    // A set needed before step() was settled, and so undone and forgotten, then: every one here is judged.
+    const EarlyVerdict verdict = verdict_for(EarlyMode::kSpares, same_inputs, same_hyper, grad_multiplier);
+    spec->confirmed = verdict == EarlyVerdict::kConfirm;  // read by the pipeline's eager check
+    spec->lifecycle.apply(EarlyStepEvent::kJudge);
+    if (verdict == EarlyVerdict::kConfirm) {  // committed when settled
       ChunkSet& mutable_set = sets_[static_cast<size_t>(s)];
       for (const auto& [k, step] : spec->new_steps) mutable_set.step[k] = step;
       stats_.host_params += spec->host_params;
