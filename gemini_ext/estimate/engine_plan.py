@@ -145,9 +145,8 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
                                     host_free_bytes(m, placement, acts, placement.params_born_on_device))
     held = inputs  # what torch holds then: the batch's embedding, block 0's input
     outside = int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))  # the CUDA context
-    need = held + outside + budget.foreseen_warm_up_bytes(warm)
-    floor = chunk_floor_bytes(m.set_shard_bytes)
-    refused = budget.warm_up_refused(need, machine.capacity_bytes, machine.total_bytes, floor)
+    _, need, refused = budget.warm_up_need(warm, held, outside, machine.capacity_bytes, machine.total_bytes,
+                                           chunk_floor_bytes(m.set_shard_bytes))
     current = placement.device_budget_bytes or machine.capacity_bytes
     return {"foreseen_bytes": need, "refused": refused,
             "chunk_budget_bytes": min(current, warm_up_chunk_budget(machine.capacity_bytes, m.set_shard_bytes, need))}

@@ -82,6 +82,16 @@ def warm_up_refused(need_bytes: int, capacity_bytes: int, total_bytes: int, chun
     return total_bytes > capacity_bytes and need_bytes > capacity_bytes - chunk_floor_bytes
 
 
+def warm_up_need(warm_bytes: int, held_bytes: int, outside_bytes: int, capacity_bytes: int, total_bytes: int,
+                 chunk_floor_bytes: int) -> tuple[int, int, bool]:
+    """The first forward's device need once block 0 is measured: (what is foreseen for the warm-up's
+    activations, that beside torch's `held_bytes` and the `outside_bytes` outside torch, and whether
+    a gpu_memory_limit refuses it). The engine's first-block hook and the estimate both decide here."""
+    foreseen = foreseen_warm_up_bytes(warm_bytes)
+    need = held_bytes + outside_bytes + foreseen
+    return foreseen, need, warm_up_refused(need, capacity_bytes, total_bytes, chunk_floor_bytes)
+
+
 def chunk_need_bytes(device_budget_bytes: int | None, capacity_bytes: int, chunk_bytes: int) -> int:
     """The device bytes the chunks may take: the placement's budget (None or 0: the whole capacity), or
     every chunk's bytes where fewer."""

@@ -132,21 +132,22 @@ class ActivationManager:
             self._apply_torch_cap()
 
     def _first_block_measured(self, activation_bytes: int, input_bytes: int) -> None:  # see [Note: the root forward]
-        foreseen = budget.foreseen_warm_up_bytes(self.planner.warm_device_bytes(activation_bytes, input_bytes))
         held = torch.cuda.memory_reserved(self._device.torch_device)
-        whole = self._device.capacity_bytes() >= self._device.total_bytes()
-        outside = self._outside_bytes = allocator.outside_torch_bytes(self._device.torch_device, whole_device=whole)
+        capacity, total = self._device.capacity_bytes(), self._device.total_bytes()
+        outside = self._outside_bytes = allocator.outside_torch_bytes(self._device.torch_device,
+                                                                      whole_device=capacity >= total)
         floor = self._chunk_floor
+        foreseen, need, refused = budget.warm_up_need(self.planner.warm_device_bytes(activation_bytes, input_bytes),
+                                                      held, outside, capacity, total, floor)
         self.warm_up = {"block0_activation_bytes": activation_bytes, "block0_input_bytes": input_bytes,
                         "foreseen_bytes": foreseen, "torch_reserved_bytes": held, "outside_torch_bytes": outside,
                         "chunk_floor_bytes": floor}
         logger.info("activations: the first forward foresees %s (block 0: %s of activations, %s of input), torch "
                     "holds %s", format_bytes(foreseen), format_bytes(activation_bytes), format_bytes(input_bytes),
                     format_bytes(held))
-        capacity = self._device.capacity_bytes()
-        if budget.warm_up_refused(held + outside + foreseen, capacity, self._device.total_bytes(), floor):
-            raise RuntimeError(self.planner.warm_up_refusal(held + outside + foreseen, capacity - floor))
-        lowered = self._lower_budget(held + outside + foreseen) if self._lower_budget else None
+        if refused:
+            raise RuntimeError(self.planner.warm_up_refusal(need, capacity - floor))
+        lowered = self._lower_budget(need) if self._lower_budget else None
         self.warm_up["chunk_budget_bytes"] = lowered
         self._apply_torch_cap()
         if self._last_block is not None:  # what the forward allocates after its blocks: see _foresee_the_loss
