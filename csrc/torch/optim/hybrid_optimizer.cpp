@@ -328,14 +328,18 @@ void HybridOptimizer::finish_device_set(ChunkSet& set) {
 }
 
 void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier,
-                               StepStats& stats, std::shared_ptr<Event> grads_landed) {
+                               StepStats& stats, std::shared_ptr<Event> grads_landed,
+                               std::shared_ptr<EarlyStepLifecycle> life) {
   ChunkManager& mgr = mgr_;
   ChunkSet& set = sets_[static_cast<size_t>(set_index)];
+  auto stepped = [life] {
+    if (life) life->apply(EarlyStepEvent::kTaskStepped);
+  };
   const std::vector<PlannedRun> runs = runs_of(set, groups.size());
-  if (runs.empty()) return;
+  if (runs.empty()) return stepped();
   if (rule_->steps_whole_sets()) {
     step_whole_set(set_index, runs, grad_multiplier);
-    return;
+    return stepped();
   }
   const bool on_host = set.spec.optim_on_host;
   const bool link = on_host && link_sets_.count(set_index) != 0 && rule_->steps_over_the_link();
@@ -367,7 +371,7 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
   if (!on_host) {
     finish_device_set(set);
     stats.device_seconds += seconds_since(t0);
-    return;
+    return stepped();
   }
   // [Note: the overlapped CPU step]
   // The update runs on the optimizer thread while the caller goes on; the step is exact
@@ -385,11 +389,16 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     host_work.insert(host_work.begin(), [grads_landed] { grads_landed->synchronize(); });
   if (host_work.empty()) {
     complete();
+    stepped();
   } else if (link) {
-    launch_host_step(set_index, link_task(std::move(host_work)), std::move(complete), nullptr, StepLane::kLink);
+    launch_host_step(set_index, [task = link_task(std::move(host_work)), stepped] {
+      task();
+      stepped();
+    }, std::move(complete), nullptr, StepLane::kLink);
   } else {
-    launch_host_step(set_index, [work = std::move(host_work)] {
+    launch_host_step(set_index, [work = std::move(host_work), stepped] {
       for (const auto& run : work) run();
+      stepped();
     }, std::move(complete));
   }
   stats.launch_seconds += seconds_since(t0);

@@ -172,8 +172,9 @@ class HybridOptimizer {
   RunViews set_views(const ChunkSet& set, Tier tier, bool with_param16) const;
   // `grads_landed`: the host steps wait for it first (the gradients' copy to the host, still in
   // flight when the step starts during backward); the set's figures go to `stats`.
+  // `life`: a step in backward's lifecycle, told when the set's runs are done (kTaskStepped).
   void step_set(int set_index, const std::vector<HyperValues>& groups, double grad_multiplier, StepStats& stats,
-                std::shared_ptr<Event> grads_landed = nullptr);
+                std::shared_ptr<Event> grads_landed = nullptr, std::shared_ptr<EarlyStepLifecycle> life = nullptr);
   // A whole-set rule's step of one set in the caller's thread, then P rewritten from the master.
   void step_whole_set(int set_index, const std::vector<PlannedRun>& runs, double grad_multiplier);
   void prepare_device_set(ChunkSet& set);  // P and G on the device, pinned, for the device kernel
@@ -218,7 +219,8 @@ class HybridOptimizer {
   std::optional<std::vector<HyperValues>> armed_;
   size_t spare_allowance_bytes_ = 0;  // new spare bytes this backward's speculations may still take
   bool armed_in_place_ = false;
-  std::set<int> stepped_in_backward_;  // this backward's in-place steps (arm_in_backward), until step()
+  // This backward's in-place steps (arm_in_backward) and their lifecycles, until step() judges them.
+  std::map<int, std::shared_ptr<EarlyStepLifecycle>> stepped_in_backward_;
   StepStats backward_stats_;           // their figures, added to the step's
   std::map<int, std::shared_ptr<Speculation>> speculations_;  // by set index, this backward's
   std::map<ChunkId, void*> spares_;                           // host spare slot per chunk

@@ -210,9 +210,10 @@ void HybridOptimizer::step_in_backward(int set_index) {
                      " sent gradients to the host twice before optimizer.step() (a second backward is refused when "
                      "it begins)");
   if (mgr.in_flight(set.spec.param)) mgr.wait(set.spec.param);  // a fetch may still read P's host copy
-  stepped_in_backward_.insert(set_index);
-  backward_stats_.guessed_sets += 1;  // final: nothing to judge
-  step_set(set_index, *armed_, 1.0, backward_stats_, mgr.copy_event(set.spec.grad));
+  auto life = std::make_shared<EarlyStepLifecycle>();
+  stepped_in_backward_[set_index] = life;
+  backward_stats_.guessed_sets += 1;  // final: step() confirms it (respond(): nothing undoes it)
+  step_set(set_index, *armed_, 1.0, backward_stats_, mgr.copy_event(set.spec.grad), life);
 }
 
 std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier) {
@@ -221,7 +222,11 @@ std::set<int> HybridOptimizer::judge_speculations(const std::vector<HyperValues>
     // Python checked the promise before this call (optim/wrapper.py): other values here are a bug.
     if (!stepped_in_backward_.empty())
       verdict_for(EarlyMode::kInBackward, true, armed_ && *armed_ == groups, grad_multiplier);  // kConfirm
-    confirmed.swap(stepped_in_backward_);
+    for (const auto& [s, life] : stepped_in_backward_) {
+      life->apply(EarlyStepEvent::kJudge);  // its task may still run: judged early, final when it ends
+      confirmed.insert(s);
+    }
+    stepped_in_backward_.clear();
     armed_.reset();
     armed_in_place_ = false;
     return confirmed;
