@@ -66,7 +66,7 @@ def estimate(model: torch.nn.Module, config: GeminiConfig | None = None, *, toke
     gpu_s -= steady["recompute_saved_s"]
     m, chosen = decided["measured"], decided["chosen"]
     parts = step_time.step_parts(config, m, chosen, gpu_s, forward_s, cpu_rate, steady["exposed_copy_s"])
-    memory = step_time.memory(m, decided["initial"], chosen, steady["bytes"], steady["host_bytes"])
+    memory = step_time.memory(m, chosen, decided["host_chunk_bytes"], steady["bytes"], steady["host_bytes"])
     if decided["warm_up"] and decided["warm_up"]["refused"]:
         memory["fits"]["device"] = False  # the first forward would refuse (activations/budget.py)
     step = sum(parts.values())

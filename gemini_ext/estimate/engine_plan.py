@@ -25,6 +25,7 @@ from .._engine.activations.host_buffers import RESERVE_BYTES
 from .._engine.layout import STATE_DTYPES, ChunkLayout
 from .._native import _C
 from ..optim.rules import MAX_STATE_KINDS
+from ..placement import host_fit
 from ..placement.chunk_floor import chunk_floor_bytes
 from ..placement.costs import layout_figures
 from ..placement.policies import Measurements, make_policy, warm_up_chunk_budget
@@ -110,25 +111,14 @@ def displaced_param_bytes(m: Measurements, placement) -> int:
     return max(0, chunk_bytes(m, placement, on_device_only=True) - budget_bytes)
 
 
-def host_chunk_bytes(m: Measurements, placement, params_born_on_device: bool) -> int:
-    """The host's share of the chunks: the host-held optimizer sides and the parameters' host copies
-    (only the host sets' where the parameters are born on the device, decided at enable()), and frozen
-    parameters' masters."""
-    elements, on_host = device_state_elements(m, placement)
-    host_elements = sum(n for n, h in zip(elements, on_host) if h)
-    params = host_elements * m.compute_itemsize if params_born_on_device else sum(m.set_shard_bytes)
-    return host_elements * m.set_bytes_per_element + params + m.frozen_master_bytes
-
-
-def host_free_bytes(m: Measurements, placement, acts: Activations, params_born_on_device: bool) -> int:
+def host_free_bytes(m: Measurements, held_bytes: int, acts: Activations) -> int:
     """What offloaded inputs may take of the host (HostBuffers.free_bytes): what it has beyond the
-    chunks' share and the buffers' reserve; -1 where the host is unknown."""
+    chunks' share `held_bytes` (host_fit.plan_host_bytes) and the buffers' reserve; -1 where the host is unknown."""
     if "host_free_bytes" in acts.recorded:
         return int(acts.recorded["host_free_bytes"])
     if m.host_available_bytes is None:
         return -1
-    held = host_chunk_bytes(m, placement, params_born_on_device)
-    return max(0, m.host_available_bytes + m.host_releasable_bytes - held - RESERVE_BYTES)
+    return max(0, m.host_available_bytes + m.host_releasable_bytes - held_bytes - RESERVE_BYTES)
 
 
 def _block0(acts: Activations) -> tuple[int, int]:
@@ -137,12 +127,12 @@ def _block0(acts: Activations) -> tuple[int, int]:
             int(acts.recorded.get("block0_input_bytes", inputs)))
 
 
-def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> dict:
+def warm_up(m: Measurements, placement, held_bytes: int, acts: Activations, machine: Machine) -> dict:
     """The first forward once block 0 is measured (the activation manager's first-block hook): what it foresees, the
     chunks' budget it leaves, and whether a gpu_memory_limit refuses it."""
     activation, inputs = _block0(acts)
     warm = budget.warm_device_bytes(len(acts.blocks), acts.allowed.warm_choice, activation, inputs,
-                                    host_free_bytes(m, placement, acts, placement.params_born_on_device))
+                                    host_free_bytes(m, held_bytes, acts))
     held = inputs  # what torch holds then: the batch's embedding, block 0's input
     outside = int(acts.recorded.get("device_other_bytes", target.DEVICE_OTHER_BYTES))  # the CUDA context
     _, need, refused = budget.warm_up_need(warm, held, outside, machine.capacity_bytes, machine.total_bytes,
@@ -152,7 +142,7 @@ def warm_up(m: Measurements, placement, acts: Activations, machine: Machine) -> 
             "chunk_budget_bytes": min(current, warm_up_chunk_budget(machine.capacity_bytes, m.set_shard_bytes, need))}
 
 
-def first_iteration_figures(m: Measurements, placement, acts: Activations) -> dict:
+def first_iteration_figures(m: Measurements, held_bytes: int, acts: Activations) -> dict:
     """The tracer's figures of the first iteration: the blocks run with the least device memory the
     plan allows (their inputs offloaded where the host has room), or as the config fixes them."""
     if acts.fixed_choice is not None:
@@ -160,7 +150,7 @@ def first_iteration_figures(m: Measurements, placement, acts: Activations) -> di
     else:
         warm = budget.device_bytes(acts.blocks, budget.warm_choices(
             len(acts.blocks), acts.allowed.warm_choice, acts.blocks[0][1],
-            host_free_bytes(m, placement, acts, placement.params_born_on_device)))
+            host_free_bytes(m, held_bytes, acts)))
     peak = int(acts.recorded.get("non_model_peak_bytes", warm + acts.outside_blocks_bytes))
     figures = {"non_model_peak_bytes": peak,
                "non_model_reserved_bytes": int(acts.recorded.get("non_model_reserved_bytes",
@@ -169,7 +159,7 @@ def first_iteration_figures(m: Measurements, placement, acts: Activations) -> di
     return figures
 
 
-def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figures: dict, offload: bool) -> dict:
+def activation_plan(m: Measurements, chosen, held_bytes: int, acts: Activations, figures: dict, offload: bool) -> dict:
     """The planner's plan after the first iteration, over the room the chosen placement leaves."""
     blocks = [tuple(b) for b in acts.recorded.get("blocks", acts.blocks)]
     warm_bytes = budget.measured_forward_bytes(blocks, acts.allowed.warm_choice)
@@ -180,7 +170,7 @@ def activation_plan(m: Measurements, chosen, born: bool, acts: Activations, figu
     free_bytes = int(acts.recorded["activation_free_bytes"]) if "activation_free_bytes" in acts.recorded else \
         budget.device_free_bytes(m.device_capacity_bytes, need, figures, warm_bytes)
     link = float(acts.recorded.get("link_bytes_per_s", target.H2D_BYTES_PER_S)) if offload else 0.0
-    host_free = host_free_bytes(m, chosen, acts, born)
+    host_free = host_free_bytes(m, held_bytes, acts)
     return {**budget.plan(blocks, free_bytes, link, acts.allowed, host_free), "device_free_bytes": free_bytes,
             "link_bytes_per_s": link, "host_free_bytes": host_free}
 
@@ -194,11 +184,13 @@ def plan(config, layout, machine: Machine, releasable_bytes: int, acts: Activati
     policy = make_policy(config)
     initial = initial_placement(policy, base)
     m0 = Measurements(**base)
+    kinds = layout.planned_state_kinds
+    initial_host_bytes = host_fit.plan_host_bytes(layout, initial, kinds)
     warm = None
     if acts is not None and acts.fixed_choice is None:
-        warm = warm_up(m0, initial, acts, machine)
+        warm = warm_up(m0, initial, initial_host_bytes, acts, machine)
         initial = dataclasses.replace(initial, device_budget_bytes=warm["chunk_budget_bytes"])
-    figures = first_iteration_figures(m0, initial, acts) if acts is not None else {
+    figures = first_iteration_figures(m0, initial_host_bytes, acts) if acts is not None else {
         "non_model_peak_bytes": fixed_peak_bytes,
         "non_model_reserved_bytes": int(fixed_peak_bytes * target.ACTIVATION_RESERVE_RATIO),
         "device_other_bytes": target.DEVICE_OTHER_BYTES}
@@ -207,9 +199,11 @@ def plan(config, layout, machine: Machine, releasable_bytes: int, acts: Activati
     rates.setdefault("optimizer_steps_during_backward", config.optimizer_step_in_backward)
     measured = Measurements(**base, **figures, **rates)
     chosen = policy.after_iteration(measured, initial) if policy.decides_after_iterations("cuda") else initial
+    # the parameters' birth is enable()'s, from the initial plan
+    host_bytes = host_fit.plan_host_bytes(
+        layout, dataclasses.replace(chosen, params_born_on_device=initial.params_born_on_device), kinds)
     activations = None
     if acts is not None and acts.fixed_choice is None:
-        activations = activation_plan(measured, chosen, initial.params_born_on_device, acts, figures,
-                                      config.activation_offload != "off")
+        activations = activation_plan(measured, chosen, host_bytes, acts, figures, config.activation_offload != "off")
     return {"measured": measured, "initial": initial, "chosen": chosen, "warm_up": warm, "first_figures": figures,
-            "activation_plan": activations}
+            "activation_plan": activations, "host_chunk_bytes": host_bytes}

@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..placement.optimizer_lanes import lanes_wait_seconds
 from ..placement.optimizer_split import predicted_exposed_optimizer_seconds
 from . import target
-from .engine_plan import chunk_bytes, device_state_elements, displaced_param_bytes, host_chunk_bytes
+from .engine_plan import chunk_bytes, device_state_elements, displaced_param_bytes
 
 DEVICE_OPTIMIZER_BYTES_PER_ELEMENT = {("fp32", True): 28, ("fp32", False): 28, ("bf16", True): 20, ("bf16", False): 14}
 
@@ -85,12 +85,13 @@ def step_parts(config, m, chosen, gpu_s: float, forward_s: float, cpu_rate: floa
             "fetch_stall": displaced / target.H2D_BYTES_PER_S, "activation_copies": copies_s}
 
 
-def memory(m, initial, chosen, activation_bytes: int, offloaded_host_bytes: int) -> dict:
-    """The plan's device and host bytes, and whether each fits."""
+def memory(m, chosen, host_chunk_bytes: int, activation_bytes: int, offloaded_host_bytes: int) -> dict:
+    """The plan's device and host bytes (`host_chunk_bytes`: the chunks', host_fit.plan_host_bytes), and
+    whether each fits."""
     budget = chosen.device_budget_bytes or m.device_capacity_bytes
     device = min(chunk_bytes(m, chosen, on_device_only=True), budget) + \
         int(activation_bytes * target.ACTIVATION_RESERVE_RATIO) + target.DEVICE_OTHER_BYTES
-    host = host_chunk_bytes(m, chosen, initial.params_born_on_device) + offloaded_host_bytes
+    host = host_chunk_bytes + offloaded_host_bytes
     return {"device_bytes": device, "host_bytes": host,
             "fits": {"device": device <= m.device_capacity_bytes, "device_capacity_bytes": m.device_capacity_bytes,
                      "device_total_bytes": m.device_total_bytes,

@@ -81,6 +81,14 @@ def optimizer_demand(layout, placements: list[dict], state_kinds: int, device_ki
     return _demand(host, device, device_kind, capacity_bytes, device_cap=False)
 
 
+def plan_host_bytes(layout, placement, state_kinds: int) -> int:
+    """The host bytes of the chunks `placement` puts there with an optimizer of `state_kinds` kinds: what
+    enable() and engine.optimizer() check, together (gx.estimate's host figure)."""
+    placements = [{"optim_on_host": s.optim_on_host} for s in placement.sets]
+    return (enable_demand(layout, placement, "cuda", 0).host_bytes
+            + optimizer_demand(layout, placements, state_kinds, "cuda", 0).host_bytes)
+
+
 def _demand(host: int, device: int, device_kind: str, capacity_bytes: int, device_cap: bool = True) -> HostDemand:
     if device_kind != "sim" or not SIM_DEVICE_IS_HOST_MEMORY:
         return HostDemand(host, 0)
