@@ -360,11 +360,14 @@ void ChunkManager::move(ChunkId id, Tier to, bool async) {
   const Tier from = c.shard_tiers().contains(Tier::kDevice) ? Tier::kDevice
               : c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
   add_copy(c, to);
-  start_copy(c, from, to, /*drop_source=*/true, async);
+  start_copy("move", c, from, to, /*drop_source=*/true, async);
 }
 
-void ChunkManager::start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits) {
+void ChunkManager::start_copy(const char* what, Chunk& c, Tier from, Tier to, bool drop_source, bool async,
+                              bool compute_waits) {
   const StreamKind stream = stream_for(from, to);
+  std::shared_ptr<void> range;
+  if (ranges_->active()) range = ranges_->open(detail::concat("gx.", what, " chunk ", c.id(), " to ", to_string(to)));
   // The side stream must see everything compute did to the source (e.g. an optimizer update)
   // and must not overwrite the destination while compute still reads it.
   if (stream != StreamKind::kCompute) backend_.stream_wait_event(stream, backend_.record_event(StreamKind::kCompute));
@@ -389,7 +392,7 @@ void ChunkManager::prefetch(ChunkId id) {
   add_copy(c, Tier::kDevice);  // throws OutOfMemoryError before changing anything
   traffic_.prefetches += 1;
   prefetched_.insert(id);
-  start_copy(c, from, Tier::kDevice, /*drop_source=*/false, /*async=*/true, /*compute_waits=*/false);
+  start_copy("prefetch", c, from, Tier::kDevice, /*drop_source=*/false, /*async=*/true, /*compute_waits=*/false);
 }
 
 void ChunkManager::allocate_copy(ChunkId id, Tier tier) {
@@ -411,7 +414,7 @@ void ChunkManager::transfer(ChunkId id, Tier from, Tier to, bool async) {
            c.shard_tiers().to_string(), "; use move() or allocate_copy() first.");
   GX_INTERNAL_ASSERT(to != Tier::kDevice || c.can_move(), "transfer into the device copy of chunk ", id, " while ",
                      c.count_in(TensorState::kCompute), " of its tensors are in COMPUTE");
-  start_copy(c, from, to, /*drop_source=*/false, async);
+  start_copy("copy", c, from, to, /*drop_source=*/false, async);
 }
 
 void ChunkManager::discard_copy(ChunkId id, Tier tier) {
@@ -432,7 +435,11 @@ void ChunkManager::complete_move(ChunkId id, bool block) {
   auto it = in_flight_.find(id);
   if (it == in_flight_.end()) return;
   if (!block && !it->second.event->query()) return;
-  it->second.event->synchronize();
+  {
+    std::shared_ptr<void> range = ranges_->active() && !it->second.event->query()
+                                      ? ranges_->open(detail::concat("gx.wait chunk ", id)) : nullptr;
+    it->second.event->synchronize();
+  }
   Chunk& c = mutable_chunk(id);
   const Tier from = it->second.from;
   const bool drop_source = it->second.drop_source;

@@ -57,6 +57,7 @@
 #include "communicator.h"
 #include "device_backend.h"
 #include "stat.h"
+#include "trace_ranges.h"
 
 namespace gx {
 
@@ -170,6 +171,9 @@ class ChunkManager {
   void transfer(ChunkId id, Tier from, Tier to, bool async = false);
   void discard_copy(ChunkId id, Tier tier);
   void set_listener(ResidencyListener* listener) { listener_ = listener; }
+  // Copies started ("gx.fetch" for compute, "gx.prefetch", "gx.move" to a tier) and waits for one
+  // ("gx.wait chunk N") open named ranges there (a profiler's timeline); `ranges` outlives the manager.
+  void set_trace_ranges(TraceRanges& ranges) { ranges_ = &ranges; }
   bool in_flight(ChunkId id) const { return in_flight_.count(id) != 0; }
   // The completion event of the copy in flight for this chunk (nullptr if none): a thread that
   // reads the destination without the manager (the optimizer thread) waits on it.
@@ -222,7 +226,9 @@ class ChunkManager {
   std::vector<std::shared_ptr<Event>> last_use_events(Tier tier);  // recorded where a freed slot may be in use
   void* allocate_slot(Tier tier, size_t bytes);  // a chunk slot, its first use ordered after its last uses
   void count_traffic(Tier from, Tier to, size_t bytes);
-  void start_copy(Chunk& c, Tier from, Tier to, bool drop_source, bool async, bool compute_waits = true);
+  // `what` names its range: "move", "prefetch" or "copy"
+  void start_copy(const char* what, Chunk& c, Tier from, Tier to, bool drop_source, bool async,
+                  bool compute_waits = true);
   void check_finalized(const char* what) const;
   void check_can_communicate(const char* what, ChunkId id) const;
 
@@ -250,6 +256,7 @@ class ChunkManager {
   Communicator* communicator_ = nullptr;
   TrafficStats traffic_;
   ResidencyListener* listener_ = nullptr;
+  TraceRanges* ranges_ = &TraceRanges::none();
   bool finalized_ = false;
 };
 

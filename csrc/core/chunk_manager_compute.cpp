@@ -59,6 +59,7 @@ void ChunkManager::bring_shard_to_device(Chunk& c) {
     const Tier from = c.shard_tiers().contains(Tier::kPinnedHost) ? Tier::kPinnedHost : Tier::kPageableHost;
     GX_INTERNAL_ASSERT(c.shard_tiers().contains(from), "chunk ", id, " holds no data on any tier");
     add_copy(c, Tier::kDevice);
+    std::shared_ptr<void> range = ranges_->active() ? ranges_->open(detail::concat("gx.fetch chunk ", id)) : nullptr;
     // Compute needs the chunk from here: the stall is measured from this point. The slot may
     // have been freed a moment ago while compute still read it: the copy starts after that.
     auto compute_reached = backend_.record_event(StreamKind::kCompute);

@@ -20,11 +20,14 @@ void OptimizerPipeline::drain() {
 }
 
 void OptimizerPipeline::launch(int set, std::function<void()> compute, std::function<void()> complete,
-                               std::function<bool()> eager, int64_t priority, StepLane lane) {
+                               std::function<bool()> eager, int64_t priority, StepLane lane, const char* what) {
   GX_INTERNAL_ASSERT(!pending(set), "chunk set ", set, " launched while its previous step is pending");
   std::unique_ptr<SerialExecutor>& worker = workers_[static_cast<int>(lane)];
   if (!worker) worker = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
+  if (ranges_->active())
+    compute = ranges_->traced(detail::concat("gx.", lane == StepLane::kLink ? "link " : "cpu ", what, " set ", set),
+                              std::move(compute));
   std::shared_future<void> done = worker->submit([compute = std::move(compute), seconds, gate = gate_] {
     {
       std::unique_lock<std::mutex> lock(gate->mutex);
@@ -46,12 +49,7 @@ void OptimizerPipeline::settle(int set) {
   Pending step = std::move(it->second);
   pending_.erase(it);
   order_.erase(std::find(order_.begin(), order_.end(), set));
-  if (step.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    const auto t0 = std::chrono::steady_clock::now();
-    step.done.wait();
-    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    waits_ += 1;
-  }
+  wait_for(step.done, set);
   try {
     step.done.get();  // rethrows what the CPU step threw
   } catch (const std::exception& e) {
@@ -67,9 +65,14 @@ void OptimizerPipeline::settle(int set) {
 
 void OptimizerPipeline::wait(int set) {
   auto it = pending_.find(set);
-  if (it == pending_.end() || it->second.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return;
+  if (it != pending_.end()) wait_for(it->second.done, set);
+}
+
+void OptimizerPipeline::wait_for(std::shared_future<void>& done, int set) {
+  if (done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return;
+  std::shared_ptr<void> range = ranges_->active() ? ranges_->open(detail::concat("gx.wait set ", set)) : nullptr;
   const auto t0 = std::chrono::steady_clock::now();
-  it->second.done.wait();
+  done.wait();
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   waits_ += 1;
 }

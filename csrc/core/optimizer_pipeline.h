@@ -14,6 +14,9 @@
 // Lanes. A step runs on one of two threads: kCpu, where the CPU kernels run, or kLink, where
 // a set's step is the device's kernel over the host memory (launched, then waited for), so
 // that the two proceed at once on different sets. Settling is the same for both.
+// Ranges. Each step runs under a range named for its lane, its kind (`what`: "step", "guess",
+// "spare step", "correction") and its set, and a settle or wait that waits for a running step under
+// "gx.wait set N" (TraceRanges: a profiler's timeline).
 #pragma once
 
 #include <condition_variable>
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "core/serial_executor.h"
+#include "core/trace_ranges.h"
 
 namespace gx {
 
@@ -42,7 +46,7 @@ class OptimizerPipeline {
   OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
 
   void launch(int set, std::function<void()> compute, std::function<void()> complete, std::function<bool()> eager,
-              int64_t priority, StepLane lane = StepLane::kCpu);
+              int64_t priority, StepLane lane = StepLane::kCpu, const char* what = "step");
   void settle(int set);      // no-op when the set is not pending
   bool try_settle(int set);  // settles a finished step; false while it runs
   void wait(int set);        // waits for the set's compute part, leaving it pending (no-op when not pending)
@@ -50,6 +54,7 @@ class OptimizerPipeline {
   void settle_finished();    // the eager steps that finished
   void drain();              // waits for every compute part (nothing is settled)
   void set_overlap(bool overlap) { overlap_ = overlap; }  // off: every launch settles at once
+  void set_trace_ranges(TraceRanges& ranges) { ranges_ = &ranges; }  // must outlive the pipeline
 
   bool pending(int set) const { return pending_.count(set) != 0; }
   size_t pending_count() const { return pending_.size(); }
@@ -72,6 +77,7 @@ class OptimizerPipeline {
     std::function<bool()> eager;
     StepLane lane = StepLane::kCpu;
   };
+  void wait_for(std::shared_future<void>& done, int set);  // counted, under a range
   struct Gate {
     std::mutex mutex;
     std::condition_variable opened;
@@ -87,6 +93,7 @@ class OptimizerPipeline {
   double wait_seconds_ = 0.0;
   int64_t waits_ = 0;
   bool overlap_ = true;
+  TraceRanges* ranges_ = &TraceRanges::none();
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
   std::unique_ptr<SerialExecutor> workers_[2];  // per lane; last: joined first
 };

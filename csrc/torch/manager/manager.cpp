@@ -8,6 +8,7 @@
 
 #include "core/errors.h"
 #include "core/memory_pressure.h"
+#include "torch/profiler_ranges.h"
 
 namespace gx::torch_layer {
 
@@ -58,6 +59,8 @@ GeminiManager::GeminiManager(std::shared_ptr<DeviceContext> ctx, ChunkManager& m
   backward_claimed_.assign(params_.size(), 0);
   storages_ = std::make_unique<ParamStorages>(mgr_, ctx_->device_for(Tier::kDevice));
   mgr_.set_listener(storages_.get());
+  mgr_.set_trace_ranges(profiler_ranges());
+  pipeline_.set_trace_ranges(profiler_ranges());
   const at::Device dev = ctx_->device_for(Tier::kDevice);
   refresh_forward_order_locked();  // index order until an iteration is recorded
   reclaimer_id_ = MemoryPressure::instance().add_reclaimer(

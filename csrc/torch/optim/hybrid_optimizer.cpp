@@ -40,11 +40,11 @@ std::vector<PlannedRun> HybridOptimizer::runs_of(const ChunkSet& set, size_t num
   return plan_runs(set.has_grad, group_of_slot, set.step, slots, shard.begin_numel, shard.end_numel, num_groups);
 }
 
-void HybridOptimizer::launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
-                                       std::function<bool()> eager, StepLane lane) {
+void HybridOptimizer::launch_host_step(const char* what, int set_index, std::function<void()> compute,
+                                       std::function<void()> complete, std::function<bool()> eager, StepLane lane) {
   // The next forward's order decides which finished-gradient set the optimizer thread takes next.
   const int64_t priority = order_.rank.at(static_cast<size_t>(set_index));
-  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority, lane);
+  pipeline_.launch(set_index, std::move(compute), std::move(complete), std::move(eager), priority, lane, what);
 }
 
 void HybridOptimizer::set_link_sets(const std::vector<int>& sets) {
@@ -391,12 +391,12 @@ void HybridOptimizer::step_set(int set_index, const std::vector<HyperValues>& gr
     complete();
     stepped();
   } else if (link) {
-    launch_host_step(set_index, [task = link_task(std::move(host_work)), stepped] {
+    launch_host_step("step", set_index, [task = link_task(std::move(host_work)), stepped] {
       task();
       stepped();
     }, std::move(complete), nullptr, StepLane::kLink);
   } else {
-    launch_host_step(set_index, [work = std::move(host_work), stepped] {
+    launch_host_step("step", set_index, [work = std::move(host_work), stepped] {
       for (const auto& run : work) run();
       stepped();
     }, std::move(complete));

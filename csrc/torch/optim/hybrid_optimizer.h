@@ -195,8 +195,9 @@ class HybridOptimizer {
   std::set<int> judge_guesses(const std::vector<HyperValues>& groups, double grad_multiplier);
   void settle_guesses();  // every unjudged guess undone
   std::set<int> judge_speculations(const std::vector<HyperValues>& groups, double grad_multiplier);
-  // Hands a host set's step to the pipeline with its forward position as priority.
-  void launch_host_step(int set_index, std::function<void()> compute, std::function<void()> complete,
+  // Hands a host set's step to the pipeline with its forward position as priority; `what` names
+  // its range ("step", "guess", "spare step", "correction").
+  void launch_host_step(const char* what, int set_index, std::function<void()> compute, std::function<void()> complete,
                         std::function<bool()> eager = nullptr, StepLane lane = StepLane::kCpu);
   // One run of a link-lane set: the rule's device kernel over mapped views of its host views.
   std::function<void()> link_run(const RunViews& host, int64_t step, const HyperValues& hyper,

@@ -121,7 +121,7 @@ void HybridOptimizer::guess(int set_index) {
   std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
   auto counts = guess_counts_;
   launch_host_step(
-      set_index,
+      "guess", set_index,
       [g, grads_landed, work = std::move(work), grads = std::move(grads), counts] {
         if (grads_landed) grads_landed->synchronize();
         bool finite = true;
@@ -294,7 +294,7 @@ std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& gro
     const bool home_on_host = set.spec.param_home_on_host;
     auto counts = guess_counts_;
     launch_host_step(
-        s,
+        "correction", s,
         [work, counts] {
           const auto t0 = std::chrono::steady_clock::now();
           run_all(work);

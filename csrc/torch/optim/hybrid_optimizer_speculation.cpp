@@ -172,7 +172,7 @@ void HybridOptimizer::speculate(int set_index) {
   std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
   speculations_[set_index] = spec;
   launch_host_step(
-      set_index,
+      "spare step", set_index,
       [spec, grads_landed, work = std::move(work), carry = std::move(carry)] {
         for (const CopyRange& c : carry) std::memcpy(c.to, c.from, c.bytes);
         if (grads_landed) grads_landed->synchronize();

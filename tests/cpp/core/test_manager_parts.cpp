@@ -1,8 +1,10 @@
-// The manager's torch-free parts: the hook phase table, the timeline ring, the optimizer pipeline.
+// The manager's torch-free parts: the hook phase table, the timeline ring, the optimizer pipeline and
+// its named ranges.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -12,6 +14,7 @@
 #include "core/hook_phase.h"
 #include "core/optimizer_pipeline.h"
 #include "core/timeline.h"
+#include "core/trace_ranges.h"
 
 namespace gx {
 
@@ -119,6 +122,76 @@ TEST(OptimizerPipeline, LeavesAStepThatMayNotBeSettledEagerlyAndRethrowsAFailure
     EXPECT_NE(what.find("disk on fire"), std::string::npos) << what;
   }
   EXPECT_EQ(settled, (std::vector<int>{0}));
+}
+
+// Records each range's name, thread and order of opening and closing.
+class RecordedRanges final : public TraceRanges {
+ public:
+  struct Range {
+    std::string name;
+    std::thread::id thread;
+    int opened = -1, closed = -1;  // positions in one clock of events
+  };
+  bool active() const override { return true; }
+  std::shared_ptr<void> open(const std::string& name) override {
+    const size_t k = begin(name);
+    return std::shared_ptr<void>(nullptr, [this, k](void*) { end(k); });
+  }
+  std::function<void()> traced(const std::string& name, std::function<void()> work) override {
+    return [this, name, work = std::move(work)] {
+      const size_t k = begin(name);
+      work();
+      end(k);
+    };
+  }
+  std::vector<Range> ranges() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return ranges_;
+  }
+
+ private:
+  size_t begin(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ranges_.push_back({name, std::this_thread::get_id(), clock_++, -1});
+    return ranges_.size() - 1;
+  }
+  void end(size_t k) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ranges_[k].closed = clock_++;
+  }
+  std::mutex mutex_;
+  std::vector<Range> ranges_;
+  int clock_ = 0;
+};
+
+TEST(OptimizerPipeline, NamesEachStepOnItsLanesThreadAndEachWaitOnTheCallersAroundIt) {
+  RecordedRanges recorded;
+  OptimizerPipeline pipe([](int) {}, [](int s) { return "set " + std::to_string(s); });
+  pipe.set_trace_ranges(recorded);
+  pipe.hold(true);  // the settle below finds the step not started: it waits
+  pipe.launch(5, [] {}, [] {}, nullptr, 0, StepLane::kCpu, "guess");
+  pipe.launch(6, [] {}, [] {}, nullptr, 1, StepLane::kLink);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    pipe.hold(false);
+  });
+  pipe.settle(5);
+  opener.join();
+  pipe.settle_all();
+  std::vector<RecordedRanges::Range> ranges = recorded.ranges();
+  auto find = [&](const std::string& name) {
+    for (const auto& r : ranges)
+      if (r.name == name) return r;
+    ADD_FAILURE() << "no range named " << name;
+    return RecordedRanges::Range{};
+  };
+  const auto step = find("gx.cpu guess set 5"), link = find("gx.link step set 6"), wait = find("gx.wait set 5");
+  EXPECT_NE(step.thread, std::this_thread::get_id()) << "a step runs on its lane's thread";
+  EXPECT_NE(link.thread, step.thread) << "each lane has its thread";
+  EXPECT_EQ(wait.thread, std::this_thread::get_id()) << "the caller waits";
+  EXPECT_LT(wait.opened, step.opened);
+  EXPECT_LT(step.closed, wait.closed) << "the wait ends after the step it waited for";
+  for (const auto& r : ranges) EXPECT_GT(r.closed, r.opened) << r.name << " left open";
 }
 
 }  // namespace gx

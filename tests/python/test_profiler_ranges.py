@@ -1,0 +1,51 @@
+"""The engine's work in torch.profiler's trace: the chunk moves and the waits on the caller's thread,
+each host set's step on its lane's thread (csrc/core/trace_ranges.h), named so that a trace opened in
+Perfetto or TensorBoard shows where a step's time goes."""
+
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import gemini_ext as gx
+from parity_utils import CHUNK, LR, batch, make_models
+
+
+def _iteration(model, engine, opt, step):
+    x, y = batch(model.cfg, step, engine.compute_device)
+    with record_function("test.backward"):
+        model(x, y).backward()
+    with record_function("test.step"):
+        opt.step()
+    opt.zero_grad()
+
+
+def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_callers_thread():
+    model, _ = make_models()
+    # static: the optimizer on the host, so every set's step is a host step
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR)
+        for step in range(2):
+            _iteration(model, engine, opt, step)
+        engine.internal.runtime.set_optimizer_task_delay_us(5_000)  # slow steps: the caller waits for some
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _iteration(model, engine, opt, 2)
+            x, _ = batch(model.cfg, 3, engine.compute_device)
+            model(x)  # the next forward settles what is left
+        sets = sum(p["trainable"] and p["optim_on_host"] for p in engine.internal.runtime.set_placements())
+    events = [e for e in prof.events() if e.name.startswith(("gx.", "test."))]
+    kinds = collections.Counter(e.name.split(" set ")[0].split(" chunk ")[0] for e in events)
+    caller = next(e.thread for e in events if e.name == "test.backward")
+    steps = {int(e.name.rsplit(" ", 1)[1]): e for e in events if e.name.startswith("gx.cpu ")}
+    assert len(steps) == sets, kinds
+    assert {e.thread for e in steps.values()} != {caller}, "host steps run on the optimizer's thread"
+    waits = [e for e in events if e.name.startswith("gx.wait set ")]
+    assert waits and all(e.thread == caller for e in waits), kinds
+    for wait in waits:  # each wait ends once the step it waited for ended
+        step = steps[int(wait.name.rsplit(" ", 1)[1])]
+        assert wait.time_range.start <= step.time_range.end <= wait.time_range.end + 1, (wait, step)
+    backward = next(e for e in events if e.name == "test.backward")
+    first = min(steps.values(), key=lambda e: e.time_range.start)
+    assert first.time_range.start >= backward.time_range.start, "no step starts before the gradients"
+    moves = [e for e in events if e.name.startswith("gx.move chunk ") or e.name.startswith("gx.copy chunk ")]
+    assert moves and all(e.thread == caller for e in moves), kinds
