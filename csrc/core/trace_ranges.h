@@ -19,7 +19,7 @@ class TraceRanges {
  public:
   virtual ~TraceRanges() = default;
   virtual bool active() const { return false; }
-  virtual std::shared_ptr<void> open(const std::string  virtual std::shared_ptr<void> open(const std::string& name) { return nullptr; } /*name*/) { return nullptr; }
+  virtual std::shared_ptr<void> open(const std::string& /*name*/) { return nullptr; }
   virtual std::function<void()> traced(const std::string& /*name*/, std::function<void()> work) { return work; }
 
   static TraceRanges& none();  // records nothing; outlives every component
