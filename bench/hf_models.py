@@ -211,6 +211,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--timeout", type=int, default=600, help="seconds per row")
     p.add_argument("--out", default=None, help="path prefix for .md and .json")
     p.add_argument("--smoke", action="store_true", help="a tiny Mixtral, gemini_ext on sim")
+    p.add_argument("--timelines", default=None, metavar="DIR",
+                   help="each row: one more step under torch.profiler, its trace and PNG in DIR/MODEL-BUDGET-SYSTEM/ "
+                        "(bench/timeline.py)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = set(names) - set(SYSTEMS)
@@ -230,8 +233,10 @@ def main(argv=None) -> list[dict]:
         for budget in budgets:
             for name in names:
                 why_not = unavailable(name, args.smoke)
-                row = {"skipped": why_not} if why_not else run_row(name, ["--model", model, *common], budget,
-                                                                  args.timeout)
+                timeline = ["--timeline", os.path.join(args.timelines, f"{model}-{budget or 'whole'}-{name}")] \
+                    if args.timelines else []
+                row = {"skipped": why_not} if why_not else run_row(name, ["--model", model, *common, *timeline],
+                                                                  budget, args.timeout)
                 row.update(name=name, model=model, budget=budget,
                            tokens_per_step=int(common[1]) * int(common[3]))
                 results.append(row)

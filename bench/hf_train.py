@@ -112,6 +112,9 @@ def parse_args(argv=None):
                         "moments: optimizer_state_dtype='bf16', master_weights=False); the peers: fp32 only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="one more step under torch.profiler, untimed: DIR/trace.json and DIR/timeline.png "
+                        "(bench/timeline.py)")
     return p.parse_args(argv)
 
 
@@ -214,10 +217,13 @@ def gemini_system(args, dev_kind: str):
                            weight_decay=WEIGHT_DECAY)
 
     def train_step(x):
-        loss = model(input_ids=x, labels=x).loss
-        (loss * args.loss_scale).backward()
+        with torch.profiler.record_function("bench.forward"):
+            loss = model(input_ids=x, labels=x).loss
+        with torch.profiler.record_function("bench.backward"):
+            (loss * args.loss_scale).backward()
         before = time.perf_counter()
-        opt.step()
+        with torch.profiler.record_function("bench.step"):
+            opt.step()
         if opt.last_grad_norm is not None:
             GRAD_NORMS.append(opt.last_grad_norm)
         opt.zero_grad(set_to_none=True)
@@ -226,7 +232,7 @@ def gemini_system(args, dev_kind: str):
     def stats():
         s = engine.stats()
         engine.close()
-        return {k: s.get(k) for k in ("placement", "last_step", "counters", "traffic", "throughput",
+        return {k: s.get(k) for k in ("placement", "last_step", "counters", "traffic", "throughput", "lanes",
                                       "num_param_chunks", "chunk_size", "tier_bytes", "activations", "speculation")}
 
     return model, engine.compute_device, train_step, stats
@@ -317,6 +323,26 @@ def _gpu_alone(model, dev, loss_scale: float):
     return model, dev, train_step, dict
 
 
+def profiled_step(model, args, train_step, dev) -> dict:
+    """One more step under torch.profiler (untimed), its trace and its picture in args.timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import timeline
+    os.makedirs(args.timeline, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    x = batch_of(model, args, args.steps, dev)
+    with profile(activities=activities) as prof:
+        train_step(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    trace = os.path.join(args.timeline, "trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        busy = timeline.draw(json.load(f), os.path.join(args.timeline, "timeline.png"),
+                             f"{args.model}, {args.batch} x {args.seq}, {args.budget or 'whole device'}: one step")
+    return {"trace": trace, "png": os.path.join(args.timeline, "timeline.png"), "busy_seconds": busy}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
@@ -375,6 +401,8 @@ def main(argv=None) -> dict:
         "torch_reserved_bytes_after_each_step": reserved,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+    if args.timeline:
+        summary.update(timeline=profiled_step(model, args, train_step, dev))
     summary.update(engine=final_stats())
     print(f"== {summary['system']}: {args.model} ({n_params / 1e9:.2f}B) {args.batch} x {args.seq}, budget "
           f"{args.budget or 'whole device'}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step "

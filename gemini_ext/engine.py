@@ -34,7 +34,7 @@ import torch
 
 from . import checkpoint
 from ._native import _C
-from ._engine import generation, guards, registry, restore
+from ._engine import generation, guards, lanes, registry, restore
 from ._engine.build import build_parts
 from ._engine.out_of_memory import out_of_memory_notes
 from ._engine.sharded_state import options_are_sharded
@@ -348,6 +348,8 @@ class GeminiEngine:
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()
+            out["lanes"] = lanes.summary((parts.tracer.steps or [None])[-1], parts.placer.last_settled_step(),
+                                         out["throughput"], out["placement"]["decision"])
             out["speculation"] = parts.optimizer.speculation_summary()  # the host steps started in backward
         return out
 

@@ -25,18 +25,21 @@ void OptimizerPipeline::launch(int set, std::function<void()> compute, std::func
   std::unique_ptr<SerialExecutor>& worker = workers_[static_cast<int>(lane)];
   if (!worker) worker = std::make_unique<SerialExecutor>();
   auto seconds = std::make_shared<double>(0.0);
+  std::function<void()> timed = [compute = std::move(compute), seconds, gate = gate_] {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (gate->delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate->delay_us));
+    compute();
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   if (ranges_->active())
-    compute = ranges_->traced(detail::concat("gx.", lane == StepLane::kLink ? "link " : "cpu ", what, " set ", set),
-                              std::move(compute));
-  std::shared_future<void> done = worker->submit([compute = std::move(compute), seconds, gate = gate_] {
+    timed = ranges_->traced(detail::concat("gx.", lane == StepLane::kLink ? "link " : "cpu ", what, " set ", set),
+                            std::move(timed));
+  std::shared_future<void> done = worker->submit([timed = std::move(timed), gate = gate_] {
     {
       std::unique_lock<std::mutex> lock(gate->mutex);
       gate->opened.wait(lock, [&] { return !gate->held; });
     }
-    if (gate->delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gate->delay_us));
-    const auto t0 = std::chrono::steady_clock::now();
-    compute();
-    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    timed();
   }, priority);
   pending_.emplace(set, Pending{std::move(done), std::move(complete), seconds, std::move(eager), lane});
   order_.push_back(set);

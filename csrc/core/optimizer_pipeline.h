@@ -67,7 +67,7 @@ class OptimizerPipeline {
   int64_t waits() const { return waits_; }
 
   void hold(bool hold);                   // tests: steps wait before they start while held
-  void set_task_delay_us(int64_t delay);  // tests: every step takes this much longer
+  void set_task_delay_us(int64_t delay);  // tests: every step takes this much longer (its seconds count it)
 
  private:
   struct Pending {

@@ -34,6 +34,7 @@ class Placer:
         self._host_steps = {"during_backward": "none", "why": "no backward yet"}  # the last backward's
         self._after_steps_done = False  # the policy wants no more after_step calls for this decision
         self._settled_step = None  # the last step's lanes, once settled (runtime.last_step), for after_step
+        self._last_settled_step = None  # the same, kept: engine.stats()["lanes"]
 
     def note_accumulation(self) -> None:
         """Gradients of this iteration accumulate on the device (engine.no_sync)."""
@@ -45,10 +46,16 @@ class Placer:
         by the forward in between. Read at step() instead, they would be hidden by the steps this
         backward started (speculation: pending until the next forward) or restarted (the step in
         backward restarts the lanes' clocks)."""
-        if self._settled_step is None:
-            last = runtime.last_step()
-            if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
+        last = runtime.last_step()
+        if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
+            self._last_settled_step = last
+            if self._settled_step is None:
                 self._settled_step = last
+
+    def last_settled_step(self) -> dict | None:
+        """The lane figures of the last step whose host steps had all finished when a backward began
+        (runtime.last_step()); None before one did."""
+        return self._last_settled_step
 
     def note_host_steps(self, cover: str, why: str, planned: str | None = None) -> None:
         """Which host sets' CPU steps of this iteration start during backward ("every set", "some

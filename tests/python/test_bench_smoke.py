@@ -340,7 +340,7 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
     without the step in backward, each in its own torchrun process; the peers are listed as
     skipped with the reason, and the rows name what auto chose."""
     pytest.importorskip("transformers")
-    out = run_python("bench/hf_models.py", "--smoke", "--out", str(tmp_path / "hf"))
+    out = run_python("bench/hf_models.py", "--smoke", "--out", str(tmp_path / "hf"), "--timelines", str(tmp_path / "t"))
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "hf.json").read_text())
     trained = {r["name"]: r for r in rows if "step_s_median" in r}
@@ -351,6 +351,10 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
     assert all(r.get("skipped") for r in rows if r["name"] not in trained)
     assert "optimizer chunks" in (tmp_path / "hf.md").read_text()
     assert "no MFU on sim" in (tmp_path / "hf.md").read_text(), "no GPU's peak to measure against on sim"
+    for r in trained.values():  # one more step, profiled: its picture and each lane's busy time
+        timeline = r["timeline"]
+        assert os.path.getsize(timeline["png"]) > 0 and os.path.exists(timeline["trace"])
+        assert timeline["busy_seconds"]["passes"] > 0, timeline
 
 
 def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):

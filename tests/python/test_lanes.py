@@ -1,14 +1,22 @@
-"""The engine's work in torch.profiler's trace: the chunk moves and the waits on the caller's thread,
-each host set's step on its lane's thread (csrc/core/trace_ranges.h), named so that a trace opened in
-Perfetto or TensorBoard shows where a step's time goes."""
+"""Where a step's time goes: the engine's work in torch.profiler's trace (the chunk moves and the
+waits on the caller's thread, each host set's step on its lane's thread: csrc/core/trace_ranges.h),
+named so that a trace opened in Perfetto or TensorBoard shows it, and each lane's busy time in
+engine.stats()["lanes"] (_engine/lanes.py)."""
 
 import collections
+import json
+import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import gemini_ext as gx
+from conftest import REPO
 from parity_utils import CHUNK, LR, batch, make_models
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import timeline  # noqa: E402
 
 
 def _iteration(model, engine, opt, step):
@@ -20,7 +28,7 @@ def _iteration(model, engine, opt, step):
     opt.zero_grad()
 
 
-def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_callers_thread():
+def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_callers_thread(tmp_path):
     model, _ = make_models()
     # static: the optimizer on the host, so every set's step is a host step
     with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK)) as engine:
@@ -49,3 +57,26 @@ def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_
     assert first.time_range.start >= backward.time_range.start, "no step starts before the gradients"
     moves = [e for e in events if e.name.startswith("gx.move chunk ") or e.name.startswith("gx.copy chunk ")]
     assert moves and all(e.thread == caller for e in moves), kinds
+    # bench/timeline.py draws the exported trace: a row per lane, each with its ranges
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    rows = timeline.lanes(json.loads((tmp_path / "trace.json").read_text()))
+    counts = {k: len(v) for k, v in rows.items()}
+    assert counts["CPU lane: host steps"] == sets and counts["waits"] == len(waits), counts
+    assert rows["copies device to host"], "the gradients' copies to the host"
+
+
+def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step():
+    model, _ = make_models()
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK)) as engine:
+        opt = engine.optimizer(torch.optim.AdamW, lr=LR)
+        assert engine.stats()["lanes"]["bound"] is None, "no step yet"
+        engine.internal.runtime.set_optimizer_task_delay_us(20_000)  # the CPU lane: at least 0.2 s a step
+        for step in range(3):
+            _iteration(model, engine, opt, step)
+        stats = engine.stats()
+        sets = sum(p["trainable"] and p["optim_on_host"] for p in engine.internal.runtime.set_placements())
+    lanes = stats["lanes"]
+    assert lanes["busy_seconds"]["cpu"] >= sets * 0.02, "every host set's step, settled before the last backward"
+    assert lanes["bound"] == "cpu", lanes
+    assert 0 < lanes["busy_seconds"]["gpu"] < lanes["busy_seconds"]["cpu"]
+    assert lanes["line"].startswith("cpu bounds the step") and "gpu idles" in lanes["line"], lanes["line"]
