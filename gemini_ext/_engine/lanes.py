@@ -23,6 +23,7 @@ def summary(step: dict | None, last_step: dict | None, throughput: dict, decisio
     """`step`: the tracer's last iteration (its traffic, waits and passes); `last_step`: the
     optimizer's last step whose host steps all finished (Placer.last_settled_step); `throughput`:
     its summary (the median step); `decision`: the placement's (the link's measured rate)."""
+    # see [Note: the lanes of a step]
     step_seconds, h2d_bytes_per_s = throughput["step_seconds"], decision.get("h2d_bytes_per_s")
     if not step or not last_step:
         return {"busy_seconds": None, "waits": None, "step_seconds": step_seconds, "bound": None, "idle_seconds": None,
