@@ -20,8 +20,15 @@ probed rate and the link lane 0.70. Splitting with the probed rates gave the lin
 too many there (it ended last, about 0.1 s after the CPU). The shares vary with the host: in a
 later run on the same kind of machine they were 0.58-0.65 and 0.61-0.68, both lanes together
 stepping 4.5G parameters/s against 6.2G in the first. No lane where the CPU alone is predicted
-not to be waited for (the link carries the forward's fetches too), where steps start during
-backward (speculation: the CPU lane's spares), or where a rate was not measured.
+not to be waited for (the link carries the forward's fetches too) or where a rate was not measured.
+
+Where every host set's step starts during backward (the in-place guess, the step in backward),
+the sets are ready as backward completes them (from the back, at their share of the pass) and
+the lanes take them from then on: whichever lane would finish the ready set the next forward
+reaches first takes it, and the forward waits wherever it reaches a set before its step ended
+(two_lanes_from_backward; the CPU alone: optimizer_split's model of the same window). The
+link lane steps guessed sets as the CPU does, with the same bits (the Note in
+csrc/torch/optim/hybrid_optimizer_in_place.cpp); the spare copies' speculation stays on the CPU.
 
 After the step of a split ran, the split is checked again from what that step measured
 (rebalanced_link_sets): each lane's elements over its kernel seconds in the step, and the next
@@ -36,10 +43,13 @@ set moves no data, so a change costs nothing but the next step's time. The step'
 taken when the next backward begins (every set of it settled by the forward in between), before
 that backward launches speculative steps, which stay pending until step(); the sets a step
 started during its backward (speculation, the back of the model) are left out of the window's
-work, and where every host set's step starts during the backward under way the lane is given up.
+work. Where every host set's step starts during the backward under way, the check is the same
+over backward and the next forward (two_lanes_from_backward).
 """
 
 from __future__ import annotations
+
+import itertools
 
 from .optimizer_split import predicted_exposed_optimizer_seconds
 
@@ -85,13 +95,56 @@ def _list_scheduled(elements: list[int], on_host: list[bool], cpu: float, link: 
     return tuple(chosen)
 
 
+def two_lanes_from_backward(elements: list[int], on_host: list[bool], backward_s: float, forward_s: float,
+                            cpu: float, link: float) -> tuple[tuple, float]:
+    """(the link lane's sets, the next forward's predicted wait) where the host sets step from
+    backward on (the module's note) at the rates `cpu` and `link` (elements/s, while both run);
+    `link` 0: the CPU alone."""
+    total = sum(elements) or 1
+    ready, done = {}, 0
+    for i in reversed(range(len(elements))):
+        done += elements[i]
+        if on_host[i]:
+            ready[i] = backward_s * done / total
+    before = [0, *itertools.accumulate(elements)]  # elements ahead of each set in forward order
+    free, chosen, waited = [0.0, 0.0], [], 0.0  # when each lane (CPU, link) finishes what it took
+    rates = (cpu, link)
+    while ready:
+        clock = max(min(free if link > 0 else free[:1]), min(ready.values()))
+        i = min(j for j, t in ready.items() if t <= clock)  # the most urgent ready set
+        finish = [max(free[k], ready[i]) + elements[i] / rates[k] if rates[k] > 0 else float("inf") for k in (0, 1)]
+        lane = 1 if finish[1] < finish[0] else 0  # a tie stays on the CPU
+        free[lane] = finish[lane]
+        if lane:
+            chosen.append(i)
+        del ready[i]
+        waited = max(waited, finish[lane] - (backward_s + forward_s * before[i] / total))
+    return tuple(sorted(chosen)), waited
+
+
+def _from_backward(m, on_host: list[bool], elements: list[int], cpu: float, link: float, forward_s: float,
+                   shares: tuple) -> tuple[tuple, dict]:
+    """link_lane_sets where every host set steps from backward on (the module's note)."""
+    cpu_only = two_lanes_from_backward(elements, on_host, m.backward_seconds, forward_s, cpu, 0.0)[1]
+    figures = {"link_optimizer_elements_per_s": link, "predicted_exposed_cpu_only_s": cpu_only}
+    if cpu_only <= 0:
+        return (), {**figures, "link_lane_sets": 0}
+    chosen, waited = two_lanes_from_backward(elements, on_host, m.backward_seconds, forward_s, cpu * shares[0],
+                                             link * shares[1])
+    return chosen, {**figures, "link_lane_sets": len(chosen), "predicted_exposed_with_link_s": waited}
+
+
 def link_lane_sets(m, on_host: list[bool]) -> tuple[tuple, dict]:
     """(the sets the link lane steps, the figures of the decision) for measurements `m`
     (policies.Measurements) and the host sets `on_host` (per set, in execution order)."""
     cpu, link, window = m.cpu_optimizer_elements_per_s, m.link_optimizer_elements_per_s, m.forward_seconds
-    if m.optimizer_steps_during_backward or not (cpu > 0 and link > 0 and window > 0) or not any(on_host):
+    if not (cpu > 0 and link > 0 and window > 0) or not any(on_host):
         return (), {}
     elements = [b // m.compute_itemsize for b in m.set_shard_bytes]
+    if m.optimizer_steps_during_backward:
+        if m.backward_seconds <= 0:
+            return (), {}
+        return _from_backward(m, on_host, elements, cpu, link, window, RATE_SHARES_WHILE_BOTH_RUN)
     cpu_only = predicted_exposed_optimizer_seconds(elements, on_host, window, cpu, during_backward=False)
     figures = {"link_optimizer_elements_per_s": link, "predicted_exposed_cpu_only_s": cpu_only}
     if cpu_only <= 0:
@@ -127,9 +180,6 @@ def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple,
     cpu_in, link_in = m.cpu_lane_elements_per_s_in_step, m.link_lane_elements_per_s_in_step
     if window <= 0 or not any(on_host) or not (cpu_in > 0 or link_in > 0):
         return tuple(current), {}
-    if m.optimizer_steps_during_backward:
-        return (), {"host_sets_stepped_in_backward": sum(on_host), "link_lane_sets": 0}
-    at_step = stepped_at_step(on_host, m.host_sets_stepped_in_backward)
     s_cpu, s_link = RATE_SHARES_WHILE_BOTH_RUN
     if cpu_in > 0 and link_in > 0:  # both stepped: their rates while both ran
         cpu, link, cpu_alone = cpu_in, link_in, cpu_in / s_cpu
@@ -139,6 +189,10 @@ def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple,
     if not (cpu > 0 and link > 0):
         return tuple(current), {}
     elements = [b // m.compute_itemsize for b in m.set_shard_bytes]
+    if m.optimizer_steps_during_backward:
+        return _rebalanced_from_backward(m, on_host, elements, current, window, (cpu, link, cpu_alone), cpu_in,
+                                         link_in)
+    at_step = stepped_at_step(on_host, m.host_sets_stepped_in_backward)
     cpu_only = predicted_exposed_optimizer_seconds(elements, at_step, window, cpu_alone, during_backward=False)
     chosen = _list_scheduled(elements, at_step, cpu, link) if cpu_only > 0 else ()
     both = (1.0, 1.0)
@@ -152,3 +206,44 @@ def rebalanced_link_sets(m, on_host: list[bool], current: tuple) -> tuple[tuple,
                     "link_lane_elements_per_s_in_step": link_in, "host_sets_stepped_in_backward":
                     sum(on_host) - sum(at_step), "predicted_wait_kept_split_s": now,
                     "predicted_wait_rebalanced_s": new, "link_lane_sets": len(chosen)}
+
+
+def _rebalanced_from_backward(m, on_host, elements, current: tuple, window: float, rates: tuple, cpu_in: float,
+                              link_in: float) -> tuple[tuple, dict]:
+    """rebalanced_link_sets where every host set steps from backward on: the split that model
+    predicts against the one kept, at the step's rates (`rates`: CPU and link while both run, the
+    CPU alone)."""
+    cpu, link, cpu_alone = rates
+    backward = m.backward_seconds
+
+    def wait_of(link_sets) -> float:  # the forward's wait with `link_sets` fixed on the link lane
+        total = sum(elements) or 1
+        before, done, ready = [0, *itertools.accumulate(elements)], 0, {}
+        for i in reversed(range(len(elements))):
+            done += elements[i]
+            if on_host[i]:
+                ready[i] = backward * done / total
+        waited = 0.0
+        for lane, rate in ((True, link), (False, cpu if link_sets else cpu_alone)):
+            mine, clock = {i: t for i, t in ready.items() if (i in link_sets) == lane}, 0.0
+            while mine:  # each lane takes its ready set the forward reaches first
+                now = [i for i, t in mine.items() if t <= clock]
+                if not now:
+                    clock = min(mine.values())
+                    continue
+                i = min(now)
+                del mine[i]
+                clock += elements[i] / rate
+                waited = max(waited, clock - (backward + window * before[i] / total))
+        return waited
+
+    cpu_only = two_lanes_from_backward(elements, on_host, backward, window, cpu_alone, 0.0)[1]
+    chosen = two_lanes_from_backward(elements, on_host, backward, window, cpu, link)[0] if cpu_only > 0 else ()
+    now, new = wait_of(set(current)), wait_of(set(chosen))
+    if new >= now - max(REBALANCE_MARGIN * window, REBALANCE_MARGIN_MIN_S):
+        chosen = tuple(current)
+    return chosen, {"forward_without_optimizer_wait_s": window, "measured_optimizer_wait_s":
+                    m.forward_optimizer_wait_seconds, "cpu_lane_elements_per_s_in_step": cpu_in,
+                    "link_lane_elements_per_s_in_step": link_in, "host_sets_stepped_in_backward": sum(on_host),
+                    "predicted_wait_kept_split_s": now, "predicted_wait_rebalanced_s": new,
+                    "link_lane_sets": len(chosen)}

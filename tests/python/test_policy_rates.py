@@ -67,8 +67,7 @@ def test_the_link_lane_takes_host_sets_where_the_cpu_alone_would_be_waited_for()
     elements/s). By list scheduling (each set to the lane that would finish it first; a tie stays on
     the CPU) the sets go CPU, CPU, link, CPU, done at 1.19, 2.38, 2.86 and 3.57 s: the last one
     waits 3.57 - 0.875 s. With the probed rates the link lane would have ended last. A CPU fast
-    enough for the window takes none, and without a link rate, or with steps during backward
-    (speculation), nothing changes."""
+    enough for the window takes none, and without a link rate nothing changes."""
     from gemini_ext.placement.optimizer_lanes import RATE_SHARES_WHILE_BOTH_RUN, link_lane_sets
     s_cpu, s_link = RATE_SHARES_WHILE_BOTH_RUN
     on_host = [False] * 4 + [True] * 4
@@ -85,7 +84,27 @@ def test_the_link_lane_takes_host_sets_where_the_cpu_alone_would_be_waited_for()
     chosen, decision = link_lane_sets(measured(**{**figures, "cpu_optimizer_elements_per_s": 1e4}), on_host)
     assert chosen == () and decision["link_lane_sets"] == 0
     assert link_lane_sets(measured(**{**figures, "link_optimizer_elements_per_s": 0.0}), on_host) == ((), {})
-    assert link_lane_sets(measured(**figures, optimizer_steps_during_backward=True), on_host) == ((), {})
+
+
+def test_where_the_host_steps_start_in_backward_the_link_lane_takes_sets_from_then_on():
+    """The figures above with every host set stepping from backward on and a 1 s backward: the
+    host sets are ready at 0.125 (set 7), 0.25, 0.375 and 0.5 s (set 4), and the next forward,
+    from 1 s, reaches them at 1.5 (set 4) to 1.875 s. The CPU alone, taking the ready set the
+    forward reaches first: 7, then 4, 5, 6, ending at 4.125 s, 2.375 s after the forward reached
+    set 6. With the link lane at the shares (84 and 35 elements/s), each ready set to the lane
+    that finishes it first: 7 and 6 on the CPU, 5 on the link lane (3.23 s against the CPU's
+    3.70), 4 on the CPU, done at 3.70 s: the forward waits 2.20 s, for set 4."""
+    from gemini_ext.placement.optimizer_lanes import link_lane_sets, two_lanes_from_backward
+    on_host = [False] * 4 + [True] * 4
+    figures = dict(set_shard_bytes=(200,) * 8, trainable=(True,) * 8, forward_seconds=1.0, backward_seconds=1.0,
+                   cpu_optimizer_elements_per_s=100.0, link_optimizer_elements_per_s=50.0,
+                   optimizer_steps_during_backward=True)
+    assert two_lanes_from_backward([100] * 8, on_host, 1.0, 1.0, 100.0, 0.0) == ((), pytest.approx(2.375))
+    chosen, decision = link_lane_sets(measured(**figures), on_host)
+    assert chosen == (5,) and decision["predicted_exposed_cpu_only_s"] == pytest.approx(2.375)
+    assert decision["predicted_exposed_with_link_s"] == pytest.approx(2 * 100 / 84 + 100 / 84 + 0.125 - 1.5)
+    fast = measured(**{**figures, "cpu_optimizer_elements_per_s": 1e4})
+    assert link_lane_sets(fast, on_host)[0] == (), "a CPU that keeps up alone needs no lane"
 
 
 def test_a_split_is_checked_against_the_step_it_ran():
@@ -125,9 +144,12 @@ def test_a_split_is_checked_against_the_step_it_ran():
     assert chosen == (5,) and checked["host_sets_stepped_in_backward"] == 2
     assert checked["predicted_wait_kept_split_s"] == pytest.approx(200 / 60 - 0.625)  # 100 elements a set
     assert checked["predicted_wait_rebalanced_s"] == pytest.approx(100 / 60 - 0.5)
-    during = measured(**figures, **both, optimizer_steps_during_backward=True)
-    assert lanes.rebalanced_link_sets(during, on_host, (6,)) == ((), {"host_sets_stepped_in_backward": 4,
-                                                                      "link_lane_sets": 0})
+    # every host set steps from backward on (a 1 s backward): the same check over backward and forward
+    during = measured(**figures, **both, optimizer_steps_during_backward=True, backward_seconds=1.0)
+    chosen, checked = lanes.rebalanced_link_sets(during, on_host, ())
+    assert checked["host_sets_stepped_in_backward"] == 4 and chosen == lanes.two_lanes_from_backward(
+        [100] * 8, on_host, 1.0, 1.0, 60.0, 60.0)[0] != ()
+    assert checked["predicted_wait_rebalanced_s"] < checked["predicted_wait_kept_split_s"]
 
 
 @pytest.mark.parametrize("case", ["clipped", "speculating"])

@@ -19,7 +19,7 @@ import torch
 
 import gemini_ext as gx
 from conftest import DEVICES
-from parity_utils import CHUNK, LR, WD, batch, make_models, torch_device
+from parity_utils import CHUNK, LR, WD, batch, host_sets_with_link_lane, make_models, torch_device
 
 PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-9
 
@@ -42,12 +42,14 @@ def _unscaled_norm(model, device) -> float:
 class Lockstep:
     """A speculating engine and a serial one on copies of one model."""
 
-    def __init__(self, device, max_norm):
+    def __init__(self, device, max_norm, link_every=0):
         (self.model, self.serial_model), self.device = make_models(), device
         self.spec_engine = gx.enable(self.model, _config(device, True, max_norm))
         self.serial_engine = gx.enable(self.serial_model, _config(device, False, max_norm))
         self.opt = self.spec_engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
         self.serial_opt = self.serial_engine.optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+        for engine in (self.spec_engine, self.serial_engine):  # every link_every-th host set on the link lane
+            host_sets_with_link_lane(engine, link_every)
         # Where the first iteration's end decides the placement (static on cuda plans for the
         # activations it measured), that iteration steps at step(): the guesses start with the second.
         self.first_guessed = 0 if not self.spec_engine.internal.placer.decides_at_iteration_end() else 1
@@ -139,6 +141,30 @@ def test_fifty_steps_crossing_max_norm_both_ways(device):
     assert held == 18 - run.first_guessed and corrected == 16, (held, corrected)  # none after a clipped step
     assert summary["steps"] == 50 and summary["clip_fraction"] == pytest.approx(16 / 50), summary
     assert summary["spare_bytes"] == 0, "in place: no spare copies"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_link_lane_guesses_beside_the_cpu_with_the_serial_steps_bits(device):
+    """Every other host set on the link lane (the device's kernel over the host state): those
+    guess during backward on their lane as the CPU's sets do on theirs; confirmed, the bits are the
+    serial step's (the link lane's kernel at step()); clipped, corrected within 4 ulps."""
+    max_norm = _unscaled_norm(make_models()[0], device)
+    run = Lockstep(device, max_norm, link_every=2)
+    try:
+        factors = [0.25, 0.25, 4.0, 0.25, 0.25]
+        for k, factor in enumerate(factors):
+            last = run.step(k, factor)
+            clipped = factor > 1.0
+            run.compare(exact=not clipped, what=f"step {k}")
+            assert last["link_params"] > 0 and last["host_params"] > 0, (k, last)
+            if k >= run.first_guessed and (k == 0 or factors[k - 1] < 1.0):  # none after a clipped step
+                assert last["guessed_sets"] == run.spec_engine.stats()["placement"]["optim_chunks_on_host"], (k, last)
+                assert last["corrected_sets"] == (last["guessed_sets"] if clipped else 0), (k, last)
+            run.zero_grad()
+        seconds = run.spec_engine.stats()["lanes"]["busy_seconds"]
+    finally:
+        run.close()
+    assert seconds["link"] > 0 and seconds["cpu"] > 0, seconds
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,9 +6,10 @@
 // the hyperparameters, the fp16 overflow skip. Where the rule can correct its own step (Adam /
 // AdamW with fp32 state: core/kernels/adam_correction.h), each host set is stepped in place as
 // soon as its gradients land, guessing a multiplier of exactly 1 and the hyperparameters of the
-// backward's start, and writing master, moments and the 16-bit host copy of the parameters. No
-// spare memory is taken. step() then gives each set a verdict (core/early_step.h holds the
-// lifecycle and the verdicts):
+// backward's start, and writing master, moments and the 16-bit host copy of the parameters (by
+// the CPU, or for the link lane's sets by the device's kernel over the link: the same bits). No
+// spare memory is taken; a verdict's work runs on the CPU whichever lane stepped the set. step()
+// then gives each set a verdict (core/early_step.h holds the lifecycle and the verdicts):
 //   * the multiplier is 1 and the hyperparameters are the guessed ones: confirmed, nothing to
 //     do, and the bits are the serial step's (the same kernel with the same inputs);
 //   * the multiplier c is below 1 (clipping): one corrective pass per set, the bytes of one
@@ -50,6 +51,7 @@ struct HybridOptimizer::Guess {
   std::vector<RunPlan> runs;
   std::shared_ptr<const std::vector<HyperValues>> groups;  // as guessed
   int64_t host_params = 0;
+  bool link = false;  // stepped by the link lane (the device's kernel over the host state)
   // The verdict's work, written by step() before it judges: for a set the task stepped, and for
   // one it left alone. The task runs it when judged early; else step() launches it.
   std::vector<std::function<void()>> if_stepped;
@@ -111,14 +113,19 @@ void HybridOptimizer::guess(int set_index) {
     int64_t numel;
   };
   std::vector<GradRange> grads;
+  const bool link = link_sets_.count(set_index) != 0 && rule_->steps_over_the_link();  // the same bits
+  g->link = link;
   for_each_run(set, runs, whole, [&](const PlannedRun& r, const RunViews& views) {
-    work.push_back(rule_->prepare_host_run(views, nullptr, r.step_after, groups[static_cast<size_t>(r.group)], 1.0));
+    const HyperValues& hyper = groups[static_cast<size_t>(r.group)];
+    work.push_back(link ? link_run(views, r.step_after, hyper, 1.0)
+                        : rule_->prepare_host_run(views, nullptr, r.step_after, hyper, 1.0));
     grads.push_back({views.grad.data_ptr(), to_gx_dtype(views.grad.scalar_type()), r.shard_numel()});
     g->runs.push_back({views, r.step_after, r.group, r.shard_begin});
     g->host_params += r.shard_numel();
   });
   guesses_[set_index] = g;
   std::shared_ptr<Event> grads_landed = mgr.copy_event(set.spec.grad);  // the D2H just started
+  if (link) work = {link_task(std::move(work))};
   auto counts = guess_counts_;
   launch_host_step(
       "guess", set_index,
@@ -139,7 +146,8 @@ void HybridOptimizer::guess(int set_index) {
         counts->correction_ns += nanoseconds_since(t0);
       },
       [this, set_index, g] { finish_guess(set_index, g); },
-      [g] { return g->lifecycle.state() == EarlyStepState::kJudged && !g->follow_up; });
+      [g] { return g->lifecycle.state() == EarlyStepState::kJudged && !g->follow_up; },
+      link ? StepLane::kLink : StepLane::kCpu);
 }
 
 void HybridOptimizer::finish_guess(int set_index, const std::shared_ptr<Guess>& g) {
@@ -272,7 +280,7 @@ std::set<int> HybridOptimizer::judge_guesses(const std::vector<HyperValues>& gro
     judged_total_ += 1;
     if (verdict != EarlyVerdict::kConfirm) corrected_total_ += 1;
     stats_.guessed_sets += 1;
-    stats_.host_params += g->host_params;
+    (g->link ? stats_.link_params : stats_.host_params) += g->host_params;
     if (verdict == EarlyVerdict::kRedo) {
       stats_.redone_sets += 1;
     } else if (verdict == EarlyVerdict::kCorrect) {
