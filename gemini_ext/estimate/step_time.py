@@ -32,7 +32,7 @@ as a bound, not added.
 
 from __future__ import annotations
 
-from ..placement.optimizer_lanes import lanes_wait_seconds
+from ..placement.optimizer_lanes import RATE_SHARES_WHILE_BOTH_RUN, lanes_wait_from_backward, lanes_wait_seconds
 from ..placement.optimizer_split import predicted_exposed_optimizer_seconds
 from . import target
 from .engine_plan import chunk_bytes, device_state_elements, displaced_param_bytes
@@ -61,6 +61,10 @@ def gpu_seconds(rank_tokens: int, n_total: int, n_trainable: int, recomputed_sha
 def optimizer_wait(m, chosen, backward_s: float, forward_s: float, cpu_rate: float) -> float:
     """The next forward's wait for the host sets' steps (the policy's own schedulers)."""
     elements, on_host = device_state_elements(m, chosen)
+    if m.optimizer_steps_during_backward and chosen.link_sets:  # both lanes from backward on
+        shares = RATE_SHARES_WHILE_BOTH_RUN
+        return lanes_wait_from_backward(elements, on_host, set(chosen.link_sets), backward_s, forward_s,
+                                        cpu_rate * shares[0], target.LINK_ELEMENTS_PER_S * shares[1])
     if m.optimizer_steps_during_backward:  # from backward on, in the order the gradients complete
         return predicted_exposed_optimizer_seconds(elements, on_host, backward_s, cpu_rate, during_backward=True,
                                                    forward_seconds=forward_s)

@@ -122,6 +122,32 @@ def two_lanes_from_backward(elements: list[int], on_host: list[bool], backward_s
     return tuple(sorted(chosen)), waited
 
 
+def lanes_wait_from_backward(elements: list[int], on_host: list[bool], link_sets, backward_s: float,
+                             forward_s: float, cpu: float, link: float) -> float:
+    """The next forward's wait where the host sets step from backward on, `link_sets` on the link
+    lane at `link` elements/s and the others on the CPU at `cpu`, each lane taking its ready set
+    the forward reaches first (the module's note)."""
+    total = sum(elements) or 1
+    before, done, ready = [0, *itertools.accumulate(elements)], 0, {}
+    for i in reversed(range(len(elements))):
+        done += elements[i]
+        if on_host[i]:
+            ready[i] = backward_s * done / total
+    waited = 0.0
+    for lane, rate in ((True, link), (False, cpu)):
+        mine, clock = {i: t for i, t in ready.items() if (i in link_sets) == lane}, 0.0
+        while mine:
+            now = [i for i, t in mine.items() if t <= clock]
+            if not now:
+                clock = min(mine.values())
+                continue
+            i = min(now)
+            del mine[i]
+            clock += elements[i] / rate
+            waited = max(waited, clock - (backward_s + forward_s * before[i] / total))
+    return waited
+
+
 def _from_backward(m, on_host: list[bool], elements: list[int], cpu: float, link: float, forward_s: float,
                    shares: tuple) -> tuple[tuple, dict]:
     """link_lane_sets where every host set steps from backward on (the module's note)."""
@@ -216,30 +242,11 @@ def _rebalanced_from_backward(m, on_host, elements, current: tuple, window: floa
     cpu, link, cpu_alone = rates
     backward = m.backward_seconds
 
-    def wait_of(link_sets) -> float:  # the forward's wait with `link_sets` fixed on the link lane
-        total = sum(elements) or 1
-        before, done, ready = [0, *itertools.accumulate(elements)], 0, {}
-        for i in reversed(range(len(elements))):
-            done += elements[i]
-            if on_host[i]:
-                ready[i] = backward * done / total
-        waited = 0.0
-        for lane, rate in ((True, link), (False, cpu if link_sets else cpu_alone)):
-            mine, clock = {i: t for i, t in ready.items() if (i in link_sets) == lane}, 0.0
-            while mine:  # each lane takes its ready set the forward reaches first
-                now = [i for i, t in mine.items() if t <= clock]
-                if not now:
-                    clock = min(mine.values())
-                    continue
-                i = min(now)
-                del mine[i]
-                clock += elements[i] / rate
-                waited = max(waited, clock - (backward + window * before[i] / total))
-        return waited
-
     cpu_only = two_lanes_from_backward(elements, on_host, backward, window, cpu_alone, 0.0)[1]
     chosen = two_lanes_from_backward(elements, on_host, backward, window, cpu, link)[0] if cpu_only > 0 else ()
-    now, new = wait_of(set(current)), wait_of(set(chosen))
+    now = lanes_wait_from_backward(elements, on_host, set(current), backward, window, cpu if current else cpu_alone,
+                                   link)
+    new = lanes_wait_from_backward(elements, on_host, set(chosen), backward, window, cpu if chosen else cpu_alone, link)
     if new >= now - max(REBALANCE_MARGIN * window, REBALANCE_MARGIN_MIN_S):
         chosen = tuple(current)
     return chosen, {"forward_without_optimizer_wait_s": window, "measured_optimizer_wait_s":
