@@ -12,6 +12,7 @@ A step is timed from one optimizer step to the next (_engine/throughput.py). Wit
 - device_optimizer: the device-held sets' steps.
 The waits are the passes' (for chunks, for host steps). The bound is the busiest lane; each other
 lane idles the step's time less its own. The lanes overlap, so their sum may exceed the step.
+A lane the step did not use gets the reason (`unused`), from the placement's decision.
 """
 
 from __future__ import annotations
@@ -43,4 +44,25 @@ def summary(step: dict | None, last_step: dict | None, throughput: dict, decisio
     line = f"{bound} bounds the step: busy {known[bound]:.3f} s of {whole:.3f} s; " + ", ".join(
         f"{k} idles {v:.3f} s ({v / whole:.0%})" for k, v in idle.items() if whole > 0)
     return {"busy_seconds": busy, "waits": waits, "step_seconds": step_seconds, "bound": bound, "idle_seconds": idle,
-            "line": line}
+            "unused": _unused(busy, last_step, decision), "line": line}
+
+
+def _unused(busy: dict, last_step: dict, decision: dict) -> dict:
+    """Why each lane the step did not use stayed idle."""
+    why = {}
+    if last_step["host_params"] == 0:
+        why["cpu"] = "no set's optimizer state is on the host, or the link lane stepped every one"
+    if last_step["device_params"] == 0:
+        why["device_optimizer"] = "no set's optimizer state is on the device"
+    if last_step["link_params"] == 0:
+        sets = decision.get("rebalance_link_lane_sets", decision.get("link_lane_sets"))
+        if "link_optimizer_elements_per_s" not in decision:
+            why["link"] = "not weighed: no measured link rate, or a placement other than auto"
+        elif decision.get("predicted_exposed_cpu_only_s", 0.0) <= 0 or not sets:
+            why["link"] = "the CPU alone is predicted to finish before the next forward needs its sets"
+        else:
+            why["link"] = f"the split gave it {sets} set(s), none stepped in this step"
+    for lane in ("h2d", "d2h"):
+        if busy[lane] is None:
+            why[lane] = "the link's rate was not measured (auto measures it on cuda)"
+    return why

@@ -80,3 +80,4 @@ def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step()
     assert lanes["bound"] == "cpu", lanes
     assert 0 < lanes["busy_seconds"]["gpu"] < lanes["busy_seconds"]["cpu"]
     assert lanes["line"].startswith("cpu bounds the step") and "gpu idles" in lanes["line"], lanes["line"]
+    assert set(lanes["unused"]) == {"device_optimizer", "link", "h2d", "d2h"}, lanes["unused"]  # static, on sim
