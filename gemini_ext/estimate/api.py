@@ -172,6 +172,7 @@ def _summary(config, decided: dict, parts: dict, step: float, memory: dict, stea
         "activation_bytes": steady["bytes"],
         "step_time_s": step,
         "step_parts_s": parts,
+        "lanes": step_time.lanes(m, chosen, parts, cpu_rate),  # as engine.stats()["lanes"] measures them
         "activation_offload": {"host_bytes": steady["host_bytes"], "device_bytes_freed": steady["freed_bytes"]},
         # activation_checkpointing or activation_offload "auto": blocks kept, recomputed, offloaded
         "activation_plan": None if plan is None else {

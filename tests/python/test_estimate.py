@@ -43,6 +43,11 @@ def test_a_15b_model_on_one_h200_splits_its_state_and_waits_for_the_host():
     assert (big["plan"]["optim_sets_on_device"], big["plan"]["optim_sets_on_host"]) == (36, 38)
     assert big["plan"]["link_lane_sets"] > 0 and big["step_parts_s"]["optimizer_wait"] > 0
     assert big["step_time_s"] == pytest.approx(sum(big["step_parts_s"].values()))
+    lanes = big["lanes"]["busy_seconds"]  # as engine.stats()["lanes"] measures them: both lanes step host sets
+    assert lanes["gpu"] == big["step_parts_s"]["gpu"] and lanes["cpu"] > 0 and lanes["link"] > 0
+    assert (lanes["cpu"] * big["rates"]["cpu_optimizer_elements_per_s"] + lanes["link"] *
+            big["rates"]["link_optimizer_elements_per_s"]) == pytest.approx(big["plan"]["host_stepped_parameters"])
+    assert big["lanes"]["bound"] == max(lanes, key=lanes.get)
     assert big["host_bytes"] <= 125.5 * 2**30 and big["device_bytes"] <= H200["device_bytes"]
     assert by_tokens[1024]["activation_bytes"] * 16 == big["activation_bytes"]
     assert by_tokens[1024]["mfu"] < big["mfu"] < 0.6
