@@ -102,7 +102,18 @@ def auto_choice(row: dict) -> str:
     return (f"optimizer chunks {placement.get('optim_chunks_on_device', '?')} device / "
             f"{placement.get('optim_chunks_on_host', '?')} host{lane}" +
             (f", host steps started in backward: {started}" if started else "") + speculation_choice(row) +
-            activation_choice(row))
+            activation_choice(row) + bound(row))
+
+
+def bound(row: dict) -> str:
+    """The lane that bounded the engine's last settled step and its busy seconds, beside the GPU's
+    (engine.stats()["lanes"])."""
+    lanes = (row.get("engine") or {}).get("lanes") or {}
+    busy = lanes.get("busy_seconds") or {}
+    if not lanes.get("bound"):
+        return ""
+    gpu = f"; GPU {busy['gpu']:.2f} s" if lanes["bound"] != "gpu" else ""
+    return f"; bound: {lanes['bound']} {busy[lanes['bound']]:.2f} s busy{gpu}"
 
 
 def speculation_choice(row: dict) -> str:

@@ -350,6 +350,7 @@ def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):
         assert r["engine"]["placement"]["policy"] == "auto"
     assert all(r.get("skipped") for r in rows if r["name"] not in trained)
     assert "optimizer chunks" in (tmp_path / "hf.md").read_text()
+    assert "; bound: " in (tmp_path / "hf.md").read_text(), "the lane that bounded the step"
     assert "no MFU on sim" in (tmp_path / "hf.md").read_text(), "no GPU's peak to measure against on sim"
     for r in trained.values():  # one more step, profiled: its picture and each lane's busy time
         timeline = r["timeline"]
