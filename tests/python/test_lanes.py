@@ -8,11 +8,12 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import gemini_ext as gx
-from conftest import REPO
+from conftest import DEVICES, REPO
 from parity_utils import CHUNK, LR, batch, make_models
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -28,15 +29,16 @@ def _iteration(model, engine, opt, step):
     opt.zero_grad()
 
 
-def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_callers_thread(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_callers_thread(device, tmp_path):
     model, _ = make_models()
     # static: the optimizer on the host, so every set's step is a host step
-    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK)) as engine:
+    with gx.enable(model, gx.GeminiConfig(device=device, precision="fp32", chunk_config_dict=CHUNK)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR)
         for step in range(2):
             _iteration(model, engine, opt, step)
         engine.internal.runtime.set_optimizer_task_delay_us(5_000)  # slow steps: the caller waits for some
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # the copies on cuda: their ranges at launch
             _iteration(model, engine, opt, 2)
             x, _ = batch(model.cfg, 3, engine.compute_device)
             model(x)  # the next forward settles what is left
@@ -65,9 +67,10 @@ def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_on_the_
     assert rows["copies device to host"], "the gradients' copies to the host"
 
 
-def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step(device):
     model, _ = make_models()
-    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict=CHUNK)) as engine:
+    with gx.enable(model, gx.GeminiConfig(device=device, precision="fp32", chunk_config_dict=CHUNK)) as engine:
         opt = engine.optimizer(torch.optim.AdamW, lr=LR)
         assert engine.stats()["lanes"]["bound"] is None, "no step yet"
         engine.internal.runtime.set_optimizer_task_delay_us(20_000)  # the CPU lane: at least 0.2 s a step
@@ -80,4 +83,4 @@ def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step()
     assert lanes["bound"] == "cpu", lanes
     assert 0 < lanes["busy_seconds"]["gpu"] < lanes["busy_seconds"]["cpu"]
     assert lanes["line"].startswith("cpu bounds the step") and "gpu idles" in lanes["line"], lanes["line"]
-    assert set(lanes["unused"]) == {"device_optimizer", "link", "h2d", "d2h"}, lanes["unused"]  # static, on sim
+    assert {"device_optimizer", "link"} <= set(lanes["unused"]), lanes["unused"]  # static
