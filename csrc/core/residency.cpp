@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "core/belady_eviction.h"
 #include "core/errors.h"
@@ -248,14 +249,26 @@ void Residency::prefetch() {
     prefetch_gathers();
     return;
   }
+  prefetch_unsharded(max_prefetch_, PrefetchQuery{}.lookahead);
+}
+
+int Residency::prefetch_next_forward() {
+  pipeline_.settle_finished();
+  if (!trace_.usable() || sharded()) return 0;
+  return prefetch_unsharded(std::numeric_limits<int>::max(), trace_.recorded().size());
+}
+
+int Residency::prefetch_unsharded(int max_prefetch, size_t lookahead) {
   PrefetchQuery q;
-  q.max_prefetch = max_prefetch_;
+  q.max_prefetch = max_prefetch;
+  q.lookahead = lookahead;
   q.free_bytes = budget() - mgr_.tier_bytes(Tier::kDevice).current;
   q.needs_fetch = [&](ChunkId c) {
     return set_of_chunk(c) >= 0 && !pipeline_.pending(set_of_chunk(c)) &&
            !mgr_.chunk(c).shard_tiers().contains(Tier::kDevice) && !mgr_.in_flight(c);
   };
   q.chunk_bytes = [&](ChunkId c) { return static_cast<int64_t>(mgr_.chunk(c).shard_bytes()); };
+  int started = 0;
   for (ChunkId c : plan_prefetch(trace_, q)) {
     try {
       mgr_.prefetch(c);
@@ -263,7 +276,9 @@ void Residency::prefetch() {
       break;  // the pools' rounding left less room than the plan assumed: fetch it when needed
     }
     note('P', c);
+    started += 1;
   }
+  return started;
 }
 
 void Residency::prefetch_gathers() {

@@ -80,6 +80,11 @@ class Residency {
   void evict(ChunkId id);
   void release_if_idle(ChunkId id);
   void prefetch();
+  // Unsharded: starts copying the chunks the next forward computes with first, in its recorded
+  // order, as many as the budget holds beside what is on the device (not max_prefetch): a phase
+  // that gave the device up hands it back before the forward asks (StatePhases' reload).
+  // Returns the chunks whose copies started; none sharded (a gather is a collective).
+  int prefetch_next_forward();
   void touch(ChunkId id) { lru_.touch(id); }
   // Chunks the optimizer is working on: never chosen for eviction while pinned.
   void pin(ChunkId id) { pinned_.insert(id); }
@@ -95,6 +100,7 @@ class Residency {
 
  private:
   void prefetch_gathers();
+  int prefetch_unsharded(int max_prefetch, size_t lookahead);
   bool param_kept_on_device(const ChunkSet& set) const;
   // The recorded order uses `id` again within kSoonAccesses accesses from now (a layer whose
   // parameters straddle two chunks alternates between them): sending it home now would fetch it

@@ -13,7 +13,9 @@ the device to the host and `reload_states()` brings it back, as DeepSpeed's meth
   is evicted to its host copy, the pools give their free device slots back, and on cuda torch's
   cache of the engine's freed blocks is emptied.
 - Reload: the optimizer sides go back to the device and the budget is the one before; the
-  parameter chunks come back as the next forward reaches them (prefetched ahead as always).
+  parameter chunks the next forward computes with first start copying back at once (as many as
+  the budget holds, on the copy stream: Residency::prefetch_next_forward), the rest as the
+  forward reaches them (prefetched ahead as always). Sharded, the forward gathers them as before.
   The values are the same bytes: training after the round trip is bit-identical.
 - `include` names what moves, in DeepSpeed's words: "optim_states", "hp_params" and "lp_grads" are
   one chunk set's optimizer side in this engine and move together; "lp_params" are the parameter
@@ -88,13 +90,15 @@ class StatePhases:
         return {"optimizer_sets_moved": len(moved), "released_pool_bytes": released,
                 "device_chunk_bytes": self._chunks.tier_bytes("device")["current"]}
 
-    def reload(self) -> None:
+    def reload(self) -> int:
         self._move("reload")
         moved, budget = self._saved
         self._saved = None
         self._runtime.set_device_budget(budget)
         for k in moved:
             self._runtime.set_optim_on_host(k, False)
+        # the forward's first chunks, copied back now on the copy stream: the next step does not wait for them
+        return self._runtime.prefetch_next_forward()
 
     def detach(self) -> None:
         """Lets go of the manager and the chunks (the engine closes)."""

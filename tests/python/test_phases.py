@@ -38,6 +38,8 @@ def test_training_after_a_round_trip_is_bit_identical_and_the_device_is_left_emp
     seen = {}
 
     def round_trip(engine, step):
+        if step in (2, 4):  # the iteration after a round trip: its forward found its chunks copied back
+            seen.setdefault("sync_fetches_after", []).append(engine.stats()["steps"][-1]["sync_fetches"])
         if step not in (1, 3):
             return
         placements = [p["optim_on_host"] for p in engine.internal.runtime.set_placements()]
@@ -48,6 +50,7 @@ def test_training_after_a_round_trip_is_bit_identical_and_the_device_is_left_emp
             seen.setdefault("torch_reserved", []).append(torch.cuda.memory_reserved())
         engine.reload_states()
         assert [p["optim_on_host"] for p in engine.internal.runtime.set_placements()] == placements
+        seen.setdefault("device_bytes_reloaded", []).append(engine.stats()["tier_bytes"]["device"]["current"])
 
     plain_params, plain_losses = _train(device, 5)
     params, losses = _train(device, 5, round_trip)
@@ -55,6 +58,8 @@ def test_training_after_a_round_trip_is_bit_identical_and_the_device_is_left_emp
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert seen["device_bytes"] == [0, 0], seen  # no chunk is left on the device
     assert all(n >= 1 for n in seen["moved"]), seen  # the tiny model's optimizer state was on the device
+    # reload_states() starts the parameter chunks back at once: the next forward waits for none
+    assert all(b > 0 for b in seen["device_bytes_reloaded"]) and seen["sync_fetches_after"] == [0, 0], seen
 
 
 def test_the_context_manager_and_the_mistakes_each_name_the_fix():

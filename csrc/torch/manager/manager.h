@@ -163,6 +163,9 @@ class GeminiManager {
   void set_max_prefetch(int max_prefetch) { residency_.set_max_prefetch(max_prefetch); }
   // The device bytes chunks may hold (0: the backend's capacity); lowering it evicts now.
   void set_device_budget(int64_t bytes);
+  // Starts the copies of the chunks the next forward computes with first, as many as the budget
+  // holds (Residency::prefetch_next_forward); returns how many started.
+  int prefetch_next_forward();
   int64_t device_budget() const;
   // Moves one set's optimizer state (master and states) between the host (CPU kernel) and the
   // device (device kernel), between steps. The policy decides; this carries it out.

@@ -12,6 +12,11 @@ void GeminiManager::set_device_budget(int64_t bytes) {
   residency_.set_budget(bytes);
 }
 
+int GeminiManager::prefetch_next_forward() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  return residency_.prefetch_next_forward();
+}
+
 size_t GeminiManager::reclaim_device_bytes(size_t bytes) {
   if (mutex_.held_by_this_thread()) return 0;  // an allocation inside one of our own calls
   std::unique_lock<OwnedMutex> lock(mutex_, std::try_to_lock);
