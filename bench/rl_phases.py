@@ -18,11 +18,10 @@ iteration measures and places); then each iteration:
   stream     engine.named_parameters_for_inference(bf16): every parameter whole, each dropped
              once seen (what a colocated inference engine would copy into its own weights)
   offload    engine.offload_states(): the device's chunks, the optimizer sides and the pools' free
-             blocks to the host
-             (where the host cannot hold it all, the refusal is printed and the parameter chunks
-             alone move: include=["lp_params"])
-  reload     engine.reload_states(): the optimizer sides back; the parameter chunks come back with
-             the next forward, whose extra time over the iteration's train step is printed beside it
+             blocks to the host (where the host cannot hold it all, what it can; the rest stays on
+             the device and is in the row's "kept_on_device")
+  reload     engine.reload_states(): the optimizer sides back and the next forward's first parameter
+             chunks copying back; the next train step's extra time over the iteration's is printed beside it
 
 Generation also counts torch's allocator retries (a cudaFree of cached blocks and a retry, each
 a device synchronisation, when an allocation meets the cap) and its device allocations.
@@ -205,12 +204,7 @@ def iteration(model, engine, opt, args, step: int, clock: Clock, rates: dict) ->
     _, row["settle_s"] = clock(engine.synchronize)
     row["stream"], row["stream_s"] = clock(lambda: stream(engine, dev))
     before = device_figures(engine, dev)
-    try:
-        moved, row["offload_s"] = clock(lambda: engine.offload_states())
-    except MemoryError as refused:  # the host cannot hold every state: the parameter chunks only
-        row["offload_refused"] = str(refused)
-        print(f"offload_states() refused: {refused}\nthe parameter chunks only:", flush=True)
-        moved, row["offload_s"] = clock(lambda: engine.offload_states(include=["lp_params"]))
+    moved, row["offload_s"] = clock(lambda: engine.offload_states())  # what the host cannot take stays
     row["offloaded"] = dict(moved, before=before, after=device_figures(engine, dev))
     _, row["reload_s"] = clock(engine.reload_states)
     row["reloaded_device"] = device_figures(engine, dev)

@@ -202,8 +202,8 @@ class GeminiEngine:
         pools' free blocks) to the host, so another phase (generation by an inference engine) has
         the device; `include`: DeepSpeed's state names ("optim_states", "hp_params", "lp_grads",
         "lp_params"; None: all). Training needs reload_states() first
-        (see [Note: offloading the states], _engine/phases.py). `non_blocking` is accepted for
-        DeepSpeed's signature: the move is complete on return. Returns what moved."""
+        (see [Note: offloading the states], _engine/phases.py). `non_blocking`: DeepSpeed's; the move is
+        complete on return. Returns what moved, and what the host could not take (`kept_on_device`)."""
         self.internal.check_open("offload_states")
         return self.internal.phases.offload(include)
 

@@ -160,7 +160,7 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.sharded_state = ShardedState(parts, model)
     # see [Note: what MFU counts] (throughput.py)
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
-    parts.phases = StatePhases(runtime, parts.chunks, parts.device, parts.groups.ranks_on_host())
+    parts.phases = StatePhases(runtime, parts.chunks, parts.layout, parts.device, parts.groups.ranks_on_host())
     _plan_activations(parts, model)
     parts.generation = GenerationBudget(runtime, layout, parts.phases, parts.activations, parts.groups.ranks_on_host())
 
