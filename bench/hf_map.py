@@ -84,7 +84,7 @@ def estimate_row(model, budget: str | None, common: dict, args) -> dict:
     e = gx.estimate(model, config, **common)
     return {"step_s": e["step_time_s"], "device_name": e["inputs"]["device_name"],
             **{k: e[k] for k in ("fits", "step_parts_s", "activation_plan", "rates", "plan", "device_bytes",
-                                 "host_bytes", "pcie_bound_s")}}
+                                 "host_bytes", "pcie_bound_s", "lanes")}}
 
 
 def reestimate(rows: list[dict], args) -> list[dict]:
@@ -183,18 +183,32 @@ def estimate_cell(est: dict, step: float) -> str:
     return f"{est['step_s']:.2f} ({(est['step_s'] - step) / step:+.0%})"
 
 
+def lanes_cell(row: dict) -> str:
+    """The lane that bounded the step, measured (engine.stats()["lanes"]) / estimated, and the
+    largest error of the estimated lanes' busy seconds among the lanes busy 0.05 s or more."""
+    measured = ((row.get("engine") or {}).get("lanes") or {})
+    estimated = (row.get("estimate") or {}).get("lanes") or {}
+    if not measured.get("bound") or not estimated.get("bound"):
+        return "-"
+    m, e = measured["busy_seconds"], estimated["busy_seconds"]
+    errors = [abs(e[k] - m[k]) / m[k] for k in m if m[k] is not None and m[k] >= 0.05 and e.get(k) is not None]
+    worst = f" ({max(errors):.0%})" if errors else ""
+    return f"{measured['bound']} / {estimated['bound']}{worst}"
+
+
 def table(rows: list[dict], peak_tflops: float) -> str:
     again = any("estimate_now" in r for r in rows)
     lines = ["| model | budget | tokens/step | system | step s | tokens/s | MFU | device peak GiB (chunks + torch "
              "allocated / + torch reserved) | host RSS GiB | "
              "bound s (GPU / CPU / PCIe) | x bound | estimate s (error) |" +
              (" estimate now s (error) |" if again else "") +
-             " auto chose |", "|---" * (14 if again else 13) + "|"]
+             " lanes' bound measured / estimated (worst lane error) | auto chose |",
+             "|---" * (15 if again else 14) + "|"]
     for r in rows:
         head = (f"| {r['model']} | {r['budget'] or 'whole device'} | {r['batch'] * r['seq']:,} "
                 f"({r['batch']} x {r['seq']}) | {hf_models.LABELS[r['name']]} |")
         if "step_s_median" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} |" + " |" * (8 + again))
+            lines.append(f"{head} {r.get('skipped') or r.get('error', '?')} |" + " |" * (9 + again))
             continue
         step, tokens = r["step_s_median"], r["batch"] * r["seq"]
         mfu = hf_models.row_mfu(r, tokens, peak_tflops) if peak_tflops else None
@@ -206,7 +220,8 @@ def table(rows: list[dict], peak_tflops: float) -> str:
                  f"{(r.get('peak_host_rss_bytes') or 0) / 2**30:.1f}",
                  " / ".join(cell(b.get(k), ".2f") for k in ("gpu", "cpu", "pcie")),
                  f"{step / b['bound']:.2f}" if b.get("bound") else "-", estimate_cell(est, step)] + (
-            [estimate_cell(r.get("estimate_now") or {}, step)] if again else []) + [hf_models.auto_choice(r)]
+            [estimate_cell(r.get("estimate_now") or {}, step)] if again else []) + [lanes_cell(r),
+                                                                                     hf_models.auto_choice(r)]
         lines.append(head + " " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

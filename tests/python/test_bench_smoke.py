@@ -375,6 +375,7 @@ def test_hf_map_bench_estimates_and_bounds_each_row(tmp_path):
     assert row["bound"]["cpu"] is not None and row["bound"]["bound"] is None  # no GPU alone, no bound
     assert "| 64 (2 x 32) |" in (tmp_path / "map.md").read_text() and "%)" in (tmp_path / "map.md").read_text()
     assert "no MFU on sim" in (tmp_path / "map.md").read_text() and " | - | " in (tmp_path / "map.md").read_text()
+    assert row["estimate"]["lanes"]["bound"] and row["engine"]["lanes"]["bound"], "the lanes, estimated and measured"
     # the record: the machine, the tree, and each row as the tables and the estimate's test read it
     record = json.loads((tmp_path / "rec" / "smoke.json").read_text())
     assert record["preset"] == "smoke" and record["runs"] == "bench/hf_map.py --smoke --state 8-byte"
