@@ -192,7 +192,10 @@ void def_manager_speculation(py::module_& m) {
 void def_manager_guesses(py::module_& m) {
   auto cls = py::reinterpret_borrow<py::class_<GeminiManager>>(m.attr("GeminiManager"));
   using torch_layer::HybridOptimizer;
-  cls.def("speculation_memory",
+  cls.def("guess_supported",  // whether host_steps="in_place" guesses (else it takes spares)
+          [](GeminiManager& g) { return g.with_optimizer([](HybridOptimizer& o) { return o.guess_supported(); }); },
+          nogil())
+      .def("speculation_memory",
            [](GeminiManager& g) {
              EarlyStepPolicy::Memory mem;
              {

@@ -279,7 +279,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     "after every backward. To accumulate gradients over several backward passes, run all but the "
                     "last under engine.no_sync() or set enable_gradient_accumulation=True.")
             self._in_backward_hyper = hyper  # step() completes the step with these
-        spares_possible = cfg.host_steps in ("spares", "in_place") and self.rule.native
+        # the host's free bytes only where the policy may take spares (in place guesses need none)
+        spares_possible = self.rule.native and (cfg.host_steps == "spares" or (
+            cfg.host_steps == "in_place" and not parts.runtime.guess_supported()))
         decision = parts.runtime.backward_started(
             hyper, host_steps=cfg.host_steps, optimizer_name=self.opt_class.__name__, rule_native=self.rule.native,
             loss_scaled=parts.scaler is not None, max_norm=float(cfg.max_norm),

@@ -145,6 +145,8 @@ class HybridOptimizer {
   int64_t guesses_corrected() const { return corrected_total_; }  // or undone and redone at step()
   const EarlyStepPolicy& early_step_policy() const { return policy_; }
   EarlyStepPolicy& early_step_policy() { return policy_; }
+  // Whether the rule corrects its in-place step for every host set's dtypes (no side effects).
+  bool guess_supported() const;
 
  private:
   struct Speculation {
@@ -184,8 +186,6 @@ class HybridOptimizer {
   void arm_spares(const std::vector<HyperValues>& groups, int64_t spare_allowance_bytes);
   void arm_guess(const std::vector<HyperValues>& groups);
   void arm_in_backward(const std::vector<HyperValues>& groups);
-  // Whether the rule corrects its in-place step for every host set's dtypes (no side effects).
-  bool guess_supported() const;
   void finish_speculation(int set_index, const std::shared_ptr<Speculation>& spec);
   void step_in_backward(int set_index);  // arm_in_backward: the set's step as step() runs it, started now
   struct Guess;
