@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 
-from .optimizer_split import predicted_exposed_optimizer_seconds
+from .optimizer_split import predicted_exposed_optimizer_seconds, ready_from_backward
 
 RATE_SHARES_WHILE_BOTH_RUN = (0.84, 0.70)  # (CPU, link lane): of each probed rate, while both step (H200 host)
 REBALANCES = 3              # checks of a split against its measured step, per decision
@@ -101,11 +101,7 @@ def two_lanes_from_backward(elements: list[int], on_host: list[bool], backward_s
     backward on (the module's note) at the rates `cpu` and `link` (elements/s, while both run);
     `link` 0: the CPU alone."""
     total = sum(elements) or 1
-    ready, done = {}, 0
-    for i in reversed(range(len(elements))):
-        done += elements[i]
-        if on_host[i]:
-            ready[i] = backward_s * done / total
+    ready = ready_from_backward(elements, on_host, backward_s)
     before = [0, *itertools.accumulate(elements)]  # elements ahead of each set in forward order
     free, chosen, waited = [0.0, 0.0], [], 0.0  # when each lane (CPU, link) finishes what it took
     rates = (cpu, link)
@@ -128,11 +124,7 @@ def lanes_wait_from_backward(elements: list[int], on_host: list[bool], link_sets
     lane at `link` elements/s and the others on the CPU at `cpu`, each lane taking its ready set
     the forward reaches first (the module's note)."""
     total = sum(elements) or 1
-    before, done, ready = [0, *itertools.accumulate(elements)], 0, {}
-    for i in reversed(range(len(elements))):
-        done += elements[i]
-        if on_host[i]:
-            ready[i] = backward_s * done / total
+    before, ready = [0, *itertools.accumulate(elements)], ready_from_backward(elements, on_host, backward_s)
     waited = 0.0
     for lane, rate in ((True, link), (False, cpu)):
         mine, clock = {i: t for i, t in ready.items() if (i in link_sets) == lane}, 0.0

@@ -59,16 +59,24 @@ def predicted_exposed_optimizer_seconds(set_elements: list[int], on_host: list[b
     return waited
 
 
-def _waited_from_backward(set_elements, on_host, backward_s, forward_s, cpu_rate) -> float:
-    """Host sets ready as backward completes them (from the back, at their share of the pass), the
-    CPU taking the ready set the next forward reaches first (the optimizer thread's order); the
-    forward starts when backward ends and waits wherever it reaches a set before its step ended."""
+def ready_from_backward(set_elements, on_host, backward_s: float) -> dict:
+    """{host set: when backward completes its gradients}: from the back, at its share of the pass
+    (in elements)."""
     total = sum(set_elements) or 1
     ready, done = {}, 0
     for i in reversed(range(len(set_elements))):
         done += set_elements[i]
         if on_host[i]:
             ready[i] = backward_s * done / total
+    return ready
+
+
+def _waited_from_backward(set_elements, on_host, backward_s, forward_s, cpu_rate) -> float:
+    """Host sets ready as backward completes them (ready_from_backward), the CPU taking the ready
+    set the next forward reaches first (the optimizer thread's order); the forward starts when
+    backward ends and waits wherever it reaches a set before its step ended."""
+    total = sum(set_elements) or 1
+    ready = ready_from_backward(set_elements, on_host, backward_s)
     clock, waited = 0.0, 0.0
     before = [0, *itertools.accumulate(set_elements)]  # elements ahead of each set in forward order
     while ready:
