@@ -32,6 +32,7 @@ length of `engine.generating()`, and given back after it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from .._native import _C
 from .._units import format_bytes
@@ -118,6 +119,16 @@ class GenerationBudget:
                 "gpu_memory_limit, or use smaller chunks (chunk_config_dict / min_chunk_size_m).")
         moved, held = self._move_optimizer_sides(left, shard_bytes, figures)
         streamed = self._stream_beyond(left - held, shard_bytes)
+        if streamed:
+            short = sum(shard_bytes) - (left - held)
+            smaller = (f"a KV cache of at most {format_bytes(kv_cache_bytes - short)} (fewer or shorter sequences), or "
+                       if kv_cache_bytes > short else "")
+            warnings.warn(
+                f"engine.generating(): the parameter chunks ({format_bytes(sum(shard_bytes))}) do not fit beside the "
+                f"{format_bytes(kv_cache_bytes)} KV cache in the chunks' budget ({format_bytes(before)}, of which "
+                f"{format_bytes(held)} stay the optimizer's): {len(streamed)} chunk sets stream from the host on every "
+                f"forward, at the link's pace. To keep them resident: {smaller}a budget "
+                f"{format_bytes(short)} larger (gpu_memory_limit).", stacklevel=6)  # the caller's with line
         self._runtime.set_device_budget(left)  # parameter chunks beyond it go to their host copies
         if self._activations is not None:
             self._activations.widen_torch_cap(kv_cache_bytes)
