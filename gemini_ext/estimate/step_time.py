@@ -109,7 +109,8 @@ def lanes(m, chosen, parts: dict, cpu_rate: float) -> dict:
     (the host sets' parameters up and gradients down, the displaced chunks' fetches), the CPU's and
     the link lane's host steps, the device-held sets' steps."""
     elements, on_host = device_state_elements(m, chosen)
-    link = sum(n for i, (n, h) in enumerate(zip(elements, on_host)) if h and i in set(chosen.link_sets))
+    link_sets = set(chosen.link_sets)
+    link = sum(n for i, (n, h) in enumerate(zip(elements, on_host)) if h and i in link_sets)
     host = sum(n for n, h in zip(elements, on_host) if h)
     up = host * m.compute_itemsize + displaced_param_bytes(m, chosen)
     busy = {"gpu": parts["gpu"], "h2d": up / target.H2D_BYTES_PER_S,

@@ -47,9 +47,12 @@ class Placer:
         backward started (speculation: pending until the next forward) or restarted (the step in
         backward restarts the lanes' clocks)."""
         last = runtime.last_step()
-        if last["pending_sets"] == 0 and last["host_params"] + last["link_params"] + last["device_params"] > 0:
+        if last["pending_sets"] != 0:
+            return
+        host_work = last["host_params"] + last["link_params"]
+        if host_work + last["device_params"] > 0:
             self._last_settled_step = last
-        if self._settled_step is None and last["pending_sets"] == 0 and last["host_params"] + last["link_params"] > 0:
+        if self._settled_step is None and host_work > 0:
             self._settled_step = last
 
     def last_settled_step(self) -> dict | None:
