@@ -37,6 +37,7 @@ def test_the_trace_shows_host_steps_on_their_lane_and_the_waits_for_them_where_t
         opt = engine.optimizer(torch.optim.AdamW, lr=LR)
         for step in range(2):
             _iteration(model, engine, opt, step)
+        engine.synchronize()  # no step of these runs on into the trace: each traced wait has its step traced
         engine.internal.runtime.set_optimizer_task_delay_us(5_000)  # slow steps: the caller waits for some
         with profile(activities=[ProfilerActivity.CPU]) as prof:  # the copies on cuda: their ranges at launch
             _iteration(model, engine, opt, 2)
