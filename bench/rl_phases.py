@@ -23,6 +23,11 @@ iteration measures and places); then each iteration:
   reload     engine.reload_states(): the optimizer sides back and the next forward's first parameter
              chunks copying back; the next train step's extra time over the iteration's is printed beside it
 
+After the iterations (and close()), `alone` generates the same shapes with the same model on the
+device without the engine (the second of two runs): the tokens/s the engine's generation is held
+to. --profile DIR writes torch.profiler's table of a short generation inside the last iteration's
+block (decode_profile.txt, by self time, and its chrome trace): what a token step spends its time on.
+
 Generation also counts torch's allocator retries (a cudaFree of cached blocks and a retry, each
 a device synchronisation, when an allocation meets the cap) and its device allocations.
 Beside each move the link's time for its bytes at the H2D / D2H rates measured here (a pinned 1 GiB
@@ -61,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--state", choices=["fp32", "8-byte"], default="fp32",
                    help="fp32 masters and AdamW moments, or the 8-byte state (bf16 parameters and moments: "
                         "optimizer_state_dtype='bf16', master_weights=False)")
+    p.add_argument("--no-alone", dest="alone", action="store_false",
+                   help="skip the generation without the engine after close()")
+    p.add_argument("--profile", default=None, metavar="DIR", help="profile a short generation in the last block")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -182,21 +190,61 @@ def stream(engine, dev) -> dict:
     return out
 
 
+def generate(model, prompts, new: int):
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=True, top_k=0, use_cache=True)
+
+
+def prompts_of(model, args, step: int, dev) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(dev)
+
+
+def profile_generation(model, prompts, dev, directory: str, new: int = 8) -> None:
+    """torch.profiler over a generation of `new` tokens: its table by self time and its trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(directory, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        generate(model, prompts, new)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    with open(os.path.join(directory, "decode_profile.txt"), "w") as f:
+        f.write(f"{new} tokens of {prompts.shape[0]} sequences after a {prompts.shape[1]}-token prompt\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        if dev.type == "cuda":
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=25) + "\n")
+    prof.export_chrome_trace(os.path.join(directory, "decode_trace.json"))
+
+
+def generate_alone(model, args, dev, clock) -> dict:
+    """The same model generating the same shapes without the engine (after close(): its own
+    parameters, moved to the device), the second of two runs."""
+    model.to(dev).eval()
+    prompts = prompts_of(model, args, 0, dev)
+    with torch.no_grad():
+        for _ in range(2):
+            _, seconds = clock(lambda: generate(model, prompts, args.new))
+    tokens = args.batch * args.new
+    return {"generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
 def iteration(model, engine, opt, args, step: int, clock: Clock, rates: dict) -> dict:
     import transformers  # noqa: F401  (the model's generate)
 
     dev = engine.compute_device
-    g = torch.Generator().manual_seed(step)
-    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(dev)
+    prompts = prompts_of(model, args, step, dev)
     row = {"iteration": step}
     with engine.generating(batch_size=args.batch, max_length=args.prompt + args.new) as free_bytes:
         counts = allocator_counts(dev)
-        seqs, row["generate_s"] = clock(lambda: model.generate(
-            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new, min_new_tokens=args.new,
-            do_sample=True, top_k=0, use_cache=True))
+        seqs, row["generate_s"] = clock(lambda: generate(model, prompts, args.new))
         row["generate_allocator"] = counts_since(counts, allocator_counts(dev))
         row["generate_kv_cache"] = dict(free_bytes)
         row["generate_device"] = device_figures(engine, dev)
+        if args.profile and step == args.iterations - 1:
+            profile_generation(model, prompts, dev, args.profile)
     if dev.type == "cuda":
         row["generate_torch_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
     model.train()
@@ -266,6 +314,11 @@ def main(argv=None) -> list[dict]:
                "new": args.new, "rates": rates, "first_step_s": first_s, "rows": rows,
                "placement": engine.stats().get("placement")}
     engine.close()
+    if args.alone:
+        summary["alone"] = generate_alone(model, args, dev, clock)
+        engine_tok_s = statistics.median(r["tokens"] / r["generate_s"] for r in rows)
+        print(f"generation alone: {summary['alone']['tokens_per_s']:.0f} tokens/s; under the engine (median of the "
+              f"iterations) {engine_tok_s:.0f} tokens/s: {engine_tok_s / summary['alone']['tokens_per_s']:.2f}x")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=1, default=str)

@@ -101,6 +101,8 @@ void def_residency(py::class_<GeminiManager>& cls) {
       .def("set_max_prefetch", &GeminiManager::set_max_prefetch)
       .def("set_device_budget", &GeminiManager::set_device_budget, nogil())
       .def("prefetch_next_forward", &GeminiManager::prefetch_next_forward, nogil())
+      .def("hold_params_on_device", &GeminiManager::hold_params_on_device, nogil())
+      .def("release_params_on_device", &GeminiManager::release_params_on_device, nogil())
       .def_property_readonly("device_budget", &GeminiManager::device_budget)
       .def("set_optim_on_host", &GeminiManager::set_optim_on_host, nogil())
       .def("set_param_home_on_host", &GeminiManager::set_param_home_on_host, nogil())

@@ -203,7 +203,8 @@ void Residency::ensure_on_device(ChunkId id) {
     // prefetched chunks not used yet stay.
     for (const auto& set : sets_) {
       const Chunk& p = mgr_.chunk(set.spec.param);
-      if (set.spec.param_home_on_host && set.spec.param != id && p.shard_tiers().contains(Tier::kDevice) &&
+      if (set.spec.param_home_on_host && !params_held_ && set.spec.param != id &&
+          p.shard_tiers().contains(Tier::kDevice) &&
           p.can_move() && p.count_in(S::kReadyForReduce) == 0 && !mgr_.in_flight(set.spec.param) &&
           !mgr_.prefetched(set.spec.param) && !mgr_.gather_in_flight(set.spec.param) &&
           !needed_soon(set.spec.param))
@@ -312,6 +313,15 @@ bool Residency::needed_soon(ChunkId id) const {
   return next != AccessTrace::kNever && next - from < kSoonAccesses;
 }
 
+bool Residency::hold_params() {
+  if (sharded()) return false;  // each forward gathers: a collective the hooks issue
+  for (const auto& set : sets_)
+    if (!mgr_.chunk(set.spec.param).shard_tiers().contains(Tier::kDevice)) return false;
+  for (const auto& set : sets_) mgr_.access(set.spec.param);  // a copy in flight: compute waits for it
+  params_held_ = true;
+  return true;
+}
+
 bool Residency::param_kept_on_device(const ChunkSet& set) const {
   // The set's state is on the device because the host has no room for it, and its parameter
   // chunk was born on the device: the host plan has no copy of it either.
@@ -328,7 +338,7 @@ std::vector<ChunkId> Residency::evictable(ChunkId requester) const {
     // A parameter chunk may go when it is released or releasable: no tensor in COMPUTE and none
     // waiting for reduction (all HOLD / HOLD_AFTER_BWD).
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
-        p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0 &&
+        p.count_in(S::kReadyForReduce) == 0 && pinned_.count(set.spec.param) == 0 && !params_held_ &&
         !mgr_.gather_in_flight(set.spec.param) &&  // a prefetched gather still reads the shard
         !param_kept_on_device(set))
       out.push_back(set.spec.param);
@@ -356,7 +366,8 @@ std::vector<ChunkId> Residency::evictable_while_collecting(ChunkId requester) co
     // gradients go to the gradient chunk), so it may go and be fetched again for the tensors
     // whose backward is still to come.
     if (set.spec.param != requester && p.shard_tiers().contains(Tier::kDevice) && p.can_move() &&
-        pinned_.count(set.spec.param) == 0 && !mgr_.in_flight(set.spec.param) && !param_kept_on_device(set))
+        pinned_.count(set.spec.param) == 0 && !params_held_ && !mgr_.in_flight(set.spec.param) &&
+        !param_kept_on_device(set))
       out.push_back(set.spec.param);
     // A gradient chunk still collecting: it moves to the host, where the gradients still to come
     // are added (as for accumulation after a reduction).

@@ -25,6 +25,7 @@
 //    when the access stream fetches a different chunk and it is idle, so each use phase
 //    (forward, backward) fetches it about once. Sharded, an idle gathered chunk is re-sharded at
 //    that moment too, so that consecutive modules in one chunk share one all-gather.
+//  * Held (hold_params): a generation's parameter chunks, all on the device, none evictable.
 //  * Prefetch follows the recorded trace: unsharded, shard copies into free budget; sharded,
 //    gathers (a collective: chosen only from what every rank shares).
 #pragma once
@@ -85,6 +86,12 @@ class Residency {
   // that gave the device up hands it back before the forward asks (StatePhases' reload).
   // Returns the chunks whose copies started; none sharded (a gather is a collective).
   int prefetch_next_forward();
+  // A generation whose parameter chunks all fit (unsharded): each stays on the device, chosen by no
+  // eviction, until release_params(), while the module hooks are off and nothing would fetch one
+  // back; a copy still landing is waited for on the compute stream. False, holding nothing, where
+  // a parameter chunk is not on the device or the chunks are sharded.
+  bool hold_params();
+  void release_params() { params_held_ = false; }
   void touch(ChunkId id) { lru_.touch(id); }
   // Chunks the optimizer is working on: never chosen for eviction while pinned.
   void pin(ChunkId id) { pinned_.insert(id); }
@@ -137,6 +144,7 @@ class Residency {
   int compute_peak_chunks_ = 0;
   int64_t compute_peak_bytes_ = 0;
   std::set<ChunkId> pinned_;
+  bool params_held_ = false;
 };
 
 }  // namespace gx

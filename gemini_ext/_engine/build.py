@@ -162,7 +162,8 @@ def _start_runtime(parts: EngineParts, model: torch.nn.Module) -> None:
     parts.throughput = Throughput(model, layout.params, config, parts.device.torch_device)
     parts.phases = StatePhases(runtime, parts.chunks, parts.layout, parts.device, parts.groups.ranks_on_host())
     _plan_activations(parts, model)
-    parts.generation = GenerationBudget(runtime, layout, parts.phases, parts.activations, parts.groups.ranks_on_host())
+    parts.generation = GenerationBudget(runtime, layout, parts.phases, parts.activations, parts.hooks,
+                                        parts.groups.ranks_on_host())
 
 
 def _forward_starts(parts: EngineParts) -> None:

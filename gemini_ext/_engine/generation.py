@@ -27,12 +27,28 @@ length of `engine.generating()`, and given back after it.
   eviction follow one pass's order, where training's trace would have them expect the backward.
 - Where torch's allocator is capped at what the chunks leave (activations planned under a
   limit), the cap rises by the room for the block and is set again after it.
+
+[Note: a generation with every parameter resident]
+A decode step of a large model is a few milliseconds of device work, launched by Python; hooks on
+every module (two calls into the manager each, and torch's slower module call path for a module
+with hooks) cost more than the model's own launches. So where no set streams, the first forward
+of the block (the prompt's) runs with the hooks, which bring every parameter chunk to the device,
+and at the next forward's start the manager holds them there (no eviction chooses one: a
+growing KV cache that reclaims device memory takes other chunks) and the hooks come off every
+module but the root: the model then computes as it would alone, its parameters bound to the
+held chunks. The root's hooks stay and check (states offloaded, writes between forwards, the
+trace). A forward with gradients enabled inside the block puts the hooks back first (its
+backward needs them); the block's end does too, and lets the chunks go. Where a parameter chunk
+is not on the device at that point (a set whose home is the host: it went back after its use)
+nothing is held and the hooks stay.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+
+import torch
 
 from .._native import _C
 from .._units import format_bytes
@@ -58,19 +74,34 @@ def kv_cache_bytes(config, batch_size: int, max_length: int, itemsize: int) -> i
 class GenerationBudget:
     """Lowers the chunks' device budget for a generation (see [Note: room for the KV cache])."""
 
-    def __init__(self, runtime, layout, phases, activations, ranks_on_host: int):
+    def __init__(self, runtime, layout, phases, activations, hooks, ranks_on_host: int):
         self._runtime, self._layout, self._phases, self._activations = runtime, layout, phases, activations
-        self._ranks_on_host = ranks_on_host
+        self._hooks, self._ranks_on_host = hooks, ranks_on_host
         self.active = None  # (optimizer sides moved to the host, the budget before) inside the block
+        self._passes = 0  # forwards inside the block so far
+        self._may_hold = False  # no set streams: the parameters may be held resident
 
     def detach(self) -> None:
         """Lets go of the manager (the engine closes)."""
         self._runtime = self._activations = None
 
     def forward_starts(self) -> None:
-        """The model's forward starts: inside the block, the last pass's trace is closed."""
-        if self.active is not None:
+        """The model's forward starts: inside the block, the last pass's trace is closed, and the
+        module hooks come off or go back (see [Note: a generation with every parameter resident])."""
+        if self.active is None:
+            return
+        hold = self._may_hold and self._passes > 0 and not torch.is_grad_enabled()
+        if self._hooks.module_hooks_off and not hold:
+            self._let_go()
+        if not self._hooks.module_hooks_off:
             self._runtime.end_generation_pass()
+            if hold and self._runtime.hold_params_on_device():
+                self._hooks.set_module_hooks_off(True)
+        self._passes += 1
+
+    def _let_go(self) -> None:
+        self._hooks.set_module_hooks_off(False)
+        self._runtime.release_params_on_device()
 
     def check_outside(self, what: str) -> None:
         if self.active is not None:
@@ -85,12 +116,15 @@ class GenerationBudget:
                                "KV cache's room (pass the largest batch_size and max_length it generates).")
         moved, streamed, before = self._enter(kv_cache_bytes)
         self.active = (moved, before)
+        self._passes, self._may_hold = 0, not streamed
         self._runtime.begin_generation_trace()
         try:
             yield {"kv_cache_bytes": kv_cache_bytes, "chunk_budget_bytes": self._runtime.device_budget,
                    "optimizer_sets_moved": len(moved), "parameter_sets_streamed": len(streamed)}
         finally:
             self.active = None
+            if self._hooks.module_hooks_off:
+                self._let_go()
             self._runtime.end_generation_trace()
             for k in streamed:
                 self._runtime.set_param_home_on_host(k, False)

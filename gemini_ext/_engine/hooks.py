@@ -81,13 +81,13 @@ class HookSet:
         self._loss_scale = loss_scale  # fp16: loss_scale_boundary.LossScaleBoundary, else None
         self._grads_this_backward = 0  # parameter gradients the current backward delivered
         index = {id(p): i for i, p in enumerate(params)}
+        self._root = model
+        self._modules = {}  # module id in the manager -> (module, its pre-hook and forward hook handles)
         for module in model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-            if not own:
-                continue
-            mid = gm.register_module(own)
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mid)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, mid)))
+            if own:
+                self._hook_module(gm.register_module(own), module)
+        self.module_hooks_off = False
         for i, p in enumerate(params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._post_accumulate, i)))
@@ -96,10 +96,36 @@ class HookSet:
         if params:  # a failed forward whose inputs differ in dtype or device from the parameters says so
             self._handles.append(input_hints.register(model, params[0].dtype, params[0].device))
 
+    def _hook_module(self, mid: int, module: torch.nn.Module) -> None:
+        self._modules[mid] = (module, module.register_forward_pre_hook(functools.partial(self._pre_forward, mid)),
+                              module.register_forward_hook(functools.partial(self._post_forward, mid)))
+
+    def set_module_hooks_off(self, off: bool) -> None:
+        """Takes the chunk hooks off every module but the root (`off`), or puts them back: a
+        generation whose parameter chunks are all held on the device computes as the model alone
+        (see [Note: a generation with every parameter resident], generation.py). Called at the root's
+        forward start, where only the modules below it are still to be called."""
+        if off == self.module_hooks_off:
+            return
+        for mid, (module, *handles) in list(self._modules.items()):
+            if module is self._root:
+                continue
+            if off:
+                for h in handles:
+                    h.remove()
+            else:
+                self._hook_module(mid, module)
+        self.module_hooks_off = off
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.set_module_hooks_off(False)
+        for _, *handles in self._modules.values():
+            for h in handles:
+                h.remove()
+        self._modules.clear()
         if self._loss_scale is not None:
             self._loss_scale.remove()
 

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -316,15 +317,16 @@ def test_trainer_workers_bench_trains_with_loader_workers(tmp_path, capsys):
     assert r["group_pss_last"] > 0 and "| tiny |" in capsys.readouterr().out
 
 
-def test_rl_phases_bench_times_each_phase_of_the_loop(capsys):
+def test_rl_phases_bench_times_each_phase_of_the_loop(capsys, tmp_path):
     """bench/rl_phases.py on sim: a tiny Llama generates inside engine.generating(), trains, streams
-    its weights (every parameter in bf16), offloads (no chunk left on the device) and reloads."""
+    its weights (every parameter in bf16), offloads (no chunk left on the device) and reloads; the
+    last block's generation is profiled, and the model generates alone after close()."""
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("rl_phases", os.path.join(REPO, "bench", "rl_phases.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--model", "tiny-llama", "--device", "sim", "--budget", "2GiB", "--iterations", "2",
-                       "--prompt", "16", "--new", "4"])
+                       "--prompt", "16", "--new", "4", "--profile", str(tmp_path)])
     params = 256 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64  # tiny-llama's, untied head
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:
@@ -332,7 +334,9 @@ def test_rl_phases_bench_times_each_phase_of_the_loop(capsys):
         assert r["offloaded"]["after"]["engine_device_bytes"] == 0 < r["offloaded"]["before"]["engine_device_bytes"]
         assert math.isfinite(r["loss"]) and r["generate_s"] > 0
         assert r["settle_s"] >= 0 and r["generate_allocator"] == {}  # torch's allocator counts: cuda only
-    assert "| 1 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 1 |" in out and re.search(r"generation alone: \d+ tokens/s; under the engine .* \d+ tokens/s", out)
+    assert "aten::mm" in (tmp_path / "decode_profile.txt").read_text()
 
 
 def test_hf_models_bench_trains_a_transformers_moe_and_reports_auto(tmp_path):

@@ -165,3 +165,53 @@ def test_generation_keeps_its_own_access_trace_and_trainings_is_not_rerecorded()
     last = fetches[-1]
     assert last["streamed"] >= 3 and last["fetches"] == 0 and last["prefetch_wasted"] == 0, fetches
     assert 0 < last["prefetches"] <= 8 * last["streamed"], fetches  # 8 passes, each streamed set once
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resident_generation_runs_the_model_without_module_hooks_and_puts_them_back(device):
+    """Where every parameter chunk fits beside the KV cache, the prompt's forward fetches them and
+    the decode steps run the model as it is alone: the manager is asked for no chunk (a second
+    generation in the block, 12 tokens, makes no access at all), the tokens are the model's own, and a forward with
+    gradients inside the block, and training after it, have the hooks back: the values equal a
+    run that never generated (see [Note: a generation with every parameter resident])."""
+    transformers = pytest.importorskip("transformers")
+    prompts = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(4))
+    y = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompts)
+    alone = _llama(transformers).eval()
+    with torch.no_grad():
+        expected = [alone.generate(prompts, attention_mask=mask, max_new_tokens=n, do_sample=False) for n in (4, 12)]
+
+    def run(generate: bool):
+        model = _llama(transformers)
+        cfg = gx.GeminiConfig(device=device, placement_policy="auto", precision="fp32")
+        accesses, losses = [], []
+        with gx.enable(model, cfg) as engine:
+            opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+            for step in range(2):
+                if generate:
+                    with engine.generating(batch_size=2, max_length=20) as room:
+                        assert room["parameter_sets_streamed"] == 0
+                        for n, tokens in zip((4, 12), expected):
+                            before = engine.stats()["traffic"]["accesses"]
+                            with torch.no_grad():
+                                out = model.generate(prompts, attention_mask=mask, max_new_tokens=n, do_sample=False)
+                            accesses.append(engine.stats()["traffic"]["accesses"] - before)
+                            if step == 0:
+                                assert torch.equal(out.cpu(), tokens)
+                        model.train()
+                        losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)  # hooks back
+                        losses[-1].backward()
+                else:
+                    losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)
+                    losses[-1].backward()
+                opt.step()
+                opt.zero_grad()
+            params = [p.detach().cpu().clone() for p in model.parameters()]
+        return [loss.item() for loss in losses], params, accesses
+
+    plain_losses, plain_params, _ = run(False)
+    losses, params, accesses = run(True)
+    assert accesses[0] > 0 and accesses[1] == 0 and accesses[2:] == accesses[:2], accesses
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))

@@ -166,6 +166,10 @@ class GeminiManager {
   // Starts the copies of the chunks the next forward computes with first, as many as the budget
   // holds (Residency::prefetch_next_forward); returns how many started.
   int prefetch_next_forward();
+  // engine.generating() where every parameter chunk fits: they stay on the device while the
+  // module hooks are off (Residency::hold_params); false where one is not there (nothing held).
+  bool hold_params_on_device();
+  void release_params_on_device();
   int64_t device_budget() const;
   // Moves one set's optimizer state (master and states) between the host (CPU kernel) and the
   // device (device kernel), between steps. The policy decides; this carries it out.

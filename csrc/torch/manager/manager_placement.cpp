@@ -17,6 +17,17 @@ int GeminiManager::prefetch_next_forward() {
   return residency_.prefetch_next_forward();
 }
 
+bool GeminiManager::hold_params_on_device() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  GX_CHECK(!in_backward(), "hold_params_on_device during backward: generation runs between steps.");
+  return residency_.hold_params();
+}
+
+void GeminiManager::release_params_on_device() {
+  std::lock_guard<OwnedMutex> lock(mutex_);
+  residency_.release_params();
+}
+
 size_t GeminiManager::reclaim_device_bytes(size_t bytes) {
   if (mutex_.held_by_this_thread()) return 0;  // an allocation inside one of our own calls
   std::unique_lock<OwnedMutex> lock(mutex_, std::try_to_lock);

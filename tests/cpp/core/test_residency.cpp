@@ -350,5 +350,24 @@ TEST(Residency, LoweringTheBudgetEvictsWhatCanGoNow) {
   EXPECT_THROW(rig.residency_->set_budget(-1), UsageError);
 }
 
+TEST(Residency, HeldParameterChunksStayUntilLetGoAndNothingIsHeldWhereOneIsOff) {
+  Rig rig(3, 0, 0);
+  rig.place();
+  rig.residency_->set_budget(2 * kChunkBytes);  // one parameter chunk goes
+  EXPECT_FALSE(rig.residency_->hold_params()) << "chunk 0 is on the host: nothing is held";
+  EXPECT_TRUE(rig.residency_->evict_once(-1)) << "not held: a parameter chunk may still go";
+  rig.residency_->set_budget(0);
+  rig.place();
+  ASSERT_TRUE(rig.residency_->hold_params());
+  const int64_t evictions = rig.residency_->counters().evictions;
+  EXPECT_FALSE(rig.residency_->evict_once(-1)) << "held: no parameter chunk may go";
+  rig.residency_->set_budget(kChunkBytes);  // a lower budget evicts what can go now: nothing
+  EXPECT_EQ(rig.mgr_.tier_bytes(Tier::kDevice).current, 3 * kChunkBytes);
+  EXPECT_EQ(rig.residency_->counters().evictions, evictions);
+  rig.residency_->release_params();
+  rig.residency_->set_budget(kChunkBytes);
+  EXPECT_EQ(rig.mgr_.tier_bytes(Tier::kDevice).current, kChunkBytes);
+}
+
 }  // namespace
 }  // namespace gx
