@@ -38,6 +38,7 @@ SYSTEMS = {  # column name -> hf_train.py flags
     "gemini-sib": ["--system", "gemini", "--step-in-backward"],
     "gemini-nospec": ["--system", "gemini", "--no-speculation"],  # diagnosis: every host step from step()
     "gemini-spares": ["--system", "gemini", "--speculation", "spares"],  # the spare-copy speculation, for comparison
+    "gemini-cpu-lane": ["--system", "gemini", "--cpu-lane-only"],  # diagnosis: the host sets on the CPU alone
     "fsdp2-offload": ["--system", "fsdp2-offload"],
     "deepspeed-offload-optim": ["--system", "deepspeed-offload-optim"],
     "deepspeed-offload": ["--system", "deepspeed-offload"],
@@ -55,6 +56,7 @@ SYSTEMS = {  # column name -> hf_train.py flags
 LABELS = {"gemini": "gemini_ext auto", "gemini-sib": "gemini_ext auto + step in backward",
           "gemini-nospec": "gemini_ext auto, no speculation",
           "gemini-spares": "gemini_ext auto, spare-copy speculation",
+          "gemini-cpu-lane": "gemini_ext auto, CPU lane only",
           "fsdp2-offload": "FSDP2 + CPU offload", "deepspeed-offload-optim": "DeepSpeed ZeRO-3, optimizer offloaded",
           "deepspeed-offload": "DeepSpeed ZeRO-3, parameters and optimizer offloaded", "plain": "plain PyTorch",
           "gemini-act": "gemini_ext auto, activations planned",

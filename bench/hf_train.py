@@ -91,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--step-in-backward", action="store_true", help="gemini: optimizer_step_in_backward=True")
     p.add_argument("--no-speculation", action="store_true",
                    help="gemini, for diagnosis: host_step_speculation='off' (every host step from step())")
+    p.add_argument("--cpu-lane-only", action="store_true",
+                   help="gemini, for diagnosis: auto never weighs the link lane (every host set on the CPU), to "
+                        "compare its lanes' split with the CPU alone")
     p.add_argument("--speculation", choices=["in-place", "spares"], default="in-place",
                    help="gemini: AdamW's host steps during backward in place (the default), or with spare copies "
                         "as rules without a correction do (the previous default, for comparison)")
@@ -212,6 +215,9 @@ def gemini_system(args, dev_kind: str):
                           host_step_speculation=speculation,
                           activation_checkpointing={"hf": "off", "engine-on": "on",
                                                     "engine-auto": "auto"}[args.checkpointing], **budget, **state)
+    if args.cpu_lane_only:  # a diagnosis, not a setting: the decision that would weigh the lane answers "none"
+        from gemini_ext.placement.policies import auto
+        auto.link_lane_sets = lambda measured, on_host: ((), {})
     engine = gx.enable(model, cfg).__enter__()
     opt = engine.optimizer(torch.optim.AdamW, model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                            weight_decay=WEIGHT_DECAY)
@@ -381,7 +387,7 @@ def main(argv=None) -> dict:
     timed = step_s[2:] if len(step_s) > 3 else step_s[1:] or step_s
     summary = {
         "system": args.system + (" + step in backward" if args.step_in_backward else "") +
-        (", no speculation" if args.no_speculation else "") +
+        (", no speculation" if args.no_speculation else "") + (", CPU lane only" if args.cpu_lane_only else "") +
         (", spare-copy speculation" if args.speculation == "spares" else "") +
         (f", loss scaled by {args.loss_scale:g}" if args.loss_scale != 1.0 else "") +
         (f", checkpointing {args.checkpointing}" if args.checkpointing != "hf" else "") +
