@@ -73,7 +73,10 @@ at::Tensor GeminiManager::read_compute_param_to(int param, at::Device device, at
   value_handle_locked(StateKind::kParam, param);  // settles the steps and waits for the chunk's copies
   const ParamSpec& ps = params_[static_cast<size_t>(param)];
   mgr_.wait(ps.chunk);
-  const Tier tier = residency_.where_current(ps.chunk);
+  // Every copy present holds the same bytes: unsharded, a device copy is read where it is (a copy
+  // on the device's own memory, not over the link from the host's).
+  const bool on_device = !sharded() && mgr_.chunk(ps.chunk).shard_tiers().contains(Tier::kDevice);
+  const Tier tier = on_device ? Tier::kDevice : residency_.where_current(ps.chunk);
   return before_guess_locked(param, TensorHandle{ps.chunk, ps.slot}, tier,
                              value_view_locked(ps.chunk, ps.slot, tier)
                                  .to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false,
