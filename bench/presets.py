@@ -15,12 +15,13 @@ RUNNERS = {  # name -> (script under bench/, what it compares)
     "large_models": ("large_models.py", "the project's GPT at 6.7B-25.8B on one GPU, with the estimate per row"),
     "trainer_workers": ("trainer_workers.py", "transformers' Trainer with DataLoader workers: host memory"),
     "rl_phases": ("rl_phases.py", "a GRPO-shaped loop: generation, training, the weight stream, offload and reload"),
+    "trl_grpo": ("trl_grpo.py", "TRL's GRPOTrainer under gemini_ext (the mixin), alone, and under DeepSpeed offload"),
     "cpu_adam": ("cpu_adam.py", "the CPU Adam kernel against torch and the host's memory bandwidth"),
 }
 
 
 # The runners whose rows a preset's record keeps (bench/records.py), and the option naming their output.
-RECORDED_BY = {"hf_models": "--out", "hf_map": "--out", "rl_phases": "--json-out"}
+RECORDED_BY = {"hf_models": "--out", "hf_map": "--out", "rl_phases": "--json-out", "trl_grpo": "--out"}
 PEAK_TFLOPS = 989.0  # the runners' default: the dense bf16 peak of an H100 SXM and of an H200
 
 
@@ -89,6 +90,10 @@ PRESETS = {
         "rl_phases", ("--model", "llama-7b", "--budget", "40GiB", "--iterations", "2", "--state", "8-byte"),
         "BENCHMARKS.md, 'Reinforcement learning's phases': the same with the 8-byte state, whose every state "
         "the host can hold"),
+    "llama7b-trl-grpo-40g": Preset(
+        "trl_grpo", ("--model", "llama-7b", "--budget", "40GiB", "--steps", "4"),
+        "BENCHMARKS.md, 'TRL's GRPO at 7B': generation, scoring and the step per iteration, 2 prompts x 4 "
+        "completions of 256 tokens, beside the same loop alone and under DeepSpeed ZeRO-3 offload"),
     "cpu-adam": Preset("cpu_adam", ("--params-m", "200", "--repeats", "4"),
                        "BENCHMARKS.md, the CPU Adam kernel against the host's memory bandwidth", needs_gpu=False),
     "smoke": Preset("hf_map", ("--smoke", "--state", "8-byte"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import statistics
 import sys
 
 import records
@@ -242,9 +243,38 @@ def _rl_lines(name: str, rec: dict) -> list[str]:
     return lines
 
 
+def benchmarks_grpo(recs: dict) -> str:
+    """TRL's GRPOTrainer per system: generation, scoring, both with TRL's log-probabilities, and the whole
+    step, medians over the iterations after the first, against the floor (bench/trl_grpo.py's figures)."""
+    columns = ["preset", "system", "generate s (new tokens/s)", "score s", "generate and score s", "step s",
+               "x alone"]
+    return _per_preset(recs, ["llama7b-trl-grpo-40g"], columns, 1, _grpo_lines)
+
+
+def _grpo_lines(name: str, rec: dict) -> list[str]:
+    def median(values):
+        timed = values[1:] or values
+        return statistics.median(timed) if timed else None
+
+    seconds = {r["name"]: (r.get("phases") or {}).get("seconds") for r in rec["rows"]}
+    floor = median((seconds.get("plain") or {}).get("step") or [])
+    lines = []
+    for r in rec["rows"]:
+        if r.get("outcome") != "measured":
+            lines.append(f"| `{name}` | {r['name']} | {r.get('why') or r.get('outcome')} | | | | |")
+            continue
+        m = {k: median(v) for k, v in r["phases"]["seconds"].items()}
+        new = r["phases"]["new_tokens_per_step"]
+        x = f"{m['step'] / floor:.2f}" if floor else "-"
+        lines.append(f"| `{name}` | {r['name']} | {m['generate']:.2f} ({new / m['generate']:.0f}) | {m['score']:.3f} | "
+                     f"{m['generate_and_score']:.2f} | {m['step']:.2f} | {x} |")
+    return lines
+
+
 TABLES = {"llama7b": (("README.md",), readme_llama7b), "llama7b-4k": (("docs/BENCHMARKS.md",), benchmarks_4k),
           "llama7b-map": (("docs/BENCHMARKS.md",), benchmarks_map),
-          "llama7b-rl": (("docs/BENCHMARKS.md",), benchmarks_rl)}
+          "llama7b-rl": (("docs/BENCHMARKS.md",), benchmarks_rl),
+          "llama7b-grpo": (("docs/BENCHMARKS.md",), benchmarks_grpo)}
 BLOCK = re.compile(r"(<!-- table (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 

@@ -88,7 +88,8 @@ cuda_check_pid=$!
 # suite's time (the benchmark smoke tests, which start child interpreters, are split in two by
 # node id, and the main process runs every file no group names). One argument per line.
 smoke=tests/python/test_bench_smoke.py
-bench_big=("$smoke::test_scaling_bench_smoke" "$smoke::test_offload_bench_smoke" "$smoke::test_capacity_bench_smoke")
+bench_big=("$smoke::test_scaling_bench_smoke" "$smoke::test_offload_bench_smoke" "$smoke::test_capacity_bench_smoke"
+           "$smoke::test_trl_grpo_bench_times_the_loops_phases_beside_the_floor")
 groups=(bench-big bench-rest multiprocess)
 declare -A group_args=(
   [bench-big]="$(printf '%s\n' "${bench_big[@]}")

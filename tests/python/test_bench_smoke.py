@@ -460,3 +460,21 @@ def test_hf_train_builds_each_model_where_it_fits():
     assert hf_train.build_place(52_063_467_520, h100, False) == ("cpu", torch.float32)
     assert hf_train.build_place(52_063_467_520, h100, True) == ("cuda", torch.bfloat16)
     assert hf_train.build_place(120_000_000_000, h100, True) == ("cpu", torch.float32)
+
+
+def test_trl_grpo_bench_times_the_loops_phases_beside_the_floor(tmp_path):
+    """bench/trl_grpo.py on sim: TRL's GRPOTrainer under the engine (the mixin) and alone, each in its
+    own process; every iteration's generation, scoring and step timed, the engine's row against the
+    floor's, DeepSpeed listed as skipped with the reason (no CUDA device, or no DeepSpeed)."""
+    pytest.importorskip("trl")
+    out = run_python("bench/trl_grpo.py", "--model", "tiny-llama", "--device", "sim", "--budget", "2GiB",
+                     "--systems", "gemini,plain,deepspeed", "--steps", "2", "--prompt", "8", "--completion", "4",
+                     "--out", str(tmp_path / "grpo"))
+    assert out.returncode == 0, out.stderr
+    rows = {r["system"]: r for r in json.loads((tmp_path / "grpo.json").read_text())}
+    for name in ("gemini", "plain"):
+        phases = rows[name]["phases"]["seconds"]
+        assert all(len(phases[p]) == 2 for p in ("generate", "score", "generate_and_score", "step")), phases
+        assert all(math.isfinite(x) for x in rows[name]["losses"]) and len(rows[name]["rewards"]) == 2
+    assert rows["gemini"]["engine"]["placement"] and re.search(r"not importable|CUDA", rows["deepspeed"]["skipped"])
+    assert re.search(r"\| gemini \| [\d.]+ \(\d+\) \| .* \| [\d.]+x \|", (tmp_path / "grpo.md").read_text())

@@ -80,6 +80,17 @@ def test_a_record_keeps_what_the_map_and_the_estimates_test_read():
     assert line == ("| `llama7b-rl-phases-40g` | 0 | 25.60 (80, 0.100) | 0.99 + 0.10 | 3.70 (14.8x) | 0.08 | 0.00 "
                     "| 1.09 |")
     assert records.row({"name": "gemini", "skipped": "needs a CUDA device"}, None)["outcome"] == "skipped"
+    # bench/trl_grpo.py's rows: per system every iteration's phases; the table's medians skip the first
+    clock = {"generate": [9.0, 4.0, 5.0], "score": [0.01] * 3, "generate_and_score": [10.0, 5.0, 6.0],
+             "step": [12.0, 7.0, 9.0]}
+    grpo = [{"name": "gemini", "phases": {"new_tokens_per_step": 2048, "seconds": clock}},
+            {"name": "plain", "phases": {"new_tokens_per_step": 2048, "seconds": {**clock, "step": [9, 4, 4]}}},
+            {"name": "deepspeed", "skipped": "deepspeed is not importable here"}]
+    rec = _record("llama7b-trl-grpo-40g", records.rows_of("trl_grpo", grpo))
+    lines = tables.benchmarks_grpo({"llama7b-trl-grpo-40g": rec}).splitlines()[2:5]
+    # the engine: generation 4.5 s (455 new tokens/s), step 8.0 s against the floor's 4.0 s
+    assert lines[0] == "| `llama7b-trl-grpo-40g` | gemini | 4.50 (455) | 0.010 | 5.50 | 8.00 | 2.00 |", lines
+    assert lines[2] == "| `llama7b-trl-grpo-40g` | deepspeed | deepspeed is not importable here | | | | |", lines
 
 
 def test_render_replaces_only_the_named_blocks_and_refuses_an_unknown_one():
