@@ -200,8 +200,10 @@ def test_a_resident_generation_runs_the_model_without_module_hooks_and_puts_them
                             if step == 0:
                                 assert torch.equal(out.cpu(), tokens)
                         model.train()
+                        before = engine.stats()["traffic"]["accesses"]
                         losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)  # hooks back
                         losses[-1].backward()
+                        assert engine.stats()["traffic"]["accesses"] > before
                 else:
                     losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)
                     losses[-1].backward()
