@@ -107,13 +107,15 @@ def lanes(m, chosen, parts: dict, cpu_rate: float) -> dict:
     """Each lane's predicted busy seconds in a step, as engine.stats()["lanes"] measures them
     (_engine/lanes.py), and the lane that bounds the step: the GPU's passes, each copy direction
     (the host sets' parameters up and gradients down, the displaced chunks' fetches), the CPU's and
-    the link lane's host steps, the device-held sets' steps."""
+    the link lane's host steps (where both step, each at its share of its rate while both run, as
+    optimizer_wait schedules them), the device-held sets' steps."""
     elements, on_host = device_state_elements(m, chosen)
     link_sets = set(chosen.link_sets)
     link = sum(n for i, (n, h) in enumerate(zip(elements, on_host)) if h and i in link_sets)
     host = sum(n for n, h in zip(elements, on_host) if h)
     up = host * m.compute_itemsize + displaced_param_bytes(m, chosen)
+    shares = RATE_SHARES_WHILE_BOTH_RUN if link else (1.0, 1.0)
     busy = {"gpu": parts["gpu"], "h2d": up / target.H2D_BYTES_PER_S,
-            "d2h": host * m.compute_itemsize / target.H2D_BYTES_PER_S, "cpu": (host - link) / cpu_rate,
-            "link": link / target.LINK_ELEMENTS_PER_S, "device_optimizer": parts["device_optimizer"]}
+            "d2h": host * m.compute_itemsize / target.H2D_BYTES_PER_S, "cpu": (host - link) / (cpu_rate * shares[0]),
+            "link": link / (target.LINK_ELEMENTS_PER_S * shares[1]), "device_optimizer": parts["device_optimizer"]}
     return {"busy_seconds": busy, "bound": max(busy, key=busy.get)}
