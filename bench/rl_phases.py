@@ -24,7 +24,7 @@ iteration measures and places); then each iteration:
              chunks copying back; the next train step's extra time over the iteration's is printed beside it
 
 After the iterations (and close()), `alone` generates the same shapes with the same model on the
-device without the engine (the second of two runs): the tokens/s the engine's generation is held
+device in bf16 without the engine (the second of two runs): the tokens/s the engine's generation is held
 to. --profile DIR writes torch.profiler's table of a short generation inside the last iteration's
 block (decode_profile.txt, by self time, and its chrome trace): what a token step spends its time on.
 
@@ -221,8 +221,8 @@ def profile_generation(model, prompts, dev, directory: str, new: int = 8) -> Non
 
 def generate_alone(model, args, dev, clock) -> dict:
     """The same model generating the same shapes without the engine (after close(): its own
-    parameters, moved to the device), the second of two runs."""
-    model.to(dev).eval()
+    parameters, moved to the device in the engine's compute dtype, bf16), the second of two runs."""
+    model.to(device=dev, dtype=torch.bfloat16).eval()
     prompts = prompts_of(model, args, 0, dev)
     with torch.no_grad():
         for _ in range(2):
