@@ -178,9 +178,11 @@ def test_a_resident_generation_runs_the_model_without_module_hooks_and_puts_them
     prompts = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(4))
     y = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(prompts)
-    alone = _llama(transformers).eval()
+    on = "cuda" if device == "cuda" else "cpu"  # the model alone where the engine computes: the same kernels
+    alone = _llama(transformers).eval().to(on)
     with torch.no_grad():
-        expected = [alone.generate(prompts, attention_mask=mask, max_new_tokens=n, do_sample=False) for n in (4, 12)]
+        expected = [alone.generate(prompts.to(on), attention_mask=mask.to(on), max_new_tokens=n,
+                                   do_sample=False).cpu() for n in (4, 12)]
 
     def run(generate: bool):
         model = _llama(transformers)
@@ -195,17 +197,21 @@ def test_a_resident_generation_runs_the_model_without_module_hooks_and_puts_them
                         for n, tokens in zip((4, 12), expected):
                             before = engine.stats()["traffic"]["accesses"]
                             with torch.no_grad():
-                                out = model.generate(prompts, attention_mask=mask, max_new_tokens=n, do_sample=False)
+                                out = model.generate(prompts.to(engine.compute_device),
+                                                     attention_mask=mask.to(engine.compute_device), max_new_tokens=n,
+                                                     do_sample=False)
                             accesses.append(engine.stats()["traffic"]["accesses"] - before)
                             if step == 0:
                                 assert torch.equal(out.cpu(), tokens)
                         model.train()
                         before = engine.stats()["traffic"]["accesses"]
-                        losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)  # hooks back
+                        on_device = y.to(engine.compute_device)
+                        losses.append(model(input_ids=on_device, labels=on_device).loss)  # hooks back
                         losses[-1].backward()
                         assert engine.stats()["traffic"]["accesses"] > before
                 else:
-                    losses.append(model(input_ids=y.to(engine.compute_device), labels=y).loss)
+                    on_device = y.to(engine.compute_device)
+                    losses.append(model(input_ids=on_device, labels=on_device).loss)
                     losses[-1].backward()
                 opt.step()
                 opt.zero_grad()
