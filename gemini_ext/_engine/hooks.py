@@ -121,11 +121,11 @@ class HookSet:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.set_module_hooks_off(False)
-        for _, *handles in self._modules.values():
+        for _, *handles in self._modules.values():  # a handle already removed (hooks off) removes nothing
             for h in handles:
                 h.remove()
         self._modules.clear()
+        self.module_hooks_off = False
         if self._loss_scale is not None:
             self._loss_scale.remove()
 
