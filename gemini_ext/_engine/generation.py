@@ -123,16 +123,20 @@ class GenerationBudget:
                    "optimizer_sets_moved": len(moved), "parameter_sets_streamed": len(streamed)}
         finally:
             self.active = None
-            if self._hooks.module_hooks_off:
-                self._let_go()
-            self._runtime.end_generation_trace()
-            for k in streamed:
-                self._runtime.set_param_home_on_host(k, False)
-            self._runtime.set_device_budget(before)
-            for k in moved:
-                self._runtime.set_optim_on_host(k, False)
-            if self._activations is not None:
-                self._activations.restore_torch_cap()
+            if self._runtime is not None:  # else the engine closed inside the block: nothing is left to restore
+                self._leave(moved, streamed, before)
+
+    def _leave(self, moved: list, streamed: list, before: int) -> None:
+        if self._hooks.module_hooks_off:
+            self._let_go()
+        self._runtime.end_generation_trace()
+        for k in streamed:
+            self._runtime.set_param_home_on_host(k, False)
+        self._runtime.set_device_budget(before)
+        for k in moved:
+            self._runtime.set_optim_on_host(k, False)
+        if self._activations is not None:
+            self._activations.restore_torch_cap()
 
     def _enter(self, kv_cache_bytes: int) -> tuple:
         if kv_cache_bytes < 0:

@@ -223,3 +223,26 @@ def test_a_resident_generation_runs_the_model_without_module_hooks_and_puts_them
     assert accesses[0] > 0 and accesses[1] == 0 and accesses[2:] == accesses[:2], accesses
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def test_closing_the_engine_inside_a_generation_leaves_a_plain_model():
+    """close() inside engine.generating(), with the module hooks off: the block ends without an error,
+    no hook of the engine is left on the model, and the model computes as a plain one with the values
+    training gave it."""
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(6))
+    engine = gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32")).__enter__()
+    opt = engine.optimizer(torch.optim.AdamW, lr=1e-2)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    trained = engine.state_dict()
+    with engine.generating(batch_size=2, max_length=20), torch.no_grad():
+        for _ in range(2):  # the second with the module hooks off
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False)
+        engine.close()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules() if m is not model)
+    plain = _llama(transformers)
+    plain.load_state_dict(trained)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
