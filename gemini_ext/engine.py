@@ -359,7 +359,7 @@ class GeminiEngine:
         parts = self.internal
         if parts.closed:
             return
-        parts.access.absorb_writes(refuse_rebinding=False)  # writes since the last step reach the masters first
+        parts.access.before_close()  # writes since the last step reach the masters first; not inside gathered()
         parts.runtime.stop_reclaiming()  # memory pressure no longer reaches this engine's chunks
         parts.runtime.synchronize()
         self._stats_at_close = self.stats()

@@ -72,6 +72,14 @@ class ParamAccess:
         self._gm.watch_params([])  # the manager lets go of the parameters
         self._gm = None  # and this object of the manager (the engine is closing)
 
+    def before_close(self) -> None:
+        """close()'s first act: refused inside engine.gathered(), whose parameters hold its copies
+        until it ends (it would then bind them to a closed engine's memory); else absorb_writes."""
+        if self._gathered_depth:
+            raise RuntimeError("engine.close(): inside an engine.gathered() block, whose parameters hold gathered "
+                               "copies until the block ends; leave the block first, then close().")
+        self.absorb_writes(refuse_rebinding=False)
+
     # --- writes ------------------------------------------------------------------------------
     def absorb_writes(self, refuse_rebinding: bool = True) -> None:
         # see [Note: what a user may do to a managed parameter between steps]

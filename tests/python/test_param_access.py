@@ -137,6 +137,21 @@ def test_edits_between_steps_train_on_exactly_as_on_a_plain_model(device, how):
     assert worst < 1e-5, worst
 
 
+def test_close_inside_gathered_is_refused_and_the_block_still_writes_back():
+    """engine.close() inside engine.gathered(writable=True) raises naming the fix (the parameters hold
+    the block's copies); the block's end writes the edit back and close() after it gives the model
+    the edited values."""
+    model, _ = make_models()
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32")) as engine:
+        with engine.gathered([model.ln_f.weight], writable=True):
+            with torch.no_grad():
+                model.ln_f.weight.fill_(0.25)
+            with pytest.raises(RuntimeError, match=r"engine.close\(\): inside an engine.gathered\(\) block.*leave"):
+                engine.close()
+        assert not engine.closed
+    assert torch.equal(model.ln_f.weight, torch.full_like(model.ln_f.weight, 0.25))
+
+
 class _WithBuffers(torch.nn.Module):
     """A float buffer used in forward (like rotary frequencies), one the model updates itself, and
     (cast_buffers=True) BatchNorm, whose statistics must share its weight's dtype."""
