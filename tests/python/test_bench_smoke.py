@@ -467,10 +467,11 @@ def test_trl_grpo_bench_times_the_loops_phases_beside_the_floor(tmp_path):
     own process; every iteration's generation, scoring and step timed, the engine's row against the
     floor's, DeepSpeed listed as skipped with the reason (no CUDA device, or no DeepSpeed)."""
     pytest.importorskip("trl")
-    out = run_python("bench/trl_grpo.py", "--model", "tiny-llama", "--device", "sim", "--budget", "2GiB",
-                     "--systems", "gemini,plain,deepspeed", "--steps", "2", "--prompt", "8", "--completion", "4",
-                     "--out", str(tmp_path / "grpo"))
-    assert out.returncode == 0, out.stderr
+    spec = importlib.util.spec_from_file_location("trl_grpo", os.path.join(REPO, "bench", "trl_grpo.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process; each system in a child of its own
+    bench.main(["--model", "tiny-llama", "--device", "sim", "--budget", "2GiB", "--systems", "gemini,plain,deepspeed",
+                "--steps", "2", "--prompt", "8", "--completion", "4", "--out", str(tmp_path / "grpo")])
     rows = {r["system"]: r for r in json.loads((tmp_path / "grpo.json").read_text())}
     for name in ("gemini", "plain"):
         phases = rows[name]["phases"]["seconds"]
