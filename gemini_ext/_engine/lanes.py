@@ -10,9 +10,11 @@ A step is timed from one optimizer step to the next (_engine/throughput.py). Wit
 - cpu: the host sets' optimizer steps on the optimizer thread (the CPU lane);
 - link: the link lane's steps, the device's kernel over pinned host state;
 - device_optimizer: the device-held sets' steps.
-The waits are the passes' (for chunks, for host steps). The bound is the busiest lane; each other
-lane idles the step's time less its own. The lanes overlap, so their sum may exceed the step.
-A lane the step did not use gets the reason (`unused`), from the placement's decision.
+Beside the seconds, what each lane moved: the copies' bytes each way and the optimizer lanes'
+elements (`bytes`, `elements`). The waits are the passes' (for chunks, for host steps). The
+bound is the busiest lane; each other lane idles the step's time less its own. The lanes overlap,
+so their sum may exceed the step. A lane the step did not use gets the reason (`unused`), from
+the placement's decision.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def summary(step: dict | None, last_step: dict | None, throughput: dict, decisio
     idle = {k: max(0.0, whole - v) for k, v in known.items() if k != bound}
     line = f"{bound} bounds the step: busy {known[bound]:.3f} s of {whole:.3f} s; " + ", ".join(
         f"{k} idles {v:.3f} s ({v / whole:.0%})" for k, v in idle.items() if whole > 0)
-    return {"busy_seconds": busy, "waits": waits, "step_seconds": step_seconds, "bound": bound, "idle_seconds": idle,
-            "unused": _unused(busy, last_step, decision), "line": line}
+    moved = {"bytes": {"h2d": step["h2d_bytes"], "d2h": step["d2h_bytes"]},
+             "elements": {"cpu": last_step["host_params"], "link": last_step["link_params"],
+                          "device_optimizer": last_step["device_params"]}}
+    return {"busy_seconds": busy, **moved, "waits": waits, "step_seconds": step_seconds, "bound": bound,
+            "idle_seconds": idle, "unused": _unused(busy, last_step, decision), "line": line}
 
 
 def _unused(busy: dict, last_step: dict, decision: dict) -> dict:

@@ -86,3 +86,6 @@ def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step(d
     assert 0 < lanes["busy_seconds"]["gpu"] < lanes["busy_seconds"]["cpu"]
     assert lanes["line"].startswith("cpu bounds the step") and "gpu idles" in lanes["line"], lanes["line"]
     assert {"device_optimizer", "link"} <= set(lanes["unused"]), lanes["unused"]  # static
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lanes["elements"] == {"cpu": trainable, "link": 0, "device_optimizer": 0}, lanes["elements"]
+    assert lanes["bytes"]["d2h"] > 0 and lanes["bytes"]["h2d"] > 0, lanes["bytes"]  # gradients down, parameters up
