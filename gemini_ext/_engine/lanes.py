@@ -11,7 +11,8 @@ A step is timed from one optimizer step to the next (_engine/throughput.py). Wit
 - link: the link lane's steps, the device's kernel over pinned host state;
 - device_optimizer: the device-held sets' steps.
 Beside the seconds, what each lane moved: the copies' bytes each way and the optimizer lanes'
-elements (`bytes`, `elements`). The waits are the passes' (for chunks, for host steps). The
+elements (`bytes`, `elements`). The waits are the passes' (for chunks, for host steps) and the
+last `optimizer.step()` call's wall time (`step_call`: what its caller waited). The
 bound is the busiest lane; each other lane idles the step's time less its own. The lanes overlap,
 so their sum may exceed the step. A lane the step did not use gets the reason (`unused`), from
 the placement's decision.
@@ -22,16 +23,18 @@ from __future__ import annotations
 LANES = ("gpu", "h2d", "d2h", "cpu", "link", "device_optimizer")
 
 
-def summary(step: dict | None, last_step: dict | None, throughput: dict, decision: dict) -> dict:
+def summary(step: dict | None, last_step: dict | None, throughput: dict, decision: dict, counters) -> dict:
     """`step`: the tracer's last iteration (its traffic, waits and passes); `last_step`: the
     optimizer's last step whose host steps all finished (Placer.last_settled_step); `throughput`:
-    its summary (the median step); `decision`: the placement's (the link's measured rate)."""
+    its summary (the median step); `decision`: the placement's (the link's measured rate);
+    `counters`: the engine's TrainingCounters (the last step() call's seconds)."""
     # see [Note: the lanes of a step]
     step_seconds, h2d_bytes_per_s = throughput["step_seconds"], decision.get("h2d_bytes_per_s")
     if not step or not last_step:
         return {"busy_seconds": None, "waits": None, "step_seconds": step_seconds, "bound": None, "idle_seconds": None,
                 "line": "no step yet"}
-    waits = {"chunks": step["wait_seconds"], "host_steps": step["optimizer_wait_seconds"]}
+    waits = {"chunks": step["wait_seconds"], "host_steps": step["optimizer_wait_seconds"],
+             "step_call": counters.step_call_seconds}
     passes = step["forward_seconds"] + step["backward_seconds"]
     rate = h2d_bytes_per_s or None
     busy = {"gpu": max(0.0, passes - waits["chunks"] - waits["host_steps"]),

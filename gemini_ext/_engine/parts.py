@@ -14,6 +14,7 @@ import dataclasses
 @dataclasses.dataclass
 class TrainingCounters:
     optimizer_steps: int = 0  # fp16 steps skipped for overflow: the loss scaler counts them
+    step_call_seconds: float = 0.0  # the last optimizer.step()'s wall time: what its caller waited
 
 
 class EngineParts:

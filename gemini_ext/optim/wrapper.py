@@ -41,6 +41,7 @@ usual; hyperparameters are read from the groups at every step. Gradients live in
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -199,6 +200,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        began = time.perf_counter()
         # [Note: the manager calls of a step] At most four: the parameters written outside the
         # hooks (absorb_writes), the iteration end (one report for the tracer, the placer and the
         # clipping check), the global norm when clipping or fp16 needs it, and the step itself
@@ -233,6 +235,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 "every parameter. Change learning rates and other hyperparameters after optimizer.step() (an LR "
                 "scheduler's step() there), or set optimizer_step_in_backward=False.")
         parts.counters.optimizer_steps += 1
+        parts.counters.step_call_seconds = time.perf_counter() - began
         if self._wrapped is not None:
             self._wrapped._opt_called = True  # what an LR scheduler built on the wrapped optimizer checks
         return loss

@@ -89,3 +89,4 @@ def test_the_stats_name_each_lanes_busy_time_and_the_lane_that_bounds_the_step(d
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lanes["elements"] == {"cpu": trainable, "link": 0, "device_optimizer": 0}, lanes["elements"]
     assert lanes["bytes"]["d2h"] > 0 and lanes["bytes"]["h2d"] > 0, lanes["bytes"]  # gradients down, parameters up
+    assert 0 < lanes["waits"]["step_call"] < lanes["step_seconds"], lanes["waits"]  # step() returns before the host
