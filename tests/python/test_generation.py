@@ -246,3 +246,37 @@ def test_closing_the_engine_inside_a_generation_leaves_a_plain_model():
     plain.load_state_dict(trained)
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+
+
+def test_a_root_that_owns_parameters_keeps_its_hooks_while_the_modules_below_go_without():
+    """A model whose root module owns a parameter (sharing a chunk with a child's): inside
+    engine.generating() with every chunk held, the forwards after the first compute what the same
+    model trained alone computes, and training after the block goes on."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((32,), 1.5))
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x * self.scale)))
+
+    torch.manual_seed(0)
+    model = Scaled()
+    alone = Scaled()
+    alone.load_state_dict(model.state_dict())
+    x = torch.randn(4, 32)
+    with gx.enable(model, gx.GeminiConfig(device="sim", precision="fp32", chunk_config_dict={"chunk_size": 1100})) as e:
+        opt, opt_alone = e.optimizer(torch.optim.SGD, lr=0.1), torch.optim.SGD(alone.parameters(), lr=0.1)
+        for m, o in ((model, opt), (alone, opt_alone)):
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+        with e.generating(kv_cache_bytes=0), torch.no_grad():
+            outs = [model(x) for _ in range(3)]
+            assert e.internal.hooks.module_hooks_off
+        with torch.no_grad():
+            assert all(torch.equal(out, alone(x)) for out in outs)
+        model(x).sum().backward()
+        opt.step()
+    assert not torch.equal(model.scale, alone.scale)  # the step after the block reached the root's parameter
