@@ -219,9 +219,8 @@ def table(rows: list[dict], args) -> str:
         m = {p: median_after_first(r["phases"]["seconds"].get(p, [])) for p in PHASES}
         gen = f"{m['generate']:.2f} ({tokens / m['generate']:.0f})" if m["generate"] else "-"
         fmt = {p: f"{m[p]:.2f}" if m[p] is not None else "-" for p in PHASES}
-        lines.append(f"| {r['system']} | {gen} | {fmt['score']} | {fmt['generate_and_score']} | {fmt['step']} | "
-                     f"{m['step'] / floor:.2f}x |" if floor else
-                     f"| {r['system']} | {gen} | {fmt['score']} | {fmt['generate_and_score']} | {fmt['step']} | - |")
+        x = f"{m['step'] / floor:.2f}x" if floor else "-"
+        lines.append(f"| {r['system']} | {gen} | {fmt['score']} | {fmt['generate_and_score']} | {fmt['step']} | {x} |")
     return "\n".join(lines)
 
 

@@ -348,8 +348,8 @@ class GeminiEngine:
         }
         if parts.optimizer is not None:
             out["last_step"] = parts.optimizer.last_step_stats()
-            out["lanes"] = lanes.summary((parts.tracer.steps or [None])[-1], parts.placer.last_settled_step(),
-                                         out["throughput"], out["placement"]["decision"], parts.counters)
+            out["lanes"] = lanes.summary(parts.tracer.steps, parts.placer.last_settled_step(), out["throughput"],
+                                         out["placement"]["decision"], parts.counters.step_call_seconds)
             out["speculation"] = parts.optimizer.speculation_summary()  # the host steps started in backward
         return out
 

@@ -23,18 +23,19 @@ from __future__ import annotations
 LANES = ("gpu", "h2d", "d2h", "cpu", "link", "device_optimizer")
 
 
-def summary(step: dict | None, last_step: dict | None, throughput: dict, decision: dict, counters) -> dict:
-    """`step`: the tracer's last iteration (its traffic, waits and passes); `last_step`: the
+def summary(steps: list, last_step: dict | None, throughput: dict, decision: dict, step_call_seconds: float) -> dict:
+    """`steps`: the tracer's iterations, the last one's traffic, waits and passes; `last_step`: the
     optimizer's last step whose host steps all finished (Placer.last_settled_step); `throughput`:
     its summary (the median step); `decision`: the placement's (the link's measured rate);
-    `counters`: the engine's TrainingCounters (the last step() call's seconds)."""
+    `step_call_seconds`: the last optimizer.step() call's wall time."""
     # see [Note: the lanes of a step]
     step_seconds, h2d_bytes_per_s = throughput["step_seconds"], decision.get("h2d_bytes_per_s")
+    step = steps[-1] if steps else None
     if not step or not last_step:
         return {"busy_seconds": None, "waits": None, "step_seconds": step_seconds, "bound": None, "idle_seconds": None,
                 "line": "no step yet"}
     waits = {"chunks": step["wait_seconds"], "host_steps": step["optimizer_wait_seconds"],
-             "step_call": counters.step_call_seconds}
+             "step_call": step_call_seconds}
     passes = step["forward_seconds"] + step["backward_seconds"]
     rate = h2d_bytes_per_s or None
     busy = {"gpu": max(0.0, passes - waits["chunks"] - waits["host_steps"]),
